@@ -1,0 +1,1 @@
+"""Pieces of the SDK shared by its modules (errors)."""
