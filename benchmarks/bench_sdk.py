@@ -1,0 +1,252 @@
+"""End-to-end SDK benchmarks against a real emsd, as ratios to references run alongside.
+
+    python benchmarks/bench_sdk.py [--json] [--rounds N]
+
+1. save+load throughput: 64 blocks of 2 MiB (32 layers x K/V x 16 tokens x 8
+   heads x 128 x fp16) through the SDK, against (a) the same bytes gathered
+   and scattered in-process with one vectorised torch copy per tensor
+   (index_select into a buffer, index_copy_ back) and (b) memmove of the same
+   bytes. Goal: >= 0.8x of (a).
+2. exists of 256 hashes: p50 latency against a raw Unix-socket echo of 100
+   bytes. Goal: <= 10x the echo.
+3. daemon memory per index entry: RSS growth of the daemon process while
+   1,048,576 tiny blocks are committed, divided by the entries.
+
+Every figure comes from this run on this machine; the machine is shared, so
+compare the ratios, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS, BLOCK_TOKENS, HEADS, DIM = 32, 16, 8, 128
+NUM_BLOCKS, BATCH = 160, 64
+BLOCK_BYTES = LAYERS * 2 * BLOCK_TOKENS * HEADS * DIM * 2  # 2 MiB
+
+
+def start_daemon(workdir: Path, pool: str, page: str) -> tuple[subprocess.Popen[bytes], Path]:
+    sock_dir = workdir / "sock"
+    cfg = workdir / "emsd.toml"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg.write_text(f'[node]\nid = "bench"\nsocket_dir = "{sock_dir}"\n'
+                   f'[pool]\nsize = "{pool}"\nhugepages = "auto"\npage_size = "{page}"\n'
+                   f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(cfg)], cwd=ROOT)
+    import urllib.request
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return proc, sock_dir
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("emsd did not become ready")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
+def connect(sock_dir: Path):  # noqa: ANN201 - returns the SDK's ContextCaching
+    from ems import CcConfig, Ems, EmsConfig
+
+    os.environ["EMS_SOCKET_DIR"] = str(sock_dir)
+    Ems._reset()
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="bench")))
+    return Ems.get_cc()
+
+
+def bench_throughput(rounds: int) -> dict[str, float]:
+    kv = [[torch.randn(NUM_BLOCKS, BLOCK_TOKENS, HEADS, DIM).to(torch.float16) for _ in range(2)]
+          for _ in range(LAYERS)]
+    block_ids = torch.arange(1, 2 * BATCH, 2)  # every other block: scattered slots
+    slots = (block_ids[:, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS)).reshape(-1)
+    nbytes = BATCH * BLOCK_BYTES
+
+    def reference() -> float:
+        bufs = [torch.empty(BATCH * BLOCK_TOKENS, HEADS, DIM, dtype=torch.float16)
+                for _ in range(2 * LAYERS)]
+        flat = [t.view(-1, HEADS, DIM) for layer in kv for t in layer]
+        t0 = time.perf_counter()
+        for src, buf in zip(flat, bufs, strict=True):
+            torch.index_select(src, 0, slots, out=buf)
+        for dst, buf in zip(flat, bufs, strict=True):
+            dst.index_copy_(0, slots, buf)
+        return time.perf_counter() - t0
+
+    def memmove() -> float:
+        a = np.empty(nbytes, dtype=np.uint8)
+        b = np.ones(nbytes, dtype=np.uint8)
+        t0 = time.perf_counter()
+        ctypes.memmove(a.ctypes.data, b.ctypes.data, nbytes)
+        ctypes.memmove(b.ctypes.data, a.ctypes.data, nbytes)
+        return time.perf_counter() - t0
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, sock_dir = start_daemon(Path(tmp), "1GiB", "64MiB")
+        try:
+            cc = connect(sock_dir)
+            cc.register_kvcache(kv)
+            slot_list = slots.tolist()
+
+            def sdk(r: int) -> float:
+                hashes = [r * 1_000_003 + i for i in range(BATCH)]
+                t0 = time.perf_counter()
+                s = cc.save(slot_list, hashes=hashes, offsets=[BLOCK_TOKENS] * BATCH)
+                l_ = cc.load(slot_list, hashes=hashes, offsets=[BLOCK_TOKENS] * BATCH)
+                dt = time.perf_counter() - t0
+                assert s.success == BATCH and l_.success == BATCH, (s, l_)
+                return dt
+
+            sdk(-1), reference(), memmove()  # warm up
+            t_sdk, t_ref, t_mm = [], [], []
+            for r in range(rounds):
+                t_ref.append(reference())
+                t_sdk.append(sdk(r))
+                t_mm.append(memmove())
+        finally:
+            from ems import Ems
+
+            Ems._reset()
+            stop(proc)
+    gbps = lambda ts: 2 * nbytes / statistics.median(ts) / 1e9  # noqa: E731
+    return {"sdk_gbps": gbps(t_sdk), "reference_gbps": gbps(t_ref), "memmove_gbps": gbps(t_mm),
+            "ratio_vs_reference": gbps(t_sdk) / gbps(t_ref), "ratio_vs_memmove": gbps(t_sdk) / gbps(t_mm)}
+
+
+def echo_p50_process(n: int) -> float:
+    """Raw echo with the server in another process (no shared GIL)."""
+    code = (
+        "import socket,sys\n"
+        "s=socket.socket(socket.AF_UNIX);s.bind(sys.argv[1]);s.listen(1);print('up',flush=True)\n"
+        "c,_=s.accept()\n"
+        "while (d:=c.recv(4096)): c.sendall(d)\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "echo.sock")
+        proc = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(path)
+        msg = b"x" * 100
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            c.sendall(msg)
+            got = 0
+            while got < 100:
+                got += len(c.recv(4096))
+            times.append(time.perf_counter() - t0)
+        c.close()
+        proc.wait(5)
+        return statistics.median(times)
+
+
+def bench_exists(n: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, sock_dir = start_daemon(Path(tmp), "64MiB", "8MiB")
+        try:
+            cc = connect(sock_dir)
+            hashes = [hash((i, "prefix")) for i in range(256)]
+            for _ in range(200):
+                cc.exists(hashes)
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                cc.exists(hashes)
+                times.append(time.perf_counter() - t0)
+        finally:
+            from ems import Ems
+
+            Ems._reset()
+            stop(proc)
+    echo = echo_p50_process(n)
+    p50 = statistics.median(times)
+    return {"exists256_p50_us": p50 * 1e6, "echo100_p50_us": echo * 1e6, "ratio_vs_echo": p50 / echo}
+
+
+def bench_index_memory(entries: int) -> dict[str, float]:
+    """RSS growth of the daemon while ``entries`` 64-byte blocks are committed."""
+    from emsd.pool.keys import KeyBatch
+    from emsd.transport.frames import Op
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pool = max(64 << 20, entries * 64 * 2)
+        proc, sock_dir = start_daemon(Path(tmp), f"{pool >> 20}MiB", "8MiB")
+        try:
+            from ems.client import DaemonClient
+
+            client = DaemonClient(sock_dir / "emsd.sock")
+            client.connect({})
+            ns = client.call(Op.NAMESPACE, {"name": "mem"}, timeout=10)[0]["ns"]
+            daemon = psutil.Process(proc.pid)
+            before = daemon.memory_info().rss
+            batch = 65536
+            for start in range(0, entries, batch):
+                n = min(batch, entries - start)
+                kt, raw = KeyBatch.from_ints(np.arange(start, start + n, dtype=np.uint64)).to_wire()
+                sizes = np.full(n, 64, dtype="<u8").tobytes()
+                _, payload = client.call(Op.RESERVE, {"ns": ns, "n": n, "kt": kt}, [raw, sizes],
+                                         timeout=60)
+                status = np.frombuffer(payload, np.uint8, n, 12 * n)
+                assert (status == 0).all(), "pool too small for the index benchmark"
+                handles = payload[8 * n : 12 * n]
+                client.call(Op.COMMIT, {"c": n, "a": 0}, [handles], timeout=60)
+            stats = client.call(Op.STATS, {}, timeout=10)[0]
+            after = daemon.memory_info().rss
+            client.close()
+        finally:
+            stop(proc)
+    assert stats["entries"] == entries
+    return {"entries": entries, "rss_bytes_per_entry": (after - before) / entries}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--exists-n", type=int, default=3000)
+    ap.add_argument("--entries", type=int, default=1 << 20)
+    args = ap.parse_args()
+    results = {"throughput": bench_throughput(args.rounds), "exists": bench_exists(args.exists_n),
+               "index_memory": bench_index_memory(args.entries)}
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    t, e, m = results["throughput"], results["exists"], results["index_memory"]
+    print(f"save+load 64 x 2 MiB via SDK : {t['sdk_gbps']:.2f} GB/s")
+    print(f"  torch gather/scatter ref    : {t['reference_gbps']:.2f} GB/s"
+          f"  -> ratio {t['ratio_vs_reference']:.2f} (goal >= 0.8)")
+    print(f"  memmove of the same bytes   : {t['memmove_gbps']:.2f} GB/s"
+          f"  -> ratio {t['ratio_vs_memmove']:.2f}")
+    print(f"exists(256) p50              : {e['exists256_p50_us']:.1f} us")
+    print(f"  Unix echo 100 B p50         : {e['echo100_p50_us']:.1f} us"
+          f"  -> ratio {e['ratio_vs_echo']:.1f} (goal <= 10)")
+    print(f"daemon RSS per index entry    : {m['rss_bytes_per_entry']:.1f} B at {m['entries']} entries")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""The SDK's connection to its local emsd: one Unix socket, many calls in flight.
+
+``DaemonClient.connect`` opens the socket, sends HELLO and receives the
+pool's file descriptor with the answer (SCM_RIGHTS), then maps the pool
+read/write: from then on the SDK moves block bytes itself, and the socket
+carries only control frames.
+
+Calls from any number of threads share the connection. Each request gets an
+id and a slot; whichever waiting thread holds the read lock reads responses
+and hands each to its slot (a leader/follower scheme), so a lone caller reads
+its own answer on its own thread, with no thread hand-off on the fast path.
+
+Every call has a deadline. A call that times out raises ``EMS_IO_TIMEOUT``;
+if its answer arrives later, the call's ``late`` callback undoes what the
+daemon did for it (aborts reservations, drops pins), so a timeout leaks
+nothing. A broken connection fails every waiting call with ``EMS_IO_ERROR``
+at once, and every later call too, until the SDK reconnects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ems.common.exception import EmsErrorCode, EmsException
+from emsd.transport.frames import (
+    PROTOCOL_VERSION,
+    SOCKET_NAME,
+    FrameDecoder,
+    FrameError,
+    Op,
+    Status,
+    encode_parts,
+)
+
+DEFAULT_SOCKET_DIR = "/dev/shm/ems"
+SOCKET_DIR_ENV = "EMS_SOCKET_DIR"
+CONNECT_TIMEOUT = 2.0
+
+Late = Callable[[dict[str, Any], bytes], None]
+
+
+def socket_path() -> Path:
+    """The daemon's socket: ``$EMS_SOCKET_DIR/emsd.sock`` (default /dev/shm/ems)."""
+    return Path(os.environ.get(SOCKET_DIR_ENV) or DEFAULT_SOCKET_DIR) / SOCKET_NAME
+
+
+def _error(status: int, message: str) -> EmsException:
+    try:
+        code = EmsErrorCode(status)
+    except ValueError:
+        code = EmsErrorCode.EMS_INTERNAL_ERROR
+    return EmsException(code, message)
+
+
+class _Slot:
+    __slots__ = ("done", "header", "payload", "error", "late")
+
+    def __init__(self, late: Late | None) -> None:
+        self.done = False
+        self.header: dict[str, Any] = {}
+        self.payload = b""
+        self.error: EmsException | None = None
+        self.late = late
+
+
+class DaemonClient:
+    """A connection to the local emsd plus the mapped pool."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or socket_path()
+        self.sock: socket.socket | None = None
+        self.pool: mmap.mmap | None = None
+        self.pool_array: np.ndarray | None = None
+        self.pool_addr = 0
+        self.info: dict[str, Any] = {}
+        self.broken = True
+        self._ids = itertools.count(1)
+        self._send_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._slots: dict[int, _Slot] = {}
+        self._decoder = FrameDecoder()
+
+    # -- connection -------------------------------------------------------------
+
+    def connect(self, hello: dict[str, Any], timeout: float = CONNECT_TIMEOUT) -> None:
+        """Connect, authenticate and map the pool; raises ``EmsException``."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(self.path))
+            header = {"v": PROTOCOL_VERSION, "id": 0, "op": int(Op.HELLO), "pid": os.getpid(), **hello}
+            sock.sendall(b"".join(encode_parts(header)))
+            answer, fd = _recv_hello(sock)
+        except (OSError, FrameError) as exc:
+            sock.close()
+            raise EmsException(EmsErrorCode.EMS_IO_ERROR,
+                               f"cannot reach emsd at {self.path}: {exc}") from None
+        if answer.get("st") != Status.OK or fd is None:
+            sock.close()
+            if fd is not None:
+                os.close(fd)
+            raise _error(answer.get("st", Status.INTERNAL), str(answer.get("msg", "HELLO refused")))
+        try:
+            size = int(answer["pool_size"])
+            self.pool = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, KeyError, ValueError) as exc:
+            sock.close()
+            raise EmsException(EmsErrorCode.EMS_IO_ERROR, f"cannot map the pool: {exc}") from None
+        finally:
+            os.close(fd)
+        self.pool_array = np.frombuffer(self.pool, dtype=np.uint8)
+        self.pool_addr = int(self.pool_array.ctypes.data)
+        self.info = answer
+        self.sock = sock
+        self.broken = False
+
+    def close(self) -> None:
+        """Close the socket and unmap the pool. Call only with no copy in progress."""
+        self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, "client closed"))
+        self.pool_array = None
+        if self.pool is not None:
+            try:
+                self.pool.close()
+            except BufferError:  # a view is still alive somewhere; the GC unmaps it later
+                pass
+            self.pool = None
+
+    # -- calls --------------------------------------------------------------------
+
+    def call(self, op: Op, fields: dict[str, Any], payload: Sequence[bytes] = (),
+             timeout: float | None = None, late: Late | None = None) -> tuple[dict[str, Any], bytes]:
+        """Send one request and wait for its answer; raises ``EmsException``.
+
+        ``timeout`` in seconds (None: wait forever). A non-OK status raises the
+        matching ``EmsErrorCode``. ``late`` runs if the answer arrives after the
+        call gave up.
+        """
+        rid = next(self._ids)
+        slot = _Slot(late)
+        with self._cond:
+            self._slots[rid] = slot
+        self._send(rid, op, fields, payload)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wait(slot, rid, deadline)
+        if slot.error is not None:
+            raise slot.error
+        st = slot.header.get("st", Status.INTERNAL)
+        if st != Status.OK:
+            raise _error(st, str(slot.header.get("msg", "request failed")))
+        return slot.header, slot.payload
+
+    def send_noreply(self, op: Op, fields: dict[str, Any], payload: Sequence[bytes] = ()) -> None:
+        """Fire-and-forget request (the daemon answers only if it fails)."""
+        self._send(0, op, {**fields, "nr": True}, payload)
+
+    def _send(self, rid: int, op: Op, fields: dict[str, Any], payload: Sequence[bytes]) -> None:
+        if self.broken or self.sock is None:
+            with self._cond:
+                self._slots.pop(rid, None)
+            raise EmsException(EmsErrorCode.EMS_IO_ERROR, "not connected to emsd")
+        data = b"".join(encode_parts({"v": PROTOCOL_VERSION, "id": rid, "op": int(op), **fields},
+                                     *payload))
+        try:
+            with self._send_lock:
+                self.sock.sendall(data)
+        except OSError as exc:
+            self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, f"emsd connection lost: {exc}"))
+            raise EmsException(EmsErrorCode.EMS_IO_ERROR, f"emsd connection lost: {exc}") from None
+
+    def _wait(self, slot: _Slot, rid: int, deadline: float | None) -> None:
+        while not slot.done:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                self._give_up(slot, rid)
+                return
+            if self._read_lock.acquire(blocking=False):
+                try:
+                    self._pump(slot, deadline)
+                finally:
+                    self._read_lock.release()
+                    with self._cond:
+                        self._cond.notify_all()
+                continue
+            with self._cond:
+                if not slot.done and self._read_lock.locked():
+                    self._cond.wait(timeout=remaining)
+
+    def _give_up(self, slot: _Slot, rid: int) -> None:
+        with self._cond:
+            if slot.done:
+                return
+            slot.done = True
+            slot.error = EmsException(EmsErrorCode.EMS_IO_TIMEOUT, "emsd did not answer in time")
+            if slot.late is None:
+                self._slots.pop(rid, None)
+
+    def _pump(self, mine: _Slot, deadline: float | None) -> None:
+        """Read and dispatch answers until ``mine`` is done or the deadline passes."""
+        sock = self.sock
+        while not mine.done and sock is not None and not self.broken:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return
+            try:
+                sock.settimeout(remaining)
+                data = sock.recv(1 << 20)
+            except TimeoutError:
+                return
+            except OSError as exc:
+                self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, f"emsd connection lost: {exc}"))
+                return
+            if not data:
+                self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, "emsd closed the connection"))
+                return
+            try:
+                frames = self._decoder.feed(data)
+            except FrameError as exc:
+                self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, f"bad answer from emsd: {exc}"))
+                return
+            for frame in frames:
+                self._dispatch(frame.header, frame.payload)
+
+    def _dispatch(self, header: dict[str, Any], payload: bytes) -> None:
+        rid = header.get("id", 0)
+        with self._cond:
+            slot = self._slots.pop(rid, None)
+            if slot is None:
+                return  # an error answer to a no-reply request, or an abandoned call
+            late = slot.late if slot.done else None
+            if not slot.done:
+                slot.header, slot.payload, slot.done = header, payload, True
+            self._cond.notify_all()
+        if late is not None and header.get("st") == Status.OK:
+            try:
+                late(header, payload)
+            except EmsException:
+                pass
+
+    def _fail_all(self, error: EmsException) -> None:
+        with self._cond:
+            self.broken = True
+            for slot in self._slots.values():
+                if not slot.done:
+                    slot.done, slot.error = True, error
+            self._slots.clear()
+            self._cond.notify_all()
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+def _recv_hello(sock: socket.socket) -> tuple[dict[str, Any], int | None]:
+    """Read the HELLO answer and the descriptor sent with it."""
+    decoder = FrameDecoder()
+    fd: int | None = None
+    while True:
+        data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 1)
+        if fds:
+            if fd is not None:
+                os.close(fd)
+            fd = fds[0]
+            for extra in fds[1:]:
+                os.close(extra)
+        if not data:
+            raise ConnectionError("emsd closed the connection during HELLO")
+        frames = decoder.feed(data)
+        if frames:
+            return frames[0].header, fd

@@ -1,0 +1,309 @@
+"""``ContextCaching``: save, load and look up KV blocks through the local emsd.
+
+A save is three steps: RESERVE places for the blocks (one round trip for the
+whole batch), copy the tensors' slots into those places in the mapped pool
+(one batched gather in this process, see ``ems.layout``), COMMIT (one round
+trip). Blocks the daemon already has come back as PRESENT and are not copied
+again. A load is PIN (one round trip), one batched scatter into the tensors,
+and a RELEASE sent without waiting for its answer.
+
+Results follow the EMS contract: ``CcResult.total`` is the number of keys,
+``success`` the number of keys that succeeded consecutively from the first.
+A miss, a full pool or a block stored with a different size are shown in
+``success``, never raised. Blocks after the first failure of a save are not
+written at all: a load can only use a consecutive run, so they would only
+take space.
+
+Decisions the spec leaves open:
+- Blocks are content-addressed: saving a key that is already stored (or
+  being stored by another client) is a success without a copy.
+- The namespace is (tenant, model, engine, KV-cache type, TP/PP shape and
+  ranks); it does not include the registered tensors' shapes, so that a
+  scheduler process can call ``exists`` without registering. A load whose
+  stored block has a different byte size than the registered layout expects
+  is a miss from that key on; an engine that changes dtype must change
+  ``model_id`` (the vLLM connector does).
+- ``timeout`` bounds each round trip with the remaining time of the call; a
+  call that runs out raises ``EMS_IO_TIMEOUT`` and leaves nothing reserved or
+  pinned behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ems.cc_v1.cc_config import CcConfig_v1
+from ems.client import DaemonClient
+from ems.common.exception import EmsErrorCode, EmsException, invalid
+from ems.config import CcKvOption, resolve_option
+from ems.layout import KvLayout
+from ems.namespace import namespace_name
+from ems.profiling import Profiler
+from ems.requests import BatchRequest, exists_keys, hash_request, token_request
+from ems.result import CcFuture, CcResult
+from emsd.transport.frames import Op
+
+_NEW, _PRESENT, _FAILED = 0, 1, 2
+ASYNC_WORKERS = 4
+
+
+class ContextCaching:
+    """The object ``Ems.get_cc()`` returns. Thread-safe; async calls pipeline."""
+
+    def __init__(self, client: Callable[[], DaemonClient], cc_config: CcConfig_v1,
+                 access_id: str | None, profiler: Profiler) -> None:
+        self._client = client
+        self._namespace = namespace_name(access_id, cc_config, "")
+        self._ns_for: tuple[int, int] | None = None  # (id(client), ns id)
+        self._layout: KvLayout | None = None
+        self._profiler = profiler
+        self._executor = ThreadPoolExecutor(max_workers=ASYNC_WORKERS, thread_name_prefix="ems-cc")
+        self._lock = threading.Lock()
+
+    # -- registration ------------------------------------------------------------
+
+    def register_kvcache(self, kvcache: Any) -> None:
+        """Record the KV tensors' layout and addresses; no data moves."""
+        self._layout = KvLayout.from_kvcache(kvcache)
+
+    @property
+    def layout(self) -> KvLayout:
+        if self._layout is None:
+            raise invalid("register_kvcache() must be called before save/load")
+        return self._layout
+
+    # -- calls --------------------------------------------------------------------
+
+    def save(self, slot_mapping: Any, hashes: Any = None, offsets: Any = None,
+             option: CcKvOption | None = None, **kwargs: Any) -> CcResult:
+        """Save the slots' KV data under the keys; see the module docstring."""
+        start = time.perf_counter_ns()
+        opt = resolve_option(option)
+        req = self._request(slot_mapping, hashes, offsets, kwargs, for_save=True)
+        result = self._save(req, opt)
+        self._profiler.record("save", start, result)
+        return result
+
+    def load(self, slot_mapping: Any, hashes: Any = None, offsets: Any = None,
+             option: CcKvOption | None = None, **kwargs: Any) -> CcResult:
+        """Copy stored KV data back into the slots; ``success`` = leading hits."""
+        start = time.perf_counter_ns()
+        opt = resolve_option(option)
+        req = self._request(slot_mapping, hashes, offsets, kwargs, for_save=False)
+        result = self._load(req, opt)
+        self._profiler.record("load", start, result)
+        return result
+
+    def async_save(self, slot_mapping: Any, hashes: Any = None, offsets: Any = None,
+                   option: CcKvOption | None = None, **kwargs: Any) -> CcFuture:
+        """``save`` in the background; arguments are checked before returning."""
+        opt = resolve_option(option)
+        req = self._request(slot_mapping, hashes, offsets, kwargs, for_save=True)
+        return CcFuture(self._executor.submit(self._timed, "async_save", self._save, req, opt))
+
+    def async_load(self, slot_mapping: Any, hashes: Any = None, offsets: Any = None,
+                   option: CcKvOption | None = None, **kwargs: Any) -> CcFuture:
+        """``load`` in the background; arguments are checked before returning."""
+        opt = resolve_option(option)
+        req = self._request(slot_mapping, hashes, offsets, kwargs, for_save=False)
+        return CcFuture(self._executor.submit(self._timed, "async_load", self._load, req, opt))
+
+    def is_ready(self, future: CcFuture) -> bool:
+        """True once ``future`` has finished (successfully or not); never blocks."""
+        _check_future(future)
+        return future.done()
+
+    def get_result(self, future: CcFuture) -> CcResult:
+        """Wait for ``future``; raises its ``EmsException`` if it failed as a whole."""
+        _check_future(future)
+        return future.result()
+
+    def exists(self, hashes: Any, option: CcKvOption | None = None) -> CcResult:
+        """How many leading ``hashes`` are stored; no pin, no LRU refresh."""
+        start = time.perf_counter_ns()
+        opt = resolve_option(option)
+        keys = exists_keys(hashes)
+        if len(keys) == 0:
+            return CcResult(0, 0)
+        client = self._connected()
+        ns = self._ns(client, _deadline(opt))
+        kt, raw = keys.to_wire()
+        header, _ = client.call(Op.EXISTS, {"ns": ns, "n": len(keys), "kt": kt}, [raw],
+                                timeout=_remaining(_deadline(opt)))
+        result = CcResult(int(header["count"]), len(keys))
+        self._profiler.record("exists", start, result)
+        return result
+
+    # -- the work ------------------------------------------------------------------
+
+    def _timed(self, op: str, fn: Callable[[BatchRequest, CcKvOption], CcResult],
+               req: BatchRequest, opt: CcKvOption) -> CcResult:
+        start = time.perf_counter_ns()
+        result = fn(req, opt)
+        self._profiler.record(op, start, result)
+        return result
+
+    def _request(self, slot_mapping: Any, hashes: Any, offsets: Any, kwargs: dict[str, Any],
+                 for_save: bool) -> BatchRequest:
+        layout = self.layout
+        unknown = set(kwargs) - {"token_ids", "mask"}
+        if unknown:
+            raise invalid(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+        if "token_ids" in kwargs:
+            if hashes is not None or offsets is not None:
+                raise invalid("give either hashes/offsets or token_ids/mask, not both")
+            if "mask" not in kwargs:
+                raise invalid("token semantics need both token_ids= and mask=")
+            req = token_request(slot_mapping, kwargs["token_ids"], kwargs["mask"],
+                                layout.block_size, for_save)
+        else:
+            if "mask" in kwargs:
+                raise invalid("mask= is only valid together with token_ids=")
+            if hashes is None or offsets is None:
+                raise invalid("hash semantics need hashes and offsets")
+            req = hash_request(slot_mapping, hashes, offsets)
+        layout.check_slots(req.slots)
+        return req
+
+    def _save(self, req: BatchRequest, opt: CcKvOption) -> CcResult:
+        n = len(req.keys)
+        if n == 0:
+            return CcResult(0, req.total)
+        layout, client, deadline = self.layout, self._connected(), _deadline(opt)
+        ns = self._ns(client, deadline)
+        sizes = layout.block_bytes(req.counts).astype("<u8")
+        kt, raw = req.keys.to_wire()
+        _, payload = client.call(Op.RESERVE, {"ns": ns, "n": n, "kt": kt}, [raw, sizes.tobytes()],
+                                 timeout=_remaining(deadline), late=_abort_late(client, n))
+        offsets, handles, status = _split_reservation(payload, n)
+        failed = np.flatnonzero(status == _FAILED)
+        good = int(failed[0]) if failed.size else n
+        new = np.flatnonzero(status[:good] == _NEW)
+        if new.size:
+            try:
+                slots, counts = _select(req, new)
+                layout.save(client.pool_addr, slots, counts, offsets[new])
+            except BaseException:
+                client.send_noreply(Op.COMMIT, {"c": 0, "a": int(new.size)},
+                                    [handles[new].astype("<u4").tobytes()])
+                raise
+            client.call(Op.COMMIT, {"c": int(new.size), "a": 0}, [handles[new].astype("<u4").tobytes()],
+                        timeout=_remaining(deadline))
+        return CcResult(good, req.total)
+
+    def _load(self, req: BatchRequest, opt: CcKvOption) -> CcResult:
+        n = len(req.keys)
+        if n == 0:
+            return CcResult(0, req.total)
+        layout, client, deadline = self.layout, self._connected(), _deadline(opt)
+        ns = self._ns(client, deadline)
+        kt, raw = req.keys.to_wire()
+        header, payload = client.call(Op.PIN, {"ns": ns, "n": n, "kt": kt}, [raw],
+                                      timeout=_remaining(deadline), late=_release_late(client))
+        count = int(header["count"])
+        offsets = np.frombuffer(payload, dtype="<u8", count=count)
+        lengths = np.frombuffer(payload, dtype="<u8", count=count, offset=8 * count)
+        handles = payload[16 * count : 20 * count]
+        try:
+            expected = layout.block_bytes(req.counts[:count]).astype(np.uint64)
+            wrong = np.flatnonzero(lengths != expected)
+            hits = int(wrong[0]) if wrong.size else count
+            if hits:
+                idx = np.arange(hits)
+                slots, counts = _select(req, idx)
+                skip = None if req.skip is None else req.skip[:hits]
+                layout.load(client.pool_addr, slots, counts, offsets[:hits], skip)
+        finally:
+            if count:
+                client.send_noreply(Op.RELEASE, {}, [handles])
+        return CcResult(hits, req.total)
+
+    # -- connection helpers ----------------------------------------------------------
+
+    def _connected(self) -> DaemonClient:
+        client = self._client()
+        if client.broken:
+            raise EmsException(EmsErrorCode.EMS_IO_ERROR, "not connected to emsd; Ems.init() again")
+        return client
+
+    def _ns(self, client: DaemonClient, deadline: float | None) -> int:
+        """This namespace's id on ``client``'s connection (opened once per connection)."""
+        cached = self._ns_for
+        if cached is not None and cached[0] == id(client):
+            return cached[1]
+        with self._lock:
+            header, _ = client.call(Op.NAMESPACE, {"name": self._namespace},
+                                    timeout=_remaining(deadline))
+            self._ns_for = (id(client), int(header["ns"]))
+            return self._ns_for[1]
+
+
+def _check_future(future: Any) -> None:
+    if not isinstance(future, CcFuture):
+        raise invalid(f"future must be a CcFuture from async_save/async_load, not {type(future).__name__}")
+
+
+def _deadline(opt: CcKvOption) -> float | None:
+    return None if opt.timeout == 0 else time.monotonic() + opt.timeout / 1000.0
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT, "the call's timeout passed")
+    return left
+
+
+def _split_reservation(payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if len(payload) != 13 * n:
+        raise EmsException(EmsErrorCode.EMS_IO_ERROR, "malformed RESERVE answer from emsd")
+    offsets = np.frombuffer(payload, dtype="<u8", count=n)
+    handles = np.frombuffer(payload, dtype="<u4", count=n, offset=8 * n)
+    status = np.frombuffer(payload, dtype=np.uint8, count=n, offset=12 * n)
+    return offsets, handles, status
+
+
+def _select(req: BatchRequest, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(slots, counts) of the keys at indices ``keys`` (in order)."""
+    counts = req.counts[keys]
+    if keys.size == len(req.counts):
+        return req.slots, counts
+    starts = np.cumsum(req.counts) - req.counts
+    total = int(counts.sum())
+    run_starts = np.cumsum(counts) - counts
+    idx = np.repeat(starts[keys] - run_starts, counts) + np.arange(total)
+    return req.slots[idx], counts
+
+
+def _abort_late(client: DaemonClient, n: int) -> Callable[[dict[str, Any], bytes], None]:
+    """Undo a reservation whose answer came after the call timed out."""
+
+    def late(_header: dict[str, Any], payload: bytes) -> None:
+        if len(payload) != 13 * n:
+            return
+        _, handles, status = _split_reservation(payload, n)
+        new = handles[status == _NEW]
+        if new.size:
+            client.send_noreply(Op.COMMIT, {"c": 0, "a": int(new.size)}, [new.astype("<u4").tobytes()])
+
+    return late
+
+
+def _release_late(client: DaemonClient) -> Callable[[dict[str, Any], bytes], None]:
+    """Drop pins whose answer came after the call timed out."""
+
+    def late(header: dict[str, Any], payload: bytes) -> None:
+        count = int(header.get("count", 0))
+        if count:
+            client.send_noreply(Op.RELEASE, {}, [payload[16 * count : 20 * count]])
+
+    return late
+

@@ -1,0 +1,281 @@
+"""Argument normalisation for save/load/exists: user arguments to a ``BatchRequest``.
+
+Pure and fast (a connector calls this every forward step): arrays are
+converted once, checks are vectorised, nothing touches the daemon or the
+registered tensors (slot ranges are checked against the layout elsewhere,
+``layout.check_slots``). Every violation raises
+``EmsException(EMS_INVALID_ARGUMENT)`` whose message names the argument.
+
+Array arguments (``slot_mapping``, ``offsets``, ``token_ids``, ``mask``) may be
+Python lists or tuples, numpy arrays or torch tensors (CPU or CUDA; torch is
+never imported here, a tensor is recognised only if torch is already loaded).
+They must be 1-D and integer-typed (``mask`` may also be bool); floats are
+refused, not truncated. The request always holds its own copies, so the
+caller may reuse its buffers as soon as the call returns, even for
+``async_save``/``async_load``; the copies are read-only.
+
+Hash semantics (``hash_request``): ``hashes[j]`` owns the next ``offsets[j]``
+entries of ``slot_mapping``. ``total`` is ``len(hashes)``.
+
+Token semantics (``token_request``), with ``bs`` the registered block size
+and ``n0`` the number of leading zeros of ``mask``:
+
+- ``token_ids`` is cut into chunks of ``bs`` tokens; chunk ``c`` covers
+  positions ``[c*bs, min((c+1)*bs, n))``, and the last chunk may be partial.
+  Its key is the chained prefix hash of ``ems.tokens`` (32 bytes), so a
+  chunk, partial or not, matches only the exact same token prefix.
+- ``mask`` must be zeros followed by ones (the prefix already cached, then the
+  new part). Chunks lying entirely inside the zero prefix are not part of the
+  request: no key, no slots, not counted in ``total``.
+- The first chunk in the request may straddle the boundary (it starts before
+  ``n0``). A save stores it whole, with all its slots: stored blocks are always
+  whole chunks. A load reads it whole but does not write back its first
+  ``n0 - c*bs`` positions: ``skip[0]`` says so (``skip`` is ``None`` when no
+  chunk straddles, and always ``None`` for a save).
+- ``total`` is the number of chunks in the request. Slots of chunks in the
+  request must be ``>= 0``; slots of skipped chunks are not inspected (they
+  may hold padding such as ``-1``).
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from ems.common.exception import invalid
+from ems.tokens import chunk_keys
+from emsd.pool.keys import MAX_KEY_BYTES, KeyBatch, KeyError_
+
+MAX_BATCH_KEYS = 65536
+_INT64_MAX = np.iinfo(np.int64).max
+_INT_KINDS = "iu"
+
+
+@dataclass(frozen=True, eq=False)
+class BatchRequest:
+    """One save/load call in canonical form.
+
+    - ``keys``: one key per block;
+    - ``slots``: int64 slot mapping, the slots of key 0, then of key 1...;
+    - ``counts``: int64 ``(n_keys,)``, slots per key, ``sum(counts) == len(slots)``;
+    - ``skip``: int64 ``(n_keys,)``, leading slots of each key a load must not
+      write back, or ``None`` for all zero;
+    - ``total``: the ``total`` reported in ``CcResult``.
+    """
+
+    keys: KeyBatch
+    slots: np.ndarray
+    counts: np.ndarray
+    skip: np.ndarray | None
+    total: int
+
+
+# -- array conversion ---------------------------------------------------------------
+
+
+def _from_torch(value: Any, name: str) -> Any:
+    """A tensor as a numpy array (host copy for CUDA); anything else unchanged."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return value
+    try:
+        return value.detach().cpu().numpy()
+    except (TypeError, RuntimeError, NotImplementedError) as exc:
+        raise invalid(f"{name}: cannot read this {value.dtype} tensor on {value.device} "
+                      f"as integers ({exc})") from None
+
+
+def _first_bad(values: list[Any] | tuple[Any, ...], name: str) -> str:
+    """Describe the first element of ``values`` that is not an int64 integer."""
+    for i, v in enumerate(values):
+        try:
+            array.array("q", [v])
+        except OverflowError:
+            return f"{name}[{i}] = {v} is outside the int64 range"
+        except TypeError:
+            return f"{name}[{i}] is a {type(v).__name__}, not an int"
+    return f"{name} holds a value that is not an int64 integer"
+
+
+def as_int_array(value: Any, name: str, allow_bool: bool = False) -> np.ndarray:
+    """``value`` as a fresh, read-only, 1-D int64 array; EMS_INVALID_ARGUMENT otherwise.
+
+    Lists and tuples go through ``array.array("q")`` (fast, and strict: a
+    float or a too-large int is refused). ``allow_bool`` admits bool arrays
+    (as 0/1); bool elements of a list are ints in Python and always pass.
+    """
+    value = _from_torch(value, name)
+    if isinstance(value, list | tuple):
+        try:
+            arr = np.frombuffer(array.array("q", value), dtype=np.int64)
+        except (TypeError, OverflowError):
+            raise invalid(_first_bad(value, name)) from None
+        arr.setflags(write=False)  # frombuffer shares the array.array: ours alone
+        return arr
+    if isinstance(value, str | bytes | dict | set):
+        raise invalid(f"{name} must be a 1-D sequence of ints, got {type(value).__name__}")
+    try:
+        src = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise invalid(f"{name} must be a 1-D sequence of ints ({exc})") from None
+    if src.ndim != 1:
+        raise invalid(f"{name} must be 1-D, got shape {tuple(src.shape)}")
+    if src.size == 0:
+        src = src.astype(np.int64)
+    kind = src.dtype.kind
+    if kind == "b" and allow_bool:
+        src = src.astype(np.int64)
+    elif kind not in _INT_KINDS:
+        raise invalid(f"{name} must hold integers, got dtype {src.dtype}")
+    elif kind == "u" and src.dtype.itemsize == 8 and src.size and int(src.max()) > _INT64_MAX:
+        raise invalid(f"{name} holds a value outside the int64 range")
+    arr = np.array(src, dtype=np.int64, copy=True)
+    arr.setflags(write=False)
+    return arr
+
+
+def _slots(slot_mapping: Any) -> np.ndarray:
+    slots = as_int_array(slot_mapping, "slot_mapping")
+    if slots.size and int(slots.min()) < 0:
+        i = int(np.argmax(slots < 0))
+        raise invalid(f"slot_mapping[{i}] = {int(slots[i])} is negative; slots are >= 0")
+    return slots
+
+
+def _check_batch(n: int, what: str) -> None:
+    if n > MAX_BATCH_KEYS:
+        raise invalid(f"{what}: {n} keys in one call; at most {MAX_BATCH_KEYS}")
+
+
+def _readonly(arr: np.ndarray) -> np.ndarray:
+    arr.setflags(write=False)
+    return arr
+
+
+# -- keys ----------------------------------------------------------------------------
+
+
+def exists_keys(hashes: Any) -> KeyBatch:
+    """``hashes`` as a ``KeyBatch``; EMS_INVALID_ARGUMENT names a bad key.
+
+    ``hashes``: a list, tuple, numpy array (or torch tensor) of ints in the
+    signed or unsigned 64-bit range, or of ``bytes`` of at most 32 bytes; at
+    most ``MAX_BATCH_KEYS`` of them. An empty sequence is valid.
+    """
+    hashes = _from_torch(hashes, "hashes")
+    if not isinstance(hashes, list | tuple | np.ndarray):
+        raise invalid(f"hashes must be a list, tuple or array of ints or bytes, "
+                      f"got {type(hashes).__name__}")
+    if isinstance(hashes, np.ndarray) and hashes.ndim != 1:
+        raise invalid(f"hashes must be 1-D, got shape {tuple(hashes.shape)}")
+    _check_batch(len(hashes), "hashes")
+    try:
+        return KeyBatch.from_user(cast(Sequence[int | bytes], hashes))
+    except KeyError_ as exc:
+        raise invalid(str(exc)) from None
+
+
+def _digest_batch(digests: list[bytes]) -> KeyBatch:
+    """32-byte digests as bytes keys (tag 32), without a per-key Python loop."""
+    n = len(digests)
+    words = np.frombuffer(b"".join(digests), dtype="<u8").reshape(n, 4).astype(np.uint64)
+    tags = np.full(n, MAX_KEY_BYTES, dtype=np.uint8)  # 32-byte bytes keys
+    return KeyBatch(words, tags)
+
+
+# -- requests ------------------------------------------------------------------------
+
+
+def hash_request(slot_mapping: Any, hashes: Any, offsets: Any) -> BatchRequest:
+    """A hash-semantics request: ``hashes[j]`` owns the next ``offsets[j]`` slots.
+
+    Rules: ``slot_mapping`` 1-D ints ``>= 0``; ``hashes`` as in ``exists_keys``;
+    ``offsets`` 1-D ints ``> 0``; ``len(hashes) == len(offsets)``;
+    ``sum(offsets) == len(slot_mapping)``. ``total = len(hashes)``.
+    """
+    keys = exists_keys(hashes)
+    counts = as_int_array(offsets, "offsets")
+    if counts.shape[0] != len(keys):
+        raise invalid(f"len(hashes) = {len(keys)} but len(offsets) = {counts.shape[0]}; "
+                      "they must be equal (one offset per hash)")
+    slots = _slots(slot_mapping)
+    if counts.size:
+        if int(counts.min()) <= 0:
+            i = int(np.argmax(counts <= 0))
+            raise invalid(f"offsets[{i}] = {int(counts[i])}; offsets must be > 0")
+        # Bound each offset first, so the sum of up to MAX_BATCH_KEYS cannot overflow.
+        if int(counts.max()) > slots.shape[0]:
+            i = int(np.argmax(counts > slots.shape[0]))
+            raise invalid(f"offsets[{i}] = {int(counts[i])} exceeds len(slot_mapping) = "
+                          f"{slots.shape[0]}; sum(offsets) must equal len(slot_mapping)")
+    total_slots = int(counts.sum())
+    if total_slots != slots.shape[0]:
+        raise invalid(f"sum(offsets) = {total_slots} must equal len(slot_mapping) = "
+                      f"{slots.shape[0]}")
+    return BatchRequest(keys, slots, counts, None, len(keys))
+
+
+def _mask_zeros(mask: np.ndarray) -> int:
+    """Number of leading zeros of a 0/1 mask of the form zeros-then-ones."""
+    if mask.size == 0:
+        return 0
+    if int(mask.min()) < 0 or int(mask.max()) > 1:
+        raise invalid("mask must hold only 0 and 1 (or bools)")
+    if mask.size > 1 and int(np.diff(mask).min()) < 0:
+        raise invalid("mask must be zeros followed by ones (0 = cached prefix to skip, "
+                      "1 = the rest); a 1 is followed by a 0")
+    return int(mask.size - np.count_nonzero(mask))
+
+
+def token_request(slot_mapping: Any, token_ids: Any, mask: Any, block_size: int,
+                  for_save: bool) -> BatchRequest:
+    """A token-semantics request (see the module docstring for the chunk rules).
+
+    ``token_ids``, ``mask`` (or ``None`` for all ones) and ``slot_mapping``
+    have equal length; ``block_size`` is the registered layout's, ``> 0``.
+    ``for_save`` selects how a chunk straddling the mask boundary is treated:
+    saved whole, or loaded with ``skip``.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) \
+            or block_size <= 0:
+        raise invalid(f"block_size must be an int > 0, got {block_size!r}")
+    bs = int(block_size)
+    tokens = as_int_array(token_ids, "token_ids")
+    slots = as_int_array(slot_mapping, "slot_mapping")
+    n = tokens.shape[0]
+    if slots.shape[0] != n:
+        raise invalid(f"len(slot_mapping) = {slots.shape[0]} must equal len(token_ids) = {n}")
+    if mask is None:
+        n0 = 0
+    else:
+        m = as_int_array(mask, "mask", allow_bool=True)
+        if m.shape[0] != n:
+            raise invalid(f"len(mask) = {m.shape[0]} must equal len(token_ids) = {n}")
+        n0 = _mask_zeros(m)
+    first = n0 // bs  # the first chunk that ends after the zero prefix
+    n_chunks = -(-n // bs)
+    if n0 == n:
+        first = n_chunks
+    _check_batch(n_chunks - first, "token_ids")
+    start = first * bs
+    used = slots[start:]
+    if used.size and int(used.min()) < 0:
+        i = start + int(np.argmax(used < 0))
+        raise invalid(f"slot_mapping[{i}] = {int(slots[i])} is negative; slots are >= 0")
+    digests = chunk_keys(tokens, bs)[first:] if first < n_chunks else []
+    k = len(digests)
+    counts = np.full(k, bs, dtype=np.int64)
+    if k and n % bs:
+        counts[-1] = n % bs
+    skip = None
+    if not for_save and k and n0 > start:
+        skip = np.zeros(k, dtype=np.int64)
+        skip[0] = n0 - start
+        skip = _readonly(skip)
+    return BatchRequest(_digest_batch(digests), _readonly(np.array(used)), _readonly(counts),
+                        skip, k)

@@ -1,0 +1,7 @@
+"""``python -m emsd`` is ``emsd``."""
+
+import sys
+
+from emsd.cli import main
+
+sys.exit(main())

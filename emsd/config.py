@@ -1,0 +1,184 @@
+"""The daemon's configuration: one frozen dataclass per TOML table, checked on load.
+
+``load_config(path)`` reads a TOML file and returns a ``Config`` or raises
+``ConfigError`` whose message is one line naming the key and the rule
+(``pool.size: must be a size like "4GiB" (got "lots")``). Unknown keys are
+errors too, so a typo never silently falls back to a default. Every key, its
+default and its rule are listed in docs/configuration.md; keep the two in
+step.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_NODE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+MIN_POOL = 1 << 20
+MIN_PAGE = 64 << 10
+
+
+class ConfigError(ValueError):
+    """A config value that breaks its rule; ``str()`` is the one line to print."""
+
+    def __init__(self, key: str, rule: str) -> None:
+        super().__init__(f"{key}: {rule}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    id: str = field(default_factory=socket.gethostname)
+    socket_dir: Path = Path("/dev/shm/ems")
+    socket_mode: int = 0o660  # who may connect (and so map the pool): owner and group
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    size: int = 1 << 30
+    hugepages: str = "auto"
+    page_size: int = 64 << 20
+    prefault: bool = True
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    listen: str = "127.0.0.1:9400"  # "" disables the HTTP endpoint
+
+    def address(self) -> tuple[str, int] | None:
+        if not self.listen:
+            return None
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "info"
+
+
+@dataclass(frozen=True)
+class Config:
+    node: NodeConfig = field(default_factory=NodeConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def socket_path(self) -> Path:
+        from emsd.transport.frames import SOCKET_NAME
+
+        return self.node.socket_dir / SOCKET_NAME
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string like "512MiB"; raises ``ConfigError``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(key, f"must not be negative (got {value})")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m:
+            return int(m.group(1)) * _UNITS[m.group(2)]
+    raise ConfigError(key, f'must be a size in bytes or like "4GiB" (KiB/MiB/GiB/TiB) (got {value!r})')
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and check a TOML config file; raises ``ConfigError`` with one clear line."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError("--config", f"file {str(p)!r} does not exist") from None
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {str(p)!r}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", f"{str(p)!r} is not valid TOML: {exc}") from None
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and check a ``Config`` from parsed TOML."""
+    _only(raw, "", {"node", "pool", "metrics", "log"})
+    node = _node(_table(raw, "node"))
+    pool = _pool(_table(raw, "pool"))
+    metrics = _metrics(_table(raw, "metrics"))
+    log = _log(_table(raw, "log"))
+    return Config(node=node, pool=pool, metrics=metrics, log=log)
+
+
+def _table(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    value = raw.get(name, {})
+    if not isinstance(value, dict):
+        raise ConfigError(name, "must be a table ([" + name + "])")
+    return value
+
+
+def _only(table: dict[str, Any], prefix: str, allowed: set[str]) -> None:
+    for key in table:
+        if key not in allowed:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(where, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _node(t: dict[str, Any]) -> NodeConfig:
+    _only(t, "node", {"id", "socket_dir", "socket_mode"})
+    d = NodeConfig()
+    node_id = t.get("id", d.id)
+    if not isinstance(node_id, str) or not _NODE_ID.match(node_id):
+        raise ConfigError("node.id", f"must be 1-64 characters of [A-Za-z0-9._-] (got {node_id!r})")
+    sock_dir = t.get("socket_dir", str(d.socket_dir))
+    if not isinstance(sock_dir, str) or not sock_dir.startswith("/"):
+        raise ConfigError("node.socket_dir", f"must be an absolute path (got {sock_dir!r})")
+    if len(sock_dir) > 90:
+        raise ConfigError("node.socket_dir", "must be at most 90 characters (Unix socket path limit)")
+    mode = t.get("socket_mode", f"{d.socket_mode:04o}")
+    if not isinstance(mode, str) or not re.fullmatch(r"0?[0-7]{3}", mode):
+        raise ConfigError("node.socket_mode", f'must be an octal mode string like "0660" (got {mode!r})')
+    return NodeConfig(id=node_id, socket_dir=Path(sock_dir), socket_mode=int(mode, 8))
+
+
+def _pool(t: dict[str, Any]) -> PoolConfig:
+    _only(t, "pool", {"size", "hugepages", "page_size", "prefault"})
+    d = PoolConfig()
+    size = parse_size("pool.size", t.get("size", d.size))
+    if size < MIN_POOL:
+        raise ConfigError("pool.size", f"must be at least 1MiB (got {size} bytes)")
+    huge = t.get("hugepages", d.hugepages)
+    if huge not in ("auto", "on", "off"):
+        raise ConfigError("pool.hugepages", f'must be "auto", "on" or "off" (got {huge!r})')
+    page = parse_size("pool.page_size", t.get("page_size", d.page_size))
+    if page < MIN_PAGE or page & (page - 1):
+        raise ConfigError("pool.page_size", f"must be a power of two >= 64KiB (got {page} bytes)")
+    prefault = t.get("prefault", d.prefault)
+    if not isinstance(prefault, bool):
+        raise ConfigError("pool.prefault", f"must be true or false (got {prefault!r})")
+    return PoolConfig(size=size, hugepages=huge, page_size=min(page, size), prefault=prefault)
+
+
+def _metrics(t: dict[str, Any]) -> MetricsConfig:
+    _only(t, "metrics", {"listen"})
+    listen = t.get("listen", MetricsConfig().listen)
+    if not isinstance(listen, str):
+        raise ConfigError("metrics.listen", f'must be "host:port" or "" (got {listen!r})')
+    if listen:
+        host, sep, port = listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError("metrics.listen", f'must be "host:port" or "" (got {listen!r})')
+    return MetricsConfig(listen=listen)
+
+
+def _log(t: dict[str, Any]) -> LogConfig:
+    _only(t, "log", {"level"})
+    level = t.get("level", LogConfig().level)
+    if level not in _LOG_LEVELS:
+        raise ConfigError("log.level", f"must be one of {', '.join(_LOG_LEVELS)} (got {level!r})")
+    return LogConfig(level=level)

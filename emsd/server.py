@@ -1,0 +1,120 @@
+"""The daemon's lifecycle in one place: start, serve, shut down.
+
+Start-up order matters for clients and probes:
+
+1. bind the Unix socket and the HTTP endpoint at once, so a client that
+   connects early gets ``RECOVERING`` (retry later) rather than "no such file",
+   and ``/healthz`` answers 503;
+2. create and prefault the pool region in a worker thread (seconds for large
+   pools) while the loop keeps answering;
+3. build the store and the service, flip to ready: HELLO now succeeds and
+   ``/healthz`` answers 200.
+
+SIGTERM or SIGINT: stop accepting, close every client connection (their
+reservations are aborted and pins dropped; every request already received
+has been answered, since requests are handled synchronously), close the
+HTTP endpoint, unmap the region, remove the socket file, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from emsd.config import Config
+from emsd.metrics import HttpEndpoint, Metrics
+from emsd.pool.region import Region
+from emsd.pool.store import BlockStore
+from emsd.service import Service
+from emsd.transport.unix import UnixControlServer
+
+log = logging.getLogger("emsd")
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message is the one line to print."""
+
+
+class Daemon:
+    """One emsd process: pool, index, control socket and metrics endpoint."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.region: Region | None = None
+        self.service: Service | None = None
+        self.control = UnixControlServer(
+            config.socket_path,
+            config.node.socket_mode,
+            pool_fd=lambda: self.region.fd if self.region and self.service else None,
+            service=lambda: self.service,
+            on_count=self.metrics.clients.set,
+        )
+        self.http = HttpEndpoint(self.metrics, is_ready=lambda: self.service is not None)
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT; raises ``StartupError`` if start-up fails."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        try:
+            await self._start()
+            await self._stop.wait()
+            log.info("shutting down")
+        finally:
+            await self._shutdown()
+
+    async def _start(self) -> None:
+        cfg = self.config
+        try:
+            self.control.bind()
+        except OSError as exc:
+            raise StartupError(f"node.socket_dir: cannot serve {cfg.socket_path}: {exc}") from None
+        self.control.start()
+        address = cfg.metrics.address()
+        if address is not None:
+            try:
+                await self.http.start(*address)
+            except OSError as exc:
+                raise StartupError(f"metrics.listen: cannot listen on {cfg.metrics.listen}: "
+                                   f"{exc.strerror}") from None
+        log.info("emsd %s starting: socket %s, metrics %s", cfg.node.id, cfg.socket_path,
+                 cfg.metrics.listen or "off")
+        loop = asyncio.get_running_loop()
+        region = await loop.run_in_executor(None, self._make_region)
+        self.region = region
+        store = BlockStore(region.size, min(cfg.pool.page_size, region.size))
+        self.metrics.watch_pool(store.stats)
+        self.service = Service(store, cfg.node.id, region.kind, self.metrics)
+        self.metrics.ready.set(1)
+        log.info("ready: pool %d MiB (%s: %s), slab page %d MiB, pid %d",
+                 region.size >> 20, region.kind, region.reason,
+                 min(cfg.pool.page_size, region.size) >> 20, os.getpid())
+
+    def _make_region(self) -> Region:
+        from emsd.pool.region import RegionError
+
+        cfg = self.config.pool
+        try:
+            region = Region.create(cfg.size, cfg.hugepages, name=f"emsd-{self.config.node.id}")
+        except RegionError as exc:
+            raise StartupError(str(exc)) from None
+        if cfg.prefault:
+            method = region.prefault()
+            log.info("prefaulted %d MiB with %s", region.size >> 20, method)
+        return region
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _shutdown(self) -> None:
+        await self.control.close()
+        await self.http.close()
+        self.service = None
+        if self.region is not None:
+            self.region.close()
+            self.region = None
+        log.info("stopped")

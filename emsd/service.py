@@ -1,0 +1,277 @@
+"""Request handling: decoded control frames in, responses out (sans-I/O).
+
+``Service.handle`` takes one request of one client ``Session`` and returns
+the response header and payload. It never awaits and never touches a socket,
+so the transport (``emsd.transport.unix``) stays a thin shell and the whole
+protocol can be driven from tests without a process.
+
+A ``Session`` is what the daemon knows of one client connection: its tenant,
+the namespaces it opened, the reservations it has not committed yet and the
+pins it holds. Handles sent by a client are checked against its own session,
+so one client can never commit, abort or release another's blocks. When the
+connection closes, ``Service.close`` aborts its reservations and drops its
+pins: a client killed mid-save or mid-load leaks nothing.
+
+Payload layouts (little-endian, n keys; see ``emsd.pool.keys`` for keys):
+
+- RESERVE  request: keys, then sizes u64 x n.
+           response: offsets u64 x n, handles u32 x n, status u8 x n.
+- COMMIT   request: handles u32 x (commit + abort), header ``c``/``a`` counts.
+- PIN      request: keys. response header ``count``; payload offsets u64,
+           lengths u64, handles u32, each x count.
+- RELEASE  request: handles u32 x n.
+- EXISTS   request: keys. response header ``count``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from emsd.metrics import Metrics
+from emsd.pool.keys import KeyBatch, KeyError_
+from emsd.pool.store import BlockStore
+from emsd.pool.store import Status as SlotStatus
+from emsd.transport.frames import MAX_BATCH_KEYS, PROTOCOL_VERSION, Op, Status
+
+log = logging.getLogger("emsd.service")
+
+MAX_NAMESPACE_LEN = 4096
+MAX_NAMESPACES_PER_SESSION = 1024
+
+
+class RequestError(Exception):
+    """A request the daemon refuses; ``status`` is the code to answer with."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Session:
+    """One client connection's state."""
+
+    peer_pid: int = 0
+    authenticated: bool = False
+    namespaces: set[int] = field(default_factory=set)
+    pending: set[int] = field(default_factory=set)
+    pins: Counter[int] = field(default_factory=Counter)
+
+
+Response = tuple[dict[str, Any], list[bytes]]
+
+
+class Service:
+    """The daemon's request handlers over one ``BlockStore``."""
+
+    def __init__(self, store: BlockStore, node_id: str, region_kind: str, metrics: Metrics) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.region_kind = region_kind
+        self.metrics = metrics
+        self._ns_ids: dict[str, int] = {}
+        self._ns_names: list[str] = []
+        self.started = time.time()
+
+    # -- entry points ---------------------------------------------------------
+
+    def hello(self, session: Session, header: dict[str, Any]) -> dict[str, Any]:
+        """Authenticate a new connection (single tenant until tenants are configured)."""
+        if header.get("op") != Op.HELLO:
+            raise RequestError(Status.INVALID_ARGUMENT, "the first request must be HELLO")
+        pid = header.get("pid", 0)
+        session.peer_pid = pid if type(pid) is int else 0
+        session.authenticated = True
+        return {"node": self.node_id, "pool_size": self.store.stats().capacity,
+                "region": self.region_kind, "server_pid": os.getpid()}
+
+    def handle(self, session: Session, header: dict[str, Any], payload: bytes) -> Response:
+        """Answer one request; never raises for bad input (answers with a status)."""
+        op = header.get("op")
+        start = time.perf_counter()
+        name = _op_name(op)
+        try:
+            handler = self._handlers.get(op) if type(op) is int else None
+            if handler is None:
+                raise RequestError(Status.INVALID_ARGUMENT, f"unknown op {op!r}")
+            resp, parts = handler(self, session, header, payload)
+            resp.setdefault("st", Status.OK)
+            result = "ok"
+        except RequestError as exc:
+            resp, parts, result = {"st": int(exc.status), "msg": str(exc)}, [], "error"
+        except Exception:  # a bug must not take the daemon down; say so loudly
+            log.exception("internal error handling %s", name)
+            resp, parts, result = {"st": int(Status.INTERNAL), "msg": "internal error"}, [], "error"
+        self.metrics.observe_op(name, result, time.perf_counter() - start)
+        resp["v"] = PROTOCOL_VERSION
+        resp["id"] = header.get("id", 0)
+        return resp, parts
+
+    def close(self, session: Session) -> None:
+        """Release everything a closed connection held."""
+        if session.pending:
+            self.store.abort(np.fromiter(session.pending, dtype=np.uint32))
+            session.pending.clear()
+        if session.pins:
+            held = np.repeat(
+                np.fromiter(session.pins.keys(), dtype=np.uint32),
+                np.fromiter(session.pins.values(), dtype=np.int64),
+            )
+            self.store.release(held)
+            session.pins.clear()
+
+    # -- handlers -------------------------------------------------------------
+
+    def _namespace(self, s: Session, h: dict[str, Any], _p: bytes) -> Response:
+        name = h.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAMESPACE_LEN:
+            raise RequestError(Status.INVALID_ARGUMENT, "namespace name must be 1-4096 characters")
+        ns = self._ns_ids.get(name)
+        if ns is None:
+            ns = len(self._ns_names)
+            self._ns_ids[name] = ns
+            self._ns_names.append(name)
+        if ns not in s.namespaces and len(s.namespaces) >= MAX_NAMESPACES_PER_SESSION:
+            raise RequestError(Status.INVALID_ARGUMENT, "too many namespaces on one connection")
+        s.namespaces.add(ns)
+        return {"ns": ns}, []
+
+    def _reserve(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+        ns, keys, rest = self._keys(s, h, p)
+        n = len(keys)
+        if len(rest) != 8 * n:
+            raise RequestError(Status.INVALID_ARGUMENT, f"sizes: expected {8 * n} bytes, got {len(rest)}")
+        sizes = np.frombuffer(rest, dtype="<u8").astype(np.uint64)
+        res = self.store.reserve(ns, keys, sizes)
+        new = res.status == SlotStatus.NEW
+        s.pending.update(res.handles[new].tolist())
+        self.metrics.reserved(int(new.sum()), int(sizes[new].sum()),
+                              int((res.status == SlotStatus.FAILED).sum()))
+        return {"n": n}, [
+            res.offsets.astype("<u8").tobytes(),
+            res.handles.astype("<u4").tobytes(),
+            res.status.astype(np.uint8).tobytes(),
+        ]
+
+    def _commit(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+        nc, na = h.get("c", 0), h.get("a", 0)
+        if type(nc) is not int or type(na) is not int or nc < 0 or na < 0:
+            raise RequestError(Status.INVALID_ARGUMENT, "commit counts c/a must be ints >= 0")
+        if len(p) != 4 * (nc + na):
+            raise RequestError(Status.INVALID_ARGUMENT, f"handles: expected {4 * (nc + na)} bytes")
+        handles = np.frombuffer(p, dtype="<u4").astype(np.uint32)
+        commit, abort = handles[:nc], handles[nc:]
+        _own(s.pending, commit, "commit")
+        _own(s.pending, abort, "abort")
+        s.pending.difference_update(handles.tolist())
+        done = self.store.commit(commit) if nc else 0
+        if na:
+            self.store.abort(abort)
+        return {"committed": int(done)}, []
+
+    def _pin(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+        ns, keys, rest = self._keys(s, h, p)
+        if rest:
+            raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
+        pinned = self.store.pin(ns, keys)
+        s.pins.update(pinned.handles.tolist())
+        self.metrics.looked_up("pin", pinned.count, len(keys) - pinned.count,
+                               int(pinned.lengths.sum()))
+        return {"count": pinned.count}, [
+            pinned.offsets.astype("<u8").tobytes(),
+            pinned.lengths.astype("<u8").tobytes(),
+            pinned.handles.astype("<u4").tobytes(),
+        ]
+
+    def _release(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+        if len(p) % 4:
+            raise RequestError(Status.INVALID_ARGUMENT, "handles payload is not a multiple of 4")
+        handles = np.frombuffer(p, dtype="<u4").astype(np.uint32)
+        need = Counter(handles.tolist())
+        for handle, count in need.items():
+            if s.pins.get(handle, 0) < count:
+                raise RequestError(Status.INVALID_ARGUMENT, f"release of handle {handle} not pinned here")
+        s.pins.subtract(need)
+        for handle in need:
+            if s.pins[handle] <= 0:
+                del s.pins[handle]
+        self.store.release(handles)
+        return {}, []
+
+    def _exists(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+        ns, keys, rest = self._keys(s, h, p)
+        if rest:
+            raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
+        count = self.store.exists(ns, keys)
+        self.metrics.looked_up("exists", count, len(keys) - count, 0)
+        return {"count": count}, []
+
+    def _stats(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
+        st = self.store.stats()
+        return {
+            "node": self.node_id,
+            "region": self.region_kind,
+            "capacity": st.capacity,
+            "bytes_used": st.bytes_used,
+            "bytes_free": st.bytes_free,
+            "entries": st.entries,
+            "pending": st.pending,
+            "pinned": st.pinned,
+            "evictions": dict(st.evictions),
+            "namespaces": len(self._ns_names),
+            "uptime_s": time.time() - self.started,
+        }, []
+
+    def _ping(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
+        return {}, []
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _keys(self, s: Session, h: dict[str, Any], p: bytes) -> tuple[int, KeyBatch, bytes]:
+        """(namespace, keys, rest of payload) of a keyed request; checks every field."""
+        ns, n, kt = h.get("ns"), h.get("n"), h.get("kt")
+        if type(ns) is not int or ns not in s.namespaces:
+            raise RequestError(Status.INVALID_ARGUMENT, f"namespace {ns!r} not opened on this connection")
+        if type(n) is not int or not 0 <= n <= MAX_BATCH_KEYS:
+            raise RequestError(Status.INVALID_ARGUMENT, f"n must be an int in 0..{MAX_BATCH_KEYS}")
+        width = {0: 8, 1: 33}.get(kt) if type(kt) is int else None
+        if width is None:
+            raise RequestError(Status.INVALID_ARGUMENT, f"unknown key type {kt!r}")
+        if len(p) < width * n:
+            raise RequestError(Status.INVALID_ARGUMENT, f"keys: expected {width * n} bytes, got {len(p)}")
+        try:
+            keys = KeyBatch.from_wire(kt, p[: width * n], n)
+        except KeyError_ as exc:
+            raise RequestError(Status.INVALID_ARGUMENT, f"keys: {exc}") from None
+        return ns, keys, p[width * n :]
+
+    _handlers = {
+        Op.NAMESPACE: _namespace,
+        Op.RESERVE: _reserve,
+        Op.COMMIT: _commit,
+        Op.PIN: _pin,
+        Op.RELEASE: _release,
+        Op.EXISTS: _exists,
+        Op.STATS: _stats,
+        Op.PING: _ping,
+    }
+
+
+def _own(pending: set[int], handles: np.ndarray, what: str) -> None:
+    for handle in handles.tolist():
+        if handle not in pending:
+            raise RequestError(Status.INVALID_ARGUMENT, f"{what} of handle {handle} not reserved here")
+
+
+def _op_name(op: object) -> str:
+    try:
+        return Op(op).name.lower()  # type: ignore[arg-type]
+    except ValueError:
+        return "unknown"

@@ -1,0 +1,157 @@
+"""Frames of the control protocol between the SDK and its local emsd (sans-I/O).
+
+A frame is::
+
+    +----------------+-----------------+-------------------+------------------+
+    | header_len u32 | payload_len u32 | header (msgpack)  | payload (raw)    |
+    +----------------+-----------------+-------------------+------------------+
+
+both lengths little-endian. The header is a msgpack map with at least ``v``
+(protocol version), ``id`` (request id, echoed in the response) and ``op``
+(an ``Op``) in requests, ``st`` (a ``Status``) in responses. Bulk arrays
+(keys, sizes, offsets, handles) travel in the payload as packed
+little-endian integers, never as msgpack lists: decoding them is a
+``numpy.frombuffer``, not a loop.
+
+Limits are checked before anything is buffered: a header over
+``MAX_HEADER`` or a payload over ``MAX_PAYLOAD`` is a ``FrameError``, and the
+peer sending it is disconnected after one error response, so a hostile or
+broken client costs at most one frame of memory.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+PREFIX = struct.Struct("<II")
+MAX_HEADER = 64 * 1024
+MAX_PAYLOAD = 8 * 1024 * 1024
+MAX_BATCH_KEYS = 65536
+SOCKET_NAME = "emsd.sock"
+
+
+class Op(IntEnum):
+    """Request opcodes. One line each: what it asks."""
+
+    HELLO = 1  # authenticate; the response carries the pool's fd (SCM_RIGHTS)
+    NAMESPACE = 2  # map a namespace name to its id for this connection
+    RESERVE = 3  # places for (key, size) x n; PENDING until committed
+    COMMIT = 4  # make reserved blocks readable (and abort others)
+    PIN = 5  # pin the leading present blocks for reading
+    RELEASE = 6  # drop pins taken by PIN
+    EXISTS = 7  # count the leading present blocks; no pin, no LRU touch
+    STATS = 8  # node and pool statistics
+    PING = 9  # liveness
+
+
+class Status(IntEnum):
+    """Response status; values equal ``ems.EmsErrorCode`` one-to-one."""
+
+    OK = 0
+    INVALID_ARGUMENT = 1
+    IO_ERROR = 2
+    TIMEOUT = 3
+    INTERNAL = 4
+    RECOVERING = 5
+
+
+class FrameError(Exception):
+    """A frame that breaks the protocol. ``status`` is what to answer."""
+
+    def __init__(self, message: str, status: Status = Status.INVALID_ARGUMENT) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Frame:
+    header: dict[str, Any]
+    payload: bytes
+
+
+def encode(header: dict[str, Any], payload: bytes | memoryview = b"") -> bytes:
+    """One frame as bytes. The caller keeps header and payload within limits."""
+    head = msgpack.packb(header, use_bin_type=True)
+    return PREFIX.pack(len(head), len(payload)) + head + bytes(payload)
+
+
+def encode_parts(header: dict[str, Any], *payload: bytes | memoryview) -> list[bytes | memoryview]:
+    """A frame as a list of buffers for ``sendmsg``/``writelines`` (no joining copy)."""
+    head = msgpack.packb(header, use_bin_type=True)
+    size = sum(len(p) for p in payload)
+    return [PREFIX.pack(len(head), size), head, *payload]
+
+
+def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
+    """Unpack and sanity-check a header; raises ``FrameError``."""
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise FrameError(f"header is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise FrameError("header is not a map")
+    if header.get("v") != PROTOCOL_VERSION:
+        raise FrameError(f"protocol version {header.get('v')!r} != {PROTOCOL_VERSION}")
+    rid = header.get("id")
+    if type(rid) is not int or not 0 <= rid < 1 << 63:
+        raise FrameError("request id missing or not a non-negative int")
+    return header
+
+
+def check_lengths(header_len: int, payload_len: int) -> None:
+    if not 0 < header_len <= MAX_HEADER:
+        raise FrameError(f"header length {header_len} outside 1..{MAX_HEADER}")
+    if payload_len > MAX_PAYLOAD:
+        raise FrameError(f"payload length {payload_len} over the limit {MAX_PAYLOAD}")
+
+
+class FrameDecoder:
+    """Incremental decoder: ``feed`` bytes, get whole frames.
+
+    After a ``FrameError`` the stream is out of sync and the decoder refuses
+    further input; the owner answers once and closes the connection.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._broken = False
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        if self._broken:
+            raise FrameError("stream already broken")
+        self._buf += data
+        frames: list[Frame] = []
+        try:
+            while True:
+                frame = self._next()
+                if frame is None:
+                    return frames
+                frames.append(frame)
+        except FrameError:
+            self._broken = True
+            self._buf.clear()
+            raise
+
+    def _next(self) -> Frame | None:
+        buf = self._buf
+        if len(buf) < PREFIX.size:
+            return None
+        header_len, payload_len = PREFIX.unpack_from(buf)
+        check_lengths(header_len, payload_len)
+        end = PREFIX.size + header_len + payload_len
+        if len(buf) < end:
+            return None
+        header = decode_header(bytes(buf[PREFIX.size : PREFIX.size + header_len]))
+        payload = bytes(buf[PREFIX.size + header_len : end])
+        del buf[:end]
+        return Frame(header, payload)
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)

@@ -1,0 +1,234 @@
+"""The local control transport: a Unix socket served with asyncio (uvloop).
+
+Each connection starts with a handshake done on the raw socket: the client
+sends HELLO, the daemon answers with the pool's file descriptor attached
+(SCM_RIGHTS), so the client maps the very same memory. Only then is the
+socket handed to asyncio as a ``ControlProtocol``; from there on every frame
+is decoded with ``FrameDecoder`` and answered by ``Service.handle`` in
+arrival order. Requests are handled synchronously on the event loop (they
+only touch the in-memory index), so a response is written in the same
+``data_received`` call that completed its request.
+
+A malformed frame is answered once with an error status (request id 0 when
+it could not be read) and the connection is closed; the daemon and every
+other client carry on. A client that disappears is cleaned up by
+``Service.close``.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from emsd.service import RequestError, Service, Session
+from emsd.transport.frames import (
+    PREFIX,
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    FrameError,
+    Status,
+    check_lengths,
+    decode_header,
+    encode,
+    encode_parts,
+)
+
+log = logging.getLogger("emsd.unix")
+
+HANDSHAKE_TIMEOUT = 5.0
+_PEERCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
+
+
+class ControlProtocol(asyncio.Protocol):
+    """One authenticated client connection."""
+
+    def __init__(self, service: Service, session: Session, on_close: Callable[[Any], None]) -> None:
+        self.service = service
+        self.session = session
+        self.decoder = FrameDecoder()
+        self.transport: asyncio.Transport | None = None
+        self._on_close = on_close
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        try:
+            frames = self.decoder.feed(data)
+        except FrameError as exc:
+            self._refuse(exc)
+            return
+        out: list[bytes | memoryview] = []
+        for frame in frames:
+            resp, parts = self.service.handle(self.session, frame.header, frame.payload)
+            if not frame.header.get("nr") or resp.get("st"):
+                out += encode_parts(resp, *parts)
+        if out:
+            self.transport.writelines(out)
+
+    def _refuse(self, exc: FrameError) -> None:
+        assert self.transport is not None
+        log.warning("closing client pid %s: %s", self.session.peer_pid, exc)
+        self.transport.write(encode({"v": PROTOCOL_VERSION, "id": 0, "st": int(exc.status),
+                                     "msg": str(exc)}))
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.service.close(self.session)
+        self._on_close(self)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UnixControlServer:
+    """Accepts SDK connections on ``path``; hands each to a ``ControlProtocol``."""
+
+    def __init__(self, path: Path, mode: int, pool_fd: Callable[[], int | None],
+                 service: Callable[[], Service | None], on_count: Callable[[int], None]) -> None:
+        self.path = path
+        self.mode = mode
+        self._pool_fd = pool_fd
+        self._service = service
+        self._on_count = on_count
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._conns: set[ControlProtocol] = set()
+        self._handshakes: set[asyncio.Task[None]] = set()
+
+    def bind(self) -> None:
+        """Create the socket file (replacing a stale one); raises OSError if one is live."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(self.path))
+            except OSError:
+                self.path.unlink()
+            else:
+                raise OSError(f"another emsd is already serving on {self.path}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self.path))
+        os.chmod(self.path, self.mode)
+        sock.listen(512)
+        sock.setblocking(False)
+        self._listener = sock
+
+    def start(self) -> None:
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:  # EMFILE and friends: back off, keep serving
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(self._handshake(conn))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _handshake(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        conn.setblocking(False)
+        session = Session()
+        try:
+            session.peer_pid = peer_credentials(conn)[0]
+            header = await asyncio.wait_for(self._read_hello(loop, conn), HANDSHAKE_TIMEOUT)
+            service, fd = self._service(), self._pool_fd()
+            if service is None or fd is None:
+                self._send(conn, {"id": header["id"], "st": int(Status.RECOVERING),
+                                  "msg": "emsd is starting; retry"})
+                conn.close()
+                return
+            info = service.hello(session, header)
+            info.update(v=PROTOCOL_VERSION, id=header["id"], st=int(Status.OK))
+            self._send(conn, info, fd)
+        except (FrameError, RequestError) as exc:
+            status = exc.status
+            self._send(conn, {"id": 0, "st": int(status), "msg": str(exc)})
+            conn.close()
+            return
+        except (TimeoutError, OSError, ConnectionError) as exc:
+            log.debug("handshake with pid %s failed: %s", session.peer_pid, exc)
+            conn.close()
+            return
+        transport, proto = await loop.connect_accepted_socket(
+            lambda: ControlProtocol(service, session, self._closed), conn)
+        self._conns.add(proto)
+        self._on_count(len(self._conns))
+
+    async def _read_hello(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> dict[str, Any]:
+        prefix = await _recv_exact(loop, conn, PREFIX.size)
+        header_len, payload_len = PREFIX.unpack(prefix)
+        check_lengths(header_len, payload_len)
+        if payload_len:
+            raise FrameError("HELLO carries no payload")
+        return decode_header(await _recv_exact(loop, conn, header_len))
+
+    @staticmethod
+    def _send(conn: socket.socket, header: dict[str, Any], fd: int | None = None) -> None:
+        header.setdefault("v", PROTOCOL_VERSION)
+        data = encode(header)
+        try:
+            if fd is None:
+                conn.sendall(data)
+            else:
+                conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        except OSError:
+            pass
+
+    def _closed(self, proto: ControlProtocol) -> None:
+        self._conns.discard(proto)
+        self._on_count(len(self._conns))
+
+    async def close(self) -> None:
+        """Stop accepting, close every connection, remove the socket file."""
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+        for task in list(self._handshakes):
+            task.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for proto in list(self._conns):
+            proto.close()
+        await asyncio.sleep(0)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+async def _recv_exact(loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(conn, n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed during handshake")
+        buf += chunk
+    return bytes(buf)

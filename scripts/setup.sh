@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up everything emsd and its tests need on a fresh Debian machine (idempotent).
+#   scripts/setup.sh          the daemon and the SDK in .venv
+#   scripts/setup.sh --test   plus test tools, torch 2.13.0 (CPU) and Debian's zookeeper
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WITH_TEST=0
+[[ "${1:-}" == "--test" ]] && WITH_TEST=1
+PY="${PYTHON:-python3}"
+
+echo "[setup] python venv in .venv"
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip setuptools wheel
+
+if [[ $WITH_TEST == 1 ]]; then
+    # torch first and pinned: the CPU build lies on this machine's disk; a bare
+    # "torch" requirement would pull a multi-GB CUDA build instead.
+    echo "[setup] torch 2.13.0 (CPU)"
+    .venv/bin/python -m pip install -q torch==2.13.0
+    echo "[setup] emsd with test extras"
+    PIP_CONSTRAINT=scripts/constraints.txt .venv/bin/python -m pip install -q -e ".[test]"
+    if ! command -v zkServer.sh >/dev/null && [[ ! -x /usr/share/zookeeper/bin/zkServer.sh ]]; then
+        echo "[setup] Debian zookeeper (for the cluster tests)"
+        if [[ $(id -u) == 0 ]]; then SUDO=""; else SUDO="sudo"; fi
+        $SUDO apt-get install -y -q zookeeper >/dev/null 2>&1 || {
+            $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q zookeeper >/dev/null; }
+    fi
+else
+    echo "[setup] emsd"
+    .venv/bin/python -m pip install -q -e .
+fi
+echo "[setup] done"

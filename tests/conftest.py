@@ -1,0 +1,177 @@
+"""Fixtures: real emsd daemons as subprocesses, on a private socket directory.
+
+``emsd_factory(**overrides)`` writes a TOML config under the test's tmp
+directory, starts ``python -m emsd --config FILE``, and waits until the
+daemon's ``/healthz`` answers 200 (never a fixed sleep). Every daemon is
+stopped at the end of the test (SIGTERM, then SIGKILL if it hangs) and its
+exit status is checked, so a daemon that crashed during a test fails it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class Emsd:
+    """One daemon process started from a config written for the test."""
+
+    def __init__(self, workdir: Path, sections: dict[str, dict[str, Any]]) -> None:
+        self.workdir = workdir
+        self.sections = sections
+        self.socket_dir = Path(sections["node"]["socket_dir"])
+        self.metrics_port = int(sections["metrics"]["listen"].rsplit(":", 1)[1])
+        self.config_path = workdir / "emsd.toml"
+        self.log_path = workdir / "emsd.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def write_config(self) -> None:
+        lines = []
+        for name, table in self.sections.items():
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {_toml(v)}" for k, v in table.items()]
+        self.config_path.write_text("\n".join(lines) + "\n")
+
+    def start(self, wait: bool = True) -> Emsd:
+        self.write_config()
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "emsd", "--config", str(self.config_path)],
+            stdout=log, stderr=log, cwd=ROOT,
+        )
+        log.close()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"emsd exited with {self.proc.returncode}:\n{self.log()}")
+            if self.http("/healthz")[0] == 200:
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"emsd not ready after {timeout}s:\n{self.log()}")
+
+    def http(self, path: str) -> tuple[int, bytes]:
+        url = f"http://127.0.0.1:{self.metrics_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return 0, b""
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """Value of one sample on /metrics (0.0 when absent)."""
+        _, body = self.http("/metrics")
+        want = f"{name}{{{labels}}}" if labels else name
+        for line in body.decode().splitlines():
+            if line.startswith(want + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"emsd ignored SIGTERM:\n{self.log()}") from None
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture
+def emsd_factory(tmp_path: Path) -> Iterator[Any]:
+    started: list[Emsd] = []
+    counter = iter(range(1000))
+
+    def make(start: bool = True, **overrides: dict[str, Any]) -> Emsd:
+        i = next(counter)
+        workdir = tmp_path / f"emsd{i}"
+        workdir.mkdir()
+        sections: dict[str, dict[str, Any]] = {
+            "node": {"id": f"test-{i}", "socket_dir": str(workdir / "sock")},
+            "pool": {"size": "64MiB", "hugepages": "off", "page_size": "8MiB"},
+            "metrics": {"listen": f"127.0.0.1:{free_port()}"},
+            "log": {"level": "info"},
+        }
+        for name, table in overrides.items():
+            sections.setdefault(name, {}).update(table)
+        d = Emsd(workdir, sections)
+        started.append(d)
+        return d.start() if start else d
+
+    yield make
+    failures = []
+    for d in started:
+        if d.alive():
+            code = d.terminate()
+            if code != 0:
+                failures.append(f"emsd exited {code} on SIGTERM:\n{d.log()}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.fixture
+def emsd(emsd_factory: Any) -> Emsd:
+    return emsd_factory()
+
+
+@pytest.fixture
+def sdk_env(emsd: Emsd, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emsd]:
+    """The ``ems`` SDK pointed at ``emsd``; the process-wide state is reset after."""
+    from ems.ems import Ems
+
+    monkeypatch.setenv("EMS_SOCKET_DIR", str(emsd.socket_dir))
+    Ems._reset()
+    yield emsd
+    Ems._reset()
