@@ -82,6 +82,7 @@ class DaemonClient:
         self.pool: mmap.mmap | None = None
         self.pool_array: np.ndarray | None = None
         self.pool_addr = 0
+        self.pool_size = 0
         self.info: dict[str, Any] = {}
         self.broken = True
         self._ids = itertools.count(1)
@@ -121,6 +122,7 @@ class DaemonClient:
             os.close(fd)
         self.pool_array = np.frombuffer(self.pool, dtype=np.uint8)
         self.pool_addr = int(self.pool_array.ctypes.data)
+        self.pool_size = size
         self.info = answer
         self.sock = sock
         self.broken = False
@@ -128,6 +130,11 @@ class DaemonClient:
     def close(self) -> None:
         """Close the socket and unmap the pool. Call only with no copy in progress."""
         self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, "client closed"))
+        if self.pool_addr:
+            from ems.layout import unregister_pool_for_cuda
+
+            unregister_pool_for_cuda(self.pool_addr)
+            self.pool_addr = 0
         self.pool_array = None
         if self.pool is not None:
             try:

@@ -188,7 +188,7 @@ class ContextCaching:
         if new.size:
             try:
                 slots, counts = _select(req, new)
-                layout.save(client.pool_addr, slots, counts, offsets[new])
+                layout.save(client.pool_addr, slots, counts, offsets[new], pool_size=client.pool_size)
             except BaseException:
                 client.send_noreply(Op.COMMIT, {"c": 0, "a": int(new.size)},
                                     [handles[new].astype("<u4").tobytes()])
@@ -218,7 +218,8 @@ class ContextCaching:
                 idx = np.arange(hits)
                 slots, counts = _select(req, idx)
                 skip = None if req.skip is None else req.skip[:hits]
-                layout.load(client.pool_addr, slots, counts, offsets[:hits], skip)
+                layout.load(client.pool_addr, slots, counts, offsets[:hits], skip,
+                            pool_size=client.pool_size)
         finally:
             if count:
                 client.send_noreply(Op.RELEASE, {}, [handles])

@@ -1,0 +1,618 @@
+"""KvLayout: what ``register_kvcache`` records, and the copies between tensors and the pool.
+
+Registration
+------------
+``KvLayout.from_kvcache(kvcache)`` takes ``List[List[X]]`` (outer = layers,
+inner = the per-layer tensors, e.g. K and V) where X is a ``torch.Tensor``
+(CPU or CUDA), a ``numpy.ndarray`` or a ``KvBufferWrapper``. It records, per
+tensor, only addresses and geometry; no data moves and no tensor is copied.
+References to the tensors are kept so their memory stays alive.
+
+Every tensor's first two dimensions are ``[num_blocks, block_size]``, shared
+by all tensors; slot ``s`` is block ``s // block_size``, position
+``s % block_size``. A slot's *row* (all dimensions after the first two) must be
+contiguous in memory; rows hold ``row_bytes = prod(shape[2:]) * itemsize``
+bytes. The first two dimensions may be strided (e.g. K and V sliced out of one
+``[num_blocks, 2, block_size, ...]`` tensor): slot ``s`` lives at
+
+    base + (s // block_size) * stride0_bytes + (s % block_size) * stride1_bytes
+
+Slots must not overlap in memory. torch is never imported here: a tensor is
+recognised as a torch tensor only if torch is already loaded, so numpy arrays
+and ``KvBufferWrapper`` work without torch installed.
+
+The layout signature (``signature``) is a stable text naming the layers,
+tensors per layer, dtype and row bytes. It goes into the block namespace so
+that two layouts whose bytes would be read differently never share blocks.
+It deliberately leaves out ``num_blocks`` (which varies with free GPU memory
+between instances of one model), ``block_size`` (it does not change the bytes
+of a slot), the device and the strides.
+
+Block layout in the pool (the contract with the other components)
+------------------------------------------------------------------
+A request names ``K`` keys; key ``j`` covers ``counts[j]`` consecutive entries
+of ``slots`` (the slot mapping), starting at ``starts[j] = sum(counts[:j])``,
+and its value lives at pool offset ``offsets[j]``, tensor-major: for each
+tensor ``t`` in registration order (layer-major, then inner index), the
+``counts[j]`` rows of that tensor, in slot-mapping order, occupy
+
+    offsets[j] + counts[j] * prefix_t  ...  + counts[j] * row_bytes_t
+
+where ``prefix_t`` is the sum of the row bytes of the tensors before ``t``.
+The value is ``counts[j] * slot_bytes`` bytes, ``slot_bytes`` being the sum of
+all tensors' row bytes.
+
+The copy
+--------
+``save`` copies every (key, tensor) from the slots into the pool, ``load`` the
+reverse; ``load``'s ``skip[j]`` leading positions of key ``j`` are not written
+back (a token-mask prefix that is already in the tensors). Both compute, with
+vectorised numpy and no per-block Python loop, the (destination, source,
+length) address triple of every segment and issue ONE batched
+``ems.copy.copy_segments`` call that moves the bytes exactly once. A segment
+is a *run*: a maximal sequence of positions of one key whose slot addresses
+are consecutive in a tensor, so a whole vLLM block becomes one memcpy per
+tensor. Runs depend only on a tensor's (stride0, stride1, row_bytes), so they
+are computed once per distinct geometry and broadcast over its tensors.
+
+CUDA tensors go through ``torch`` copies between device memory and a
+page-locked (``cudaHostRegister``) view of the pool, one ``copy_`` per
+segment on the current stream, then a stream synchronisation. That path is
+UNTESTED here (no GPU on the development machine); see ``_copy_cuda``.
+
+Validation raises ``EmsException(EMS_INVALID_ARGUMENT)`` whose message names
+the offending element (``kvcache[i][j]``, ``slot_mapping[i]``...) and the rule.
+Bad slots are always rejected before any byte moves: a slot out of range
+would otherwise be a write to arbitrary memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ems.buffer import KvBufferWrapper
+from ems.common.exception import EmsErrorCode, EmsException, invalid
+from ems.copy import copy_segments
+
+__all__ = ["KvLayout", "TensorInfo", "register_pool_for_cuda", "unregister_pool_for_cuda"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One registered tensor: where its slots are and how big a row is."""
+
+    name: str  # "kvcache[i][j]"
+    base: int  # address of slot 0
+    stride0: int  # bytes between blocks
+    stride1: int  # bytes between positions of a block
+    row_bytes: int
+    dtype: str  # "float16", "bfloat16", "uint8" (KvBufferWrapper)...
+    device: str  # "cpu" or "cuda"
+    num_blocks: int
+    block_size: int
+    ref: Any  # the tensor itself, kept alive (and used by the CUDA path)
+
+
+# ---------------------------------------------------------------------------
+# Describing one registered element
+# ---------------------------------------------------------------------------
+
+
+def _row_is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether dimensions 2.. of a (shape, byte strides) form one dense C-order row."""
+    expected = itemsize
+    for size, stride in zip(reversed(shape[2:]), reversed(strides[2:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _slots_overlap(num_blocks: int, block_size: int, s0: int, s1: int, row: int) -> bool:
+    """A sufficient test that distinct slots never share a byte (blocks-outer or blocks-inner)."""
+    a0 = abs(s0) if num_blocks > 1 else None
+    a1 = abs(s1) if block_size > 1 else None
+    if a0 is None and a1 is None:
+        return False
+    if a0 is None:
+        return a1 is not None and a1 < row
+    if a1 is None:
+        return a0 < row
+    blocks_outer = a1 >= row and a0 >= block_size * a1
+    blocks_inner = a0 >= row and a1 >= num_blocks * a0
+    return not (blocks_outer or blocks_inner)
+
+
+def _geometry(
+    name: str,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    itemsize: int,
+) -> tuple[int, int, int]:
+    """Validate a strided tensor's geometry; return (stride0, stride1, row_bytes) in bytes."""
+    if len(shape) < 2:
+        raise invalid(
+            f"{name}: needs at least 2 dimensions [num_blocks, block_size, ...], got shape {tuple(shape)}"
+        )
+    if any(d <= 0 for d in shape):
+        raise invalid(f"{name}: every dimension must be positive, got shape {tuple(shape)}")
+    if not _row_is_contiguous(shape, strides, itemsize):
+        raise invalid(
+            f"{name}: the per-slot row (dimensions 2..) must be contiguous in memory, "
+            f"got shape {tuple(shape)} with byte strides {tuple(strides)}"
+        )
+    row = int(np.prod(shape[2:], dtype=np.int64)) * itemsize
+    if _slots_overlap(shape[0], shape[1], strides[0], strides[1], row):
+        raise invalid(
+            f"{name}: slots must not overlap in memory, got byte strides "
+            f"{tuple(strides[:2])} for rows of {row} bytes"
+        )
+    return int(strides[0]), int(strides[1]), row
+
+
+def _describe_numpy(x: np.ndarray, name: str) -> TensorInfo:
+    if x.dtype.hasobject:
+        raise invalid(f"{name}: numpy arrays of Python objects cannot hold KV data")
+    if not x.flags.writeable:
+        raise invalid(f"{name}: the numpy array must be writable (loads write into it)")
+    s0, s1, row = _geometry(name, x.shape, x.strides, x.itemsize)
+    return TensorInfo(name, int(x.ctypes.data), s0, s1, row, x.dtype.name, "cpu", x.shape[0], x.shape[1], x)
+
+
+def _describe_wrapper(x: KvBufferWrapper, name: str) -> TensorInfo:
+    s1 = x.row_bytes
+    return TensorInfo(
+        name, x.address, x.block_size * s1, s1, x.row_bytes, "uint8", "cpu",
+        x.num_blocks, x.block_size, x,
+    )  # fmt: skip
+
+
+def _describe_torch(x: Any, name: str) -> TensorInfo:
+    torch = sys.modules["torch"]
+    if x.layout != torch.strided:
+        raise invalid(f"{name}: only dense (strided) tensors are supported, got {x.layout}")
+    device = x.device.type
+    if device not in ("cpu", "cuda"):
+        raise invalid(f"{name}: tensors must be on a CPU or CUDA device, got {x.device}")
+    itemsize = x.element_size()
+    strides = tuple(s * itemsize for s in x.stride())
+    s0, s1, row = _geometry(name, tuple(x.shape), strides, itemsize)
+    dtype = str(x.dtype).removeprefix("torch.")
+    return TensorInfo(name, int(x.data_ptr()), s0, s1, row, dtype, device, x.shape[0], x.shape[1], x)
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")  # never import torch ourselves
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def describe(x: Any, name: str) -> TensorInfo:
+    """Describe one element of ``kvcache``; raises INVALID_ARGUMENT naming ``name``."""
+    if isinstance(x, KvBufferWrapper):
+        return _describe_wrapper(x, name)
+    if isinstance(x, np.ndarray):
+        return _describe_numpy(x, name)
+    if _is_torch_tensor(x):
+        return _describe_torch(x, name)
+    raise invalid(
+        f"{name}: expected a torch.Tensor, numpy.ndarray or KvBufferWrapper, got {type(x).__name__}"
+    )
+
+
+def _describe_all(kvcache: Any) -> list[list[TensorInfo]]:
+    if not isinstance(kvcache, list | tuple) or len(kvcache) == 0:
+        raise invalid("kvcache must be a non-empty list of layers (List[List[Tensor]])")
+    layers = []
+    for i, layer in enumerate(kvcache):
+        if not isinstance(layer, list | tuple) or len(layer) == 0:
+            raise invalid(f"kvcache[{i}] must be a non-empty list of tensors")
+        layers.append([describe(x, f"kvcache[{i}][{j}]") for j, x in enumerate(layer)])
+    return layers
+
+
+def _check_consistent(infos: list[TensorInfo]) -> None:
+    first = infos[0]
+    for t in infos[1:]:
+        if t.num_blocks != first.num_blocks:
+            raise invalid(
+                f"{t.name}: num_blocks (dimension 0) is {t.num_blocks}, but {first.name} has "
+                f"{first.num_blocks}; all tensors must share num_blocks"
+            )
+        if t.block_size != first.block_size:
+            raise invalid(
+                f"{t.name}: block_size (dimension 1) is {t.block_size}, but {first.name} has "
+                f"{first.block_size}; all tensors must share block_size"
+            )
+        if t.device != first.device:
+            raise invalid(
+                f"{t.name}: is on {t.device} but {first.name} is on {first.device}; "
+                "all tensors must be on the same kind of device"
+            )
+
+
+def layout_signature(layers: list[list[TensorInfo]]) -> str:
+    """Stable text for the namespace: ``kv1/L32xT2/float16:2048,float16:2048`` when every
+    layer holds the same tensors, else ``kv1/L3/<layer>;<layer>;...``."""
+    rows = [",".join(f"{t.dtype}:{t.row_bytes}" for t in layer) for layer in layers]
+    if all(r == rows[0] for r in rows):
+        return f"kv1/L{len(layers)}xT{len(layers[0])}/{rows[0]}"
+    return f"kv1/L{len(layers)}/" + ";".join(rows)
+
+
+# ---------------------------------------------------------------------------
+# Request arguments
+# ---------------------------------------------------------------------------
+
+
+def _int_array(values: Any, name: str) -> np.ndarray:
+    """A request argument (sequence, numpy array or torch tensor, on any device) as int64."""
+    if _is_torch_tensor(values):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise invalid(f"{name} must be 1-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise invalid(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        i = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise invalid(f"{name}[{i}] = {int(arr[i])} is too large")
+    return arr.astype(np.int64, copy=False)
+
+
+def _first_bad(mask: np.ndarray) -> int:
+    return int(np.argmax(mask))
+
+
+@dataclass(frozen=True)
+class _Request:
+    slots: np.ndarray  # int64 [N]
+    counts: np.ndarray  # int64 [K]
+    offsets: np.ndarray  # int64 [K]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """One batch of copies: tensor-side address, pool-side address, byte count, tensor index."""
+
+    tensor_addr: np.ndarray  # int64
+    pool_addr: np.ndarray  # int64
+    length: np.ndarray  # int64
+    tensor: np.ndarray  # int64 index into KvLayout.tensors
+
+
+# ---------------------------------------------------------------------------
+# The layout
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _GeometryGroup:
+    """Tensors sharing (stride0, stride1, row_bytes): their runs are the same."""
+
+    stride0: int
+    stride1: int
+    row_bytes: int
+    tensor: np.ndarray  # int64 indices into the layout's tensors
+    base: np.ndarray  # int64 base addresses
+    prefix: np.ndarray  # int64 prefix_t of each tensor
+
+
+class KvLayout:
+    """The registered KV cache: geometry of every tensor, the pool block layout, the copies.
+
+    Immutable after construction; ``save``/``load`` may run concurrently from
+    several threads (they only read the layout, and the copy releases the GIL).
+    """
+
+    def __init__(self, layers: list[list[TensorInfo]]) -> None:
+        tensors = [t for layer in layers for t in layer]
+        _check_consistent(tensors)
+        self.tensors: tuple[TensorInfo, ...] = tuple(tensors)
+        self.num_layers = len(layers)
+        self.num_blocks = tensors[0].num_blocks
+        self.block_size = tensors[0].block_size
+        self.num_slots = self.num_blocks * self.block_size
+        self.device = tensors[0].device
+        rows = np.array([t.row_bytes for t in tensors], dtype=np.int64)
+        self.slot_bytes = int(rows.sum())
+        self.signature = layout_signature(layers)
+        prefix = np.concatenate(([0], np.cumsum(rows)[:-1])).astype(np.int64)
+        self._groups = _group_by_geometry(tensors, prefix)
+        self._cuda_views: list[Any] | None = None
+
+    @classmethod
+    def from_kvcache(cls, kvcache: Any) -> KvLayout:
+        """Validate ``kvcache`` (List[List[tensor-like]]) and record its layout."""
+        return cls(_describe_all(kvcache))
+
+    def __repr__(self) -> str:
+        return (
+            f"KvLayout(layers={self.num_layers}, tensors={len(self.tensors)}, "
+            f"num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"slot_bytes={self.slot_bytes}, device={self.device!r}, "
+            f"signature={self.signature!r})"
+        )
+
+    # -- sizes and checks ---------------------------------------------------
+
+    def block_bytes(self, counts: np.ndarray) -> np.ndarray:
+        """Bytes of each key's value: ``counts[j] * slot_bytes`` (int64)."""
+        return _int_array(counts, "counts") * self.slot_bytes
+
+    def check_slots(self, slots: np.ndarray) -> None:
+        """Every slot in ``[0, num_slots)``, else INVALID_ARGUMENT naming the first bad one."""
+        s = _int_array(slots, "slot_mapping")
+        bad = (s < 0) | (s >= self.num_slots)
+        if bad.any():
+            i = _first_bad(bad)
+            raise invalid(
+                f"slot_mapping[{i}] = {int(s[i])} is out of range [0, {self.num_slots}) "
+                f"(num_blocks {self.num_blocks} * block_size {self.block_size})"
+            )
+
+    def _request(self, slots: Any, counts: Any, offsets: Any, pool_size: int | None) -> _Request:
+        s = _int_array(slots, "slot_mapping")
+        c = _int_array(counts, "counts")
+        o = _int_array(offsets, "offsets")
+        if len(o) != len(c):
+            raise invalid(f"offsets has {len(o)} entries but counts has {len(c)}; must be equal")
+        if (c < 0).any():
+            i = _first_bad(c < 0)
+            raise invalid(f"counts[{i}] = {int(c[i])} must be >= 0")
+        if int(c.sum()) != len(s):
+            raise invalid(f"sum(counts) = {int(c.sum())} must equal len(slot_mapping) = {len(s)}")
+        if (o < 0).any():
+            i = _first_bad(o < 0)
+            raise invalid(f"offsets[{i}] = {int(o[i])} must be >= 0")
+        if pool_size is not None and len(c):
+            end = o + c * self.slot_bytes
+            if (end > pool_size).any():
+                i = _first_bad(end > pool_size)
+                raise invalid(
+                    f"key {i}: pool range [{int(o[i])}, {int(end[i])}) exceeds the pool size {pool_size}"
+                )
+        self.check_slots(s)
+        return _Request(s, c, o)
+
+    # -- segments -----------------------------------------------------------
+
+    def segments(
+        self,
+        pool_addr: int,
+        slots: Any,
+        counts: Any,
+        offsets: Any,
+        skip: Any = None,
+        *,
+        pool_size: int | None = None,
+    ) -> Segments:
+        """Validate a request and compute all its copy segments (vectorised; no copy)."""
+        if isinstance(pool_addr, bool) or not isinstance(pool_addr, int | np.integer):
+            raise invalid(f"pool_addr must be an int address, got {type(pool_addr).__name__}")
+        if pool_addr <= 0:
+            raise invalid(f"pool_addr must be a positive address, got {pool_addr}")
+        req = self._request(slots, counts, offsets, pool_size)
+        key, pos = _positions(req.counts)
+        if skip is not None:
+            sk = _int_array(skip, "skip")
+            if len(sk) != len(req.counts):
+                raise invalid(f"skip has {len(sk)} entries but counts has {len(req.counts)}; must be equal")
+            bad = (sk < 0) | (sk > req.counts)
+            if bad.any():
+                i = _first_bad(bad)
+                raise invalid(f"skip[{i}] = {int(sk[i])} must be in [0, counts[{i}]]")
+            keep = pos >= sk[key]
+            key, pos, slot = key[keep], pos[keep], req.slots[keep]
+        else:
+            slot = req.slots
+        block, within = np.divmod(slot, self.block_size)
+        parts = [_group_segments(g, int(pool_addr), req, key, pos, block, within) for g in self._groups]
+        return Segments(*(np.concatenate([p[k] for p in parts]) for k in range(4)))
+
+    # -- copies -------------------------------------------------------------
+
+    def save(
+        self,
+        pool_addr: int,
+        slots: np.ndarray,
+        counts: np.ndarray,
+        offsets: np.ndarray,
+        *,
+        pool_size: int | None = None,
+    ) -> None:
+        """Copy the slots of every key, for every tensor, into the pool (layout above).
+
+        ``pool_addr`` is the address of the mapped pool; ``offsets`` are byte
+        offsets into it. ``pool_size``, when given, bounds-checks every key's
+        range (required for CUDA layouts, which register the pool page-locked).
+        Raises INVALID_ARGUMENT before any byte moves on bad arguments.
+        """
+        segs = self.segments(pool_addr, slots, counts, offsets, pool_size=pool_size)
+        if self.device == "cuda":
+            self._copy_cuda(segs, pool_addr, pool_size, to_pool=True)
+        else:
+            copy_segments(segs.pool_addr, segs.tensor_addr, segs.length)
+
+    def load(
+        self,
+        pool_addr: int,
+        slots: np.ndarray,
+        counts: np.ndarray,
+        offsets: np.ndarray,
+        skip: np.ndarray | None = None,
+        *,
+        pool_size: int | None = None,
+    ) -> None:
+        """Copy every key's value from the pool back into the slots.
+
+        ``skip[j]`` leading positions of key ``j`` are left untouched in the
+        tensors (0 <= skip[j] <= counts[j]). When a slot appears more than once
+        among the written positions, which copy lands last is unspecified.
+        """
+        segs = self.segments(pool_addr, slots, counts, offsets, skip, pool_size=pool_size)
+        if self.device == "cuda":
+            self._copy_cuda(segs, pool_addr, pool_size, to_pool=False)
+        else:
+            copy_segments(segs.tensor_addr, segs.pool_addr, segs.length)
+
+    # -- CUDA (untested here: no GPU on the development machine) -------------
+
+    def _copy_cuda(self, segs: Segments, pool_addr: int, pool_size: int | None, *, to_pool: bool) -> None:
+        """CUDA path: per-segment ``torch`` copies between device memory and the pinned pool.
+
+        UNTESTED on real hardware. The pool is registered page-locked once
+        (``register_pool_for_cuda``), so each ``copy_(non_blocking=True)`` is
+        a DMA on the tensor device's current stream, ordered after the
+        compute that produced (save) or before the compute that consumes
+        (load) the KV data; the call returns after those streams synchronise,
+        so a save is complete in the pool and a load complete in the tensors.
+        Cost: one Python-level ``copy_`` per segment (a few microseconds
+        each); a batched ``cudaMemcpyBatchAsync`` or a gather kernel over the
+        mapped pool would remove that overhead.
+        """
+        if not len(segs.length):
+            return
+        if pool_size is None:
+            raise invalid("pool_size is required to save or load CUDA tensors")
+        torch = sys.modules["torch"]
+        pool = register_pool_for_cuda(pool_addr, pool_size)
+        views = self._device_byte_views()
+        bases = np.array([t.base for t in self.tensors], dtype=np.int64)
+        toff = segs.tensor_addr - bases[segs.tensor]
+        poff = segs.pool_addr - pool_addr
+        try:
+            copy_torch_segments(
+                views, pool, segs.tensor.tolist(), toff.tolist(), poff.tolist(),
+                segs.length.tolist(), to_pool=to_pool,
+            )  # fmt: skip
+            for dev in {self.tensors[t].ref.device for t in set(segs.tensor.tolist())}:
+                torch.cuda.current_stream(dev).synchronize()
+        except RuntimeError as e:
+            raise EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, f"CUDA copy failed: {e}") from e
+
+    def _device_byte_views(self) -> list[Any]:
+        if self._cuda_views is None:
+            self._cuda_views = [torch_byte_view(t.ref) for t in self.tensors]
+        return self._cuda_views
+
+
+def _group_by_geometry(tensors: list[TensorInfo], prefix: np.ndarray) -> list[_GeometryGroup]:
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.stride0, t.stride1, t.row_bytes), []).append(i)
+    out = []
+    for (s0, s1, row), idx in groups.items():
+        ids = np.array(idx, dtype=np.int64)
+        bases = np.array([tensors[i].base for i in idx], dtype=np.int64)
+        out.append(_GeometryGroup(s0, s1, row, ids, bases, prefix[ids]))
+    return out
+
+
+def _positions(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each slot-mapping entry: its key index and its position within the key."""
+    n = int(counts.sum())
+    key = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    starts = np.cumsum(counts) - counts
+    pos = np.arange(n, dtype=np.int64) - starts[key]
+    return key, pos
+
+
+def _group_segments(
+    g: _GeometryGroup,
+    pool_addr: int,
+    req: _Request,
+    key: np.ndarray,
+    pos: np.ndarray,
+    block: np.ndarray,
+    within: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of one geometry group, broadcast over its tensors (key-major, then tensor)."""
+    rel = block * g.stride0 + within * g.stride1  # slot address relative to a tensor's base
+    m = len(rel)
+    starts_run = np.ones(m, dtype=bool)
+    starts_run[1:] = (key[1:] != key[:-1]) | (pos[1:] != pos[:-1] + 1) | (rel[1:] != rel[:-1] + g.row_bytes)
+    first = np.flatnonzero(starts_run)
+    rows = np.diff(np.append(first, m))  # rows per run
+    rkey = key[first]
+    tensor_addr = rel[first][:, None] + g.base[None, :]
+    pool_side = (
+        pool_addr
+        + req.offsets[rkey][:, None]
+        + req.counts[rkey][:, None] * g.prefix[None, :]
+        + (pos[first] * g.row_bytes)[:, None]
+    )
+    length = np.broadcast_to((rows * g.row_bytes)[:, None], tensor_addr.shape)
+    tensor = np.broadcast_to(g.tensor[None, :], tensor_addr.shape)
+    return tensor_addr.ravel(), pool_side.ravel(), length.ravel(), tensor.ravel()
+
+
+# ---------------------------------------------------------------------------
+# torch helpers for the CUDA path (device-agnostic; only registration is CUDA)
+# ---------------------------------------------------------------------------
+
+_registered_pools: dict[tuple[int, int], Any] = {}
+
+
+def register_pool_for_cuda(pool_addr: int, pool_size: int) -> Any:
+    """Page-lock the mapped pool for CUDA DMA (once) and return a uint8 CPU tensor over it.
+
+    UNTESTED here. Raises EMS_INTERNAL_ERROR if ``cudaHostRegister`` fails.
+    Call ``unregister_pool_for_cuda`` before unmapping the pool.
+    """
+    view = _registered_pools.get((pool_addr, pool_size))
+    if view is not None:
+        return view
+    torch = sys.modules["torch"]
+    rc = int(torch.cuda.cudart().cudaHostRegister(pool_addr, pool_size, 1))  # 1 = Portable
+    if rc != 0:
+        raise EmsException(
+            EmsErrorCode.EMS_INTERNAL_ERROR,
+            f"cudaHostRegister of the pool ({pool_size} bytes) failed with cudaError {rc}",
+        )
+    view = torch.frombuffer((ctypes.c_char * pool_size).from_address(pool_addr), dtype=torch.uint8)
+    _registered_pools[(pool_addr, pool_size)] = view
+    return view
+
+
+def unregister_pool_for_cuda(pool_addr: int) -> None:
+    """Undo ``register_pool_for_cuda`` for the pool at ``pool_addr`` (no-op if not registered)."""
+    for key in [k for k in _registered_pools if k[0] == pool_addr]:
+        del _registered_pools[key]
+        torch = sys.modules["torch"]
+        torch.cuda.cudart().cudaHostUnregister(pool_addr)
+
+
+def torch_byte_view(x: Any) -> Any:
+    """A 1-D uint8 tensor over ``x``'s storage starting at ``x.data_ptr()`` (same device)."""
+    torch = sys.modules["torch"]
+    storage = x.untyped_storage()
+    offset = x.storage_offset() * x.element_size()
+    view = torch.empty(0, dtype=torch.uint8, device=x.device)
+    return view.set_(storage, offset, (storage.nbytes() - offset,), (1,))
+
+
+def copy_torch_segments(
+    views: list[Any],
+    pool: Any,
+    tensor: list[int],
+    tensor_off: list[int],
+    pool_off: list[int],
+    length: list[int],
+    *,
+    to_pool: bool,
+) -> None:
+    """One non-blocking ``copy_`` per segment between tensor byte views and the pool view."""
+    for t, a, b, n in zip(tensor, tensor_off, pool_off, length, strict=True):
+        dev = views[t][a : a + n]
+        host = pool[b : b + n]
+        if to_pool:
+            host.copy_(dev, non_blocking=True)
+        else:
+            dev.copy_(host, non_blocking=True)
