@@ -64,8 +64,7 @@ class ControlProtocol(asyncio.Protocol):
         self._on_close = on_close
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None

@@ -77,7 +77,7 @@ def test_healthz_and_metrics_after_a_workload(emsd: Any, monkeypatch: Any) -> No
         kv = [[torch.ones(8, BLOCK, 16) for _ in range(2)]]
         cc.register_kvcache(kv)
         assert cc.save(list(range(8)), hashes=[1, 2], offsets=[4, 4]).success == 2
-        assert cc.load(list(range(8)), hashes=[1, 2, 3], offsets=[4, 2, 2]).success == 2
+        assert cc.load(list(range(12)), hashes=[1, 2, 3], offsets=[4, 4, 4]).success == 2
         assert cc.exists([1, 9]).success == 1
     finally:
         Ems._reset()
@@ -222,7 +222,7 @@ def test_client_killed_mid_call_leaks_no_reservation_or_pin(emsd_factory: Any, m
         assert time.monotonic() < deadline, d.log()
         time.sleep(0.01)
     victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    victim.communicate()
     client = DaemonClient(d.socket_dir / "emsd.sock")
     client.connect({})
     try:
