@@ -45,6 +45,7 @@ from emsd.transport.frames import (
 DEFAULT_SOCKET_DIR = "/dev/shm/ems"
 SOCKET_DIR_ENV = "EMS_SOCKET_DIR"
 CONNECT_TIMEOUT = 2.0
+_MADV_POPULATE_WRITE = 23
 
 Late = Callable[[dict[str, Any], bytes], None]
 
@@ -115,6 +116,7 @@ class DaemonClient:
         try:
             size = int(answer["pool_size"])
             self.pool = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            _populate(self.pool)
         except (OSError, KeyError, ValueError) as exc:
             sock.close()
             raise EmsException(EmsErrorCode.EMS_IO_ERROR, f"cannot map the pool: {exc}") from None
@@ -268,6 +270,20 @@ class DaemonClient:
                 sock.close()
             except OSError:
                 pass
+
+
+def _populate(pool: mmap.mmap) -> None:
+    """Fill this process's page tables for the pool up front.
+
+    The daemon has already allocated every page; without this each first
+    touch of a 4 KiB page here is a minor fault (about 30% of a 2 MiB block's
+    copy time). MADV_POPULATE_WRITE (Linux 5.14) maps them in one call;
+    older kernels just fault lazily.
+    """
+    try:
+        pool.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        pass
 
 
 def _recv_hello(sock: socket.socket) -> tuple[dict[str, Any], int | None]:

@@ -42,7 +42,7 @@ class Ems:
         """Connect to the local emsd; raises ``EmsException`` on failure."""
         if not isinstance(config, EmsConfig):
             raise invalid(f"config must be an EmsConfig, not {type(config).__name__}")
-        config.validate()
+        cc_cfg = config.validate()
         with cls._lock:
             if cls._client is not None and not cls._client.broken and cls._config is config:
                 return
@@ -53,7 +53,6 @@ class Ems:
             if old is not None:
                 old.close()
             if cls._cc is None or cls._config is not config:
-                cc_cfg = config.cc_config
                 cls._cc = ContextCaching(cls._current_client, cc_cfg, config.access_id,
                                          Profiler.from_env())
             cls._config = config

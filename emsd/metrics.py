@@ -50,7 +50,7 @@ class Metrics:
                                    registry=r)
         self.clients = Gauge("emsd_clients_connected", "SDK connections open", registry=r)
         self.ready = Gauge("emsd_ready", "1 once the pool is attached and serving", registry=r)
-        self._children: dict[tuple[str, str], Any] = {}
+        self._children: dict[Any, Any] = {}
 
     def observe_op(self, op: str, result: str, seconds: float) -> None:
         key = (op, result)
@@ -62,17 +62,25 @@ class Metrics:
         child[1].observe(seconds)
 
     def reserved(self, keys: int, nbytes: int, failed: int) -> None:
-        self.bytes.labels("reserve").inc(nbytes)
+        self._child(self.bytes, "reserve").inc(nbytes)
         if failed:
             self.save_failed.inc(failed)
 
     def looked_up(self, op: str, hits: int, misses: int, nbytes: int) -> None:
         if hits:
-            self.keys.labels(op, "hit").inc(hits)
+            self._child(self.keys, op, "hit").inc(hits)
         if misses:
-            self.keys.labels(op, "miss").inc(misses)
+            self._child(self.keys, op, "miss").inc(misses)
         if nbytes:
-            self.bytes.labels(op).inc(nbytes)
+            self._child(self.bytes, op).inc(nbytes)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: ``labels()`` costs microseconds a call."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def watch_pool(self, stats: Callable[[], Any]) -> None:
         """Publish the store's gauges, read from ``stats()`` at each scrape."""

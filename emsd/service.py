@@ -98,7 +98,7 @@ class Service:
         start = time.perf_counter()
         name = _op_name(op)
         try:
-            handler = self._handlers.get(op) if type(op) is int else None
+            handler = self._handlers.get(op) if type(op) is int else None  # type: ignore[call-overload]
             if handler is None:
                 raise RequestError(Status.INVALID_ARGUMENT, f"unknown op {op!r}")
             resp, parts = handler(self, session, header, payload)
@@ -247,7 +247,7 @@ class Service:
         if len(p) < width * n:
             raise RequestError(Status.INVALID_ARGUMENT, f"keys: expected {width * n} bytes, got {len(p)}")
         try:
-            keys = KeyBatch.from_wire(kt, p[: width * n], n)
+            keys = KeyBatch.from_wire(int(kt), p[: width * n], n)  # type: ignore[arg-type]
         except KeyError_ as exc:
             raise RequestError(Status.INVALID_ARGUMENT, f"keys: {exc}") from None
         return ns, keys, p[width * n :]

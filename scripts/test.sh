@@ -5,5 +5,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 echo "[test] ruff"
 .venv/bin/ruff check emsd ems tests benchmarks
+echo "[test] mypy"
+.venv/bin/mypy emsd ems
 echo "[test] pytest"
 exec .venv/bin/python -m pytest -q "$@"

@@ -159,7 +159,7 @@ def _try_int_array(keys: Sequence[int | bytes]) -> np.ndarray | None:
         return None
     for code in ("q", "Q"):
         try:
-            return np.frombuffer(array.array(code, keys), dtype=np.uint64).copy()
+            return np.frombuffer(array.array(code, keys), dtype=np.uint64).copy()  # type: ignore[type-var]
         except (TypeError, OverflowError):
             continue
     return None
