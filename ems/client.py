@@ -46,6 +46,7 @@ DEFAULT_SOCKET_DIR = "/dev/shm/ems"
 SOCKET_DIR_ENV = "EMS_SOCKET_DIR"
 CONNECT_TIMEOUT = 2.0
 _MADV_POPULATE_WRITE = 23
+RECV_BUFFER = 64 * 1024
 
 Late = Callable[[dict[str, Any], bytes], None]
 
@@ -91,7 +92,12 @@ class DaemonClient:
         self._read_lock = threading.Lock()
         self._cond = threading.Condition()
         self._slots: dict[int, _Slot] = {}
+        self._waiters = 0  # threads blocked in _cond.wait (read under _cond)
         self._decoder = FrameDecoder()
+        # A fixed receive buffer: recv(n) would allocate (and for large n, mmap)
+        # a fresh n-byte object on every call.
+        self._rbuf = bytearray(RECV_BUFFER)
+        self._rview = memoryview(self._rbuf)
 
     # -- connection -------------------------------------------------------------
 
@@ -198,12 +204,17 @@ class DaemonClient:
                     self._pump(slot, deadline)
                 finally:
                     self._read_lock.release()
-                    with self._cond:
-                        self._cond.notify_all()
+                    with self._cond:  # under _cond: a follower is either waiting or will see it free
+                        if self._waiters:
+                            self._cond.notify_all()
                 continue
             with self._cond:
                 if not slot.done and self._read_lock.locked():
-                    self._cond.wait(timeout=remaining)
+                    self._waiters += 1
+                    try:
+                        self._cond.wait(timeout=remaining)
+                    finally:
+                        self._waiters -= 1
 
     def _give_up(self, slot: _Slot, rid: int) -> None:
         with self._cond:
@@ -223,17 +234,17 @@ class DaemonClient:
                 return
             try:
                 sock.settimeout(remaining)
-                data = sock.recv(1 << 20)
+                got = sock.recv_into(self._rbuf)
             except TimeoutError:
                 return
             except OSError as exc:
                 self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, f"emsd connection lost: {exc}"))
                 return
-            if not data:
+            if not got:
                 self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, "emsd closed the connection"))
                 return
             try:
-                frames = self._decoder.feed(data)
+                frames = self._decoder.feed(self._rview[:got])
             except FrameError as exc:
                 self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, f"bad answer from emsd: {exc}"))
                 return
@@ -249,7 +260,8 @@ class DaemonClient:
             late = slot.late if slot.done else None
             if not slot.done:
                 slot.header, slot.payload, slot.done = header, payload, True
-            self._cond.notify_all()
+            if self._waiters:
+                self._cond.notify_all()
         if late is not None and header.get("st") == Status.OK:
             try:
                 late(header, payload)
