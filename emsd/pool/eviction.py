@@ -1,0 +1,55 @@
+"""Eviction policy: pure functions from the pool's state to what to reclaim.
+
+The store feeds these with arrays from the index and the allocator and
+carries out the answer (mechanism apart from policy, as memcached's
+``slab_automove``). Nothing here mutates its inputs.
+
+- ``lru_victims``: the least recently used of the eligible entries (READY,
+  unpinned, of the class that is short), oldest first.
+- ``page_to_steal``: when a class cannot make room from its own entries, the
+  page of another class to take back: one whose live entries are all READY
+  and unpinned, and whose most recent use is the oldest. A page with no live
+  entry at all is the best choice (its most recent use counts as -1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def lru_victims(last_used: np.ndarray, eligible_ids: np.ndarray, n: int) -> np.ndarray:
+    """The (at most) ``n`` ids of ``eligible_ids`` with the smallest
+    ``last_used[id]``, oldest first, ties by position in ``eligible_ids``."""
+    if n <= 0 or eligible_ids.size == 0:
+        return eligible_ids[:0]
+    stamps = last_used[eligible_ids]
+    if n < eligible_ids.size:
+        part = np.argpartition(stamps, n - 1)[:n]
+        part.sort()  # keep ties in input order, so the answer is deterministic
+    else:
+        part = np.arange(eligible_ids.size)
+    order = part[np.argsort(stamps[part], kind="stable")]
+    return eligible_ids[order]
+
+
+def page_to_steal(page_owner: np.ndarray, entry_pages: np.ndarray,
+                  entry_last_used: np.ndarray, entry_blocked: np.ndarray,
+                  requester: int) -> int | None:
+    """Page to take back for class ``requester``, or None if none can be.
+
+    ``page_owner``: class id per page (-1 free). ``entry_pages``,
+    ``entry_last_used``, ``entry_blocked``: per live entry, its page, its
+    last use, and whether it must stay (PENDING or pinned). Candidates are
+    pages owned by another class with no blocked entry; the answer is the one
+    whose most recent use is the oldest (lowest page index on a tie).
+    """
+    pages = page_owner.size
+    blocked = np.zeros(pages, dtype=bool)
+    blocked[entry_pages[entry_blocked]] = True
+    candidate = (page_owner >= 0) & (page_owner != requester) & ~blocked
+    if not candidate.any():
+        return None
+    recent = np.full(pages, -1, dtype=np.int64)
+    np.maximum.at(recent, entry_pages, entry_last_used.astype(np.int64))
+    choices = np.flatnonzero(candidate)
+    return int(choices[np.argmin(recent[choices])])

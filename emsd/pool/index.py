@@ -1,0 +1,476 @@
+"""Compact index from (namespace, key) to a block entry, in numpy arrays.
+
+Entries are rows of a structure of arrays, addressed by a uint32 entry id
+(the handle clients hold). Per entry, 54 bytes:
+
+==========  ============  =================================================
+field       dtype         meaning
+==========  ============  =================================================
+w0          u64           the key's first canonical word (``emsd.pool.keys``)
+rest        7 x u32       the other three words (as six u32 halves) and
+                          ``nstag`` = ``ns << 8 | tag`` (namespace < 2**24,
+                          key tag): one 28-byte row, so that a lookup checks
+                          a candidate with one comparison
+state       u8            FREE, PENDING or READY
+pins        u32           readers holding the entry
+offset      u32           chunk offset in the allocator's ``align`` units
+length      u32           block length in bytes
+last_used   u32           logical clock of the last use (the store rebases
+                          it before it wraps)
+==========  ============  =================================================
+
+The size class is not stored: it is the owner of the entry's page
+(``SlabAllocator.page_owner``). Ids 0 and 1 are sentinels that are never
+live and whose ``nstag`` matches no key, so a lookup can gather fields at any
+table value without a bounds check, and a miss (id 0) reads as FREE.
+
+The hash table is open addressing with linear probing over a uint32 array of
+entry ids: ``EMPTY`` (0) for a never-used slot, ``TOMB`` (1) for a slot whose
+entry was removed. A key's home slot is the top bits of its hash in a
+power-of-two range; probing runs forward without wrapping into a tail of
+extra slots whose last ``WINDOW`` always stay EMPTY (an insert that would
+reach them rebuilds the table with a tail twice as long instead), so that
+every probe window is a plain slice. Tombstones rather than backward-shift
+deletion: removal is one vectorised store, and the table is rebuilt when
+live entries plus tombstones pass half of it, which keeps the load <= 0.5.
+At 1M entries that is 2**21 slots, 8.4 bytes an entry: about 62 bytes an
+entry in all, against 150-220 for a Python dict of tuples.
+
+The hash mixes the four key words with odd 64-bit multipliers (one uint64
+matrix product, wrapping), xors in ``nstag`` and multiplies once more; the
+home slot is its top bits (Fibonacci hashing), which depend on every input
+bit. Pure numpy uint64 arithmetic, the same in every process.
+
+Lookups are vectorised over a batch: a round gathers a window of ``WINDOW``
+consecutive slots per unresolved key, keeps the slots whose entry has the
+key's first word, then checks those few candidates' 28-byte rows. A key
+is resolved when its entry is found or its window holds an EMPTY slot; the
+rare key that is neither goes on to the next window.
+
+The entry arrays grow by doubling, and the table is rebuilt (vectorised)
+when it passes half full. Nothing here is a Python object per entry, so a
+later version can place these arrays in the shared region and re-attach to
+them after a restart.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from emsd.pool.keys import KeyBatch
+
+FREE, PENDING, READY = 0, 1, 2
+EMPTY, TOMB = 0, 1  # table slot values; also the two sentinel entry ids
+FIRST_ID = 2
+MAX_NS = (1 << 24) - 2  # ns is packed with the tag in 32 bits; 0xFFFFFF is the sentinels'
+WINDOW = 8  # slots probed per key per round; 8 bools view as one uint64
+_WINDOW_BITS = 3
+_WINDOW_U8 = np.uint64(WINDOW)
+_ONE_BY_ONE = 16  # keys left after round one resolved one at a time, up to this many
+TAIL = 4 * WINDOW  # slots past the home range at first; the last WINDOW stay EMPTY
+REST_COLS = 7  # w1, w2, w3 as uint32 halves, then nstag
+_SENTINEL_NSTAG = 0xFFFFFFFF
+_MIN_ENTRIES = 1024
+_REBUILD_CHUNK = 1 << 15
+_MIN_HOME = 64
+_MUL = np.array(
+    [0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93],
+    dtype=np.uint64,
+)
+_FINAL = np.uint64(0xFF51AFD7ED558CCD)
+_ANY_REST = np.ones(REST_COLS, dtype=bool)  # (m, 7) bool @ this: any per row, one call
+_ANY_WINDOW = np.ones(WINDOW, dtype=bool)
+
+
+class _Crowded(Exception):
+    """A probe sequence reached the table's reserved EMPTY tail."""
+
+
+def nstag_of(ns: int, tags: np.ndarray) -> np.ndarray:
+    """Packed ``ns << 8 | tag`` for keys of namespace ``ns`` (uint32)."""
+    if not 0 <= ns <= MAX_NS:
+        raise ValueError(f"namespace id {ns} is outside 0..{MAX_NS}")
+    return tags | np.uint32(ns << 8)
+
+
+def hash_keys(words: np.ndarray, nstag: np.ndarray) -> np.ndarray:
+    """64-bit hashes of keys: ``words`` (n, 4) uint64, ``nstag`` (n,) uint32."""
+    h = words @ _MUL
+    h ^= nstag
+    h *= _FINAL
+    return h
+
+
+class BlockIndex:
+    """(namespace, key) -> entry id, with the entry's fields as arrays.
+
+    Field arrays are replaced when the index grows: do not keep a reference
+    to one across an ``insert``.
+    """
+
+    def __init__(self, capacity: int = _MIN_ENTRIES) -> None:
+        cap = max(capacity, _MIN_ENTRIES)
+        self.w0 = _zeros(cap, np.uint64)
+        self.rest = _zeros((cap, REST_COLS), np.uint32)
+        self.state = _zeros(cap, np.uint8)
+        self.pins = _zeros(cap, np.uint32)
+        self.offset = _zeros(cap, np.uint32)
+        self.length = _zeros(cap, np.uint32)
+        self.last_used = _zeros(cap, np.uint32)
+        self.rest[:FIRST_ID, 6] = _SENTINEL_NSTAG
+        self.high_water = FIRST_ID  # ids >= high_water have never been used
+        self._free: list[np.ndarray] = []  # removed ids, in the batches they were removed
+        self._count = 0
+        self._tombs = 0
+        self._keyrec = np.zeros((0, REST_COLS), dtype=np.uint32)  # scratch: a batch's rows
+        self._tail = TAIL
+        self._new_table(_MIN_HOME)
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def capacity(self) -> int:
+        return int(self.state.size)
+
+    @property
+    def home_size(self) -> int:
+        """Slots in the home range (a power of two); the table has a tail more."""
+        return int(self.table.size - self._tail)
+
+    @property
+    def nstag(self) -> np.ndarray:
+        """``ns << 8 | tag`` per entry (a strided view into ``rest``)."""
+        return self.rest[:, 6]
+
+    def nbytes(self) -> int:
+        """Bytes held by the arrays (allocated, touched or not)."""
+        arrays = (self.w0, self.rest, self.state, self.pins, self.offset, self.length,
+                  self.last_used, self.table)
+        return sum(a.nbytes for a in arrays)
+
+    # -- lookup -----------------------------------------------------------------
+
+    def lookup(self, ns: int, keys: KeyBatch) -> np.ndarray:
+        """Entry id of each key (int64), -1 where absent; entries of any state."""
+        ids = self.find(ns, keys)
+        return np.where(ids >= FIRST_ID, ids.astype(np.int64), -1)
+
+    def find(self, ns: int, keys: KeyBatch, prefix: bool = False) -> np.ndarray:
+        """Entry id of each key (uint32), ``EMPTY`` (0) where absent.
+
+        The fast path: a field gathered at a miss reads sentinel 0, which is
+        FREE and unpinned. With ``prefix``, only the keys up to the first
+        absent one are resolved (later ones may read as absent): what a load
+        needs, and it spares the rounds for far-probing later keys.
+        """
+        knt = nstag_of(ns, keys.tags)
+        words = np.ascontiguousarray(keys.words)
+        return self._probe(words, knt, hash_keys(words, knt), prefix)
+
+    def _probe(self, kw: np.ndarray, knt: np.ndarray, h: np.ndarray, prefix: bool) -> np.ndarray:
+        """Round one, vectorised and tuned for hits: per key, the first slot of
+        its home window whose entry has the key's first word is checked in
+        full. The few keys it leaves open are resolved one by one (or by
+        vectorised rounds if there are many)."""
+        n = knt.size
+        if self._keyrec.shape[0] < n:
+            self._keyrec = np.zeros((max(n, 2 * self._keyrec.shape[0]), REST_COLS), np.uint32)
+        krec = self._keyrec[:n]
+        krec[:, :6] = kw.view(np.uint32)[:, 2:]
+        krec[:, 6] = knt
+        start = h >> self._shift
+        ids = self._windows[start]
+        first_word = self.w0.take(ids) == kw[:, 0, None]
+        rows, col = _arange(n), first_word.argmax(axis=1)
+        cand = ids[rows, col] * first_word[rows, col]  # no first word: sentinel 0, never equal
+        bad = (self.rest.take(cand, axis=0) != krec) @ _ANY_REST
+        if not np.count_nonzero(bad):
+            return cand
+        found = cand
+        found[bad] = EMPTY
+        rows = bad.nonzero()[0]
+        if not prefix:  # drop the keys that are surely absent: no first word, an EMPTY slot
+            no_word = first_word[rows].view(np.uint64).reshape(-1) == 0
+            rows = rows[~(no_word & ((ids[rows] == EMPTY) @ _ANY_WINDOW))]
+            if rows.size > _ONE_BY_ONE:
+                self._probe_rows(found, rows, kw, krec, start[rows])
+                return found
+        for j in rows.tolist():
+            found[j] = self._probe_one(int(kw[j, 0]), krec[j], int(start[j]))
+            if prefix and not found[j]:
+                break  # keys after a miss do not matter
+        return found
+
+    def _probe_one(self, w0: int, rest: np.ndarray, slot: int) -> int:
+        """Entry id of one key from its home slot, or ``EMPTY``."""
+        table, words = self.table, self.w0
+        while True:
+            entry = int(table[slot])
+            if entry == EMPTY:
+                return EMPTY
+            if int(words[entry]) == w0 and bool((self.rest[entry] == rest).all()):
+                return entry
+            slot += 1
+
+    def _probe_rows(self, found: np.ndarray, todo: np.ndarray, kw: np.ndarray,
+                    krec: np.ndarray, start: np.ndarray) -> None:
+        """Resolve keys ``todo`` from window ``start``, window by window: every
+        slot with the key's first word is checked in full."""
+        while True:
+            ids = self._windows[start]
+            pos = (self.w0.take(ids) == kw[todo, 0, None]).reshape(-1).nonzero()[0]
+            cand = ids.reshape(-1).take(pos)
+            rel = pos >> _WINDOW_BITS
+            row = todo.take(rel)
+            ok = ~((self.rest.take(cand, axis=0) != krec.take(row, axis=0)) @ _ANY_REST)
+            found[row[ok]] = cand[ok]
+            resolved = (ids == EMPTY) @ _ANY_WINDOW
+            resolved[rel[ok]] = True
+            more = (~resolved).nonzero()[0]
+            if more.size == 0:
+                return
+            todo = todo[more]
+            start = start[more] + _WINDOW_U8
+
+    # -- insert -----------------------------------------------------------------
+
+    def insert(self, ns: int, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray,
+               state: int, stamp: int) -> tuple[np.ndarray, np.ndarray]:
+        """Insert keys that are not present yet; duplicates in the batch map
+        to one entry, the first occurrence's fields win.
+
+        Returns (entry id of each key (uint32), mask of the keys that created
+        an entry). Keys already present keep their entry and its fields.
+        """
+        ids = self.find(ns, keys)
+        created = (ids == EMPTY) & first_occurrences(keys)
+        sel = np.flatnonzero(created)
+        if sel.size:
+            ids[sel] = self.insert_new(ns, keys.take(sel), offsets[sel], lengths[sel],
+                                       state, stamp)
+        dup = ids == EMPTY
+        if dup.any():
+            ids[dup] = self.find(ns, keys.take(np.flatnonzero(dup)))
+        return ids, created
+
+    def insert_new(self, ns: int, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray,
+                   state: int, stamp: int) -> np.ndarray:
+        """Insert keys known to be absent and distinct (the caller checked);
+        returns their new entry ids (uint32)."""
+        k = len(keys)
+        knt = nstag_of(ns, keys.tags)
+        self._make_room(k)
+        ids = self._take_ids(k)
+        words = np.ascontiguousarray(keys.words)
+        self.w0[ids] = words[:, 0]
+        self.rest[ids, :6] = words.view(np.uint32)[:, 2:]
+        self.rest[ids, 6] = knt
+        self.state[ids] = state  # pins are 0 already: never set, or cleared by remove
+        self.offset[ids] = offsets
+        self.length[ids] = lengths
+        self.last_used[ids] = stamp
+        self._count += k
+        try:
+            self._place(ids, hash_keys(words, knt))
+        except _Crowded:
+            self._rebuild(self.home_size)
+        return ids
+
+    def _make_room(self, k: int) -> None:
+        """Grow the entry arrays and rebuild the table so that ``k`` more fit."""
+        if self.high_water + k > self.capacity and self._free_count() < k:
+            self._grow_entries(self.high_water + k)
+        need = self._count + k
+        if 2 * (need + self._tombs) > self.home_size:
+            size = max(_MIN_HOME, 1 << (2 * need - 1).bit_length())
+            if size // 2 - need < size // 16:  # leave room for more than a few inserts
+                size *= 2
+            self._rebuild(size)
+
+    def _free_count(self) -> int:
+        return self.high_water - FIRST_ID - self._count
+
+    def _grow_entries(self, at_least: int) -> None:
+        cap = max(2 * self.capacity, at_least)
+        for name in ("w0", "rest", "state", "pins", "offset", "length", "last_used"):
+            old = getattr(self, name)
+            new = _zeros((cap, *old.shape[1:]), old.dtype)
+            new[: self.high_water] = old[: self.high_water]
+            setattr(self, name, new)
+
+    def _take_ids(self, k: int) -> np.ndarray:
+        """``k`` entry ids: removed ones first (most recent first), then new."""
+        parts: list[np.ndarray] = []
+        need = k
+        while need and self._free:
+            last = self._free[-1]
+            if last.size <= need:
+                parts.append(self._free.pop())
+                need -= last.size
+            else:
+                parts.append(last[-need:])
+                self._free[-1] = last[:-need]
+                need = 0
+        if need:
+            parts.append(np.arange(self.high_water, self.high_water + need, dtype=np.uint32))
+            self.high_water += need
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _new_table(self, home: int) -> None:
+        self.table = _zeros(home + self._tail, np.uint32)
+        self._windows = sliding_window_view(self.table, WINDOW)  # read-only, shares memory
+        self._shift = np.uint64(64 - (home.bit_length() - 1))  # home slot: top bits of the hash
+        self._tombs = 0
+
+    def _place(self, ids: np.ndarray, h: np.ndarray) -> None:
+        """Put entry ids in the first EMPTY or TOMB slot from their home slot.
+
+        Vectorised by windows: each key takes the first free slot of its
+        window; when keys of the batch pick the same slot one wins and the
+        others look again from there. Raises ``_Crowded`` if a slot would be
+        in the table's EMPTY tail.
+        """
+        limit = self.table.size - WINDOW
+        start = (h >> self._shift).astype(np.int64)
+        todo = np.arange(ids.size)
+        first = True  # a first window starts at a home slot, far from the tail
+        while todo.size:
+            s = start.take(todo)
+            free = self._windows[s] <= TOMB
+            off = free.argmax(axis=1)
+            has = free[_arange(todo.size), off].nonzero()[0]
+            slot = s + off
+            cs, cids = slot.take(has), ids.take(todo.take(has))
+            if not first and cs.size and cs.max() >= limit:
+                raise _Crowded
+            first = False
+            before = self.table.take(cs) if self._tombs else None
+            self.table[cs] = cids
+            won = self.table.take(cs) == cids  # one writer per slot wins
+            nwon = np.count_nonzero(won)
+            if before is not None:
+                self._tombs -= int(np.count_nonzero(before[won] == TOMB))
+            if nwon == todo.size:
+                return
+            start[todo] = s + WINDOW  # a full window: look past it
+            start[todo.take(has)] = cs  # lost a race: look again from the taken slot
+            left = np.ones(todo.size, dtype=bool)
+            left[has[won]] = False
+            todo = todo[left]
+
+    def _rebuild(self, home: int) -> None:
+        """A fresh table with ``home`` home slots holding every live entry.
+
+        If a probe sequence runs into the EMPTY tail, the tail doubles: keys
+        that crowd the end of the range (or a pathological hash) make a long
+        tail, never a failure.
+        """
+        while True:
+            self._new_table(home)
+            try:
+                for lo in range(FIRST_ID, self.high_water, _REBUILD_CHUNK):
+                    # in chunks, so that the temporaries stay small (and off the RSS)
+                    hi = min(lo + _REBUILD_CHUNK, self.high_water)
+                    live = (np.flatnonzero(self.state[lo:hi] != FREE) + lo).astype(np.uint32)
+                    if live.size:
+                        self._place(live, hash_keys(self._words(live), self.nstag[live]))
+                return
+            except _Crowded:
+                self._tail *= 2
+
+    # -- remove -----------------------------------------------------------------
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Remove live entries (distinct ids); they become FREE and reusable."""
+        ids = np.asarray(ids, dtype=np.uint32)
+        k = ids.size
+        if k == 0:
+            return
+        if not bool((self.state[ids] != FREE).all()):
+            raise ValueError("remove of an entry that is not live")
+        self.table[self._slots_of(ids)] = TOMB
+        self._tombs += k
+        self._count -= k
+        self.state[ids] = FREE
+        self.pins[ids] = 0
+        self._free.append(ids.copy())
+
+    def _slots_of(self, ids: np.ndarray) -> np.ndarray:
+        """Table slot holding each live entry id."""
+        h = hash_keys(self._words(ids), self.nstag[ids])
+        start = (h >> self._shift).astype(np.int64)
+        out = np.empty(ids.size, dtype=np.int64)
+        todo = np.arange(ids.size)
+        while todo.size:
+            hit = self._windows[start[todo]] == ids[todo, None]
+            got = hit @ _ANY_WINDOW
+            rows = np.flatnonzero(got)
+            out[todo[rows]] = start[todo[rows]] + hit[rows].argmax(axis=1)
+            todo = todo[~got]
+            start[todo] += WINDOW
+        return out
+
+    # -- reading ----------------------------------------------------------------
+
+    def live_ids(self) -> np.ndarray:
+        """Ids of the PENDING and READY entries (uint32, ascending)."""
+        return np.flatnonzero(self.state[: self.high_water] != FREE).astype(np.uint32)
+
+    def ns_of(self, ids: np.ndarray) -> np.ndarray:
+        """Namespace id of entries (int64)."""
+        return (self.nstag[ids] >> 8).astype(np.int64)
+
+    def keys_of(self, ids: np.ndarray) -> KeyBatch:
+        """The keys of entries, as a batch."""
+        return KeyBatch(self._words(ids), (self.nstag[ids] & 0xFF).astype(np.uint8))
+
+    def _words(self, ids: np.ndarray) -> np.ndarray:
+        words = np.empty((ids.size, 4), dtype=np.uint64)
+        words[:, 0] = self.w0[ids]
+        words.view(np.uint32)[:, 2:] = self.rest[ids, :6]
+        return words
+
+
+_ARANGE = np.arange(4096)
+_MMAP_MIN = 1 << 20
+
+
+def _zeros(shape: int | tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
+    """A zeroed array; a large one is backed by its own anonymous mapping.
+
+    Its pages are allocated on first touch and given back to the system when
+    the array is freed, so growing by copy leaves no holes in the heap (the
+    RSS stays close to what the live arrays use).
+    """
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dt.itemsize
+    if nbytes < _MMAP_MIN:
+        return np.zeros(shape, dtype=dt)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dt).reshape(shape)
+
+
+def _arange(n: int) -> np.ndarray:
+    """``arange(n)`` (read-only use), a view of a cached one for small ``n``."""
+    return _ARANGE[:n] if n <= _ARANGE.size else np.arange(n)
+
+
+def first_occurrences(keys: KeyBatch) -> np.ndarray:
+    """Mask of the keys that do not repeat an earlier key of the batch."""
+    n = len(keys)
+    mask = np.ones(n, dtype=bool)
+    if n < 2:
+        return mask
+    w0 = np.sort(keys.words[:, 0])
+    if not (w0[1:] == w0[:-1]).any():
+        return mask  # distinct first words: no repeats (the usual case, cheap)
+    rows = np.empty((n, 5), dtype=np.uint64)
+    rows[:, :4] = keys.words
+    rows[:, 4] = keys.tags
+    _, first = np.unique(rows.view(np.dtype((np.void, 40))).ravel(), return_index=True)
+    mask[:] = False
+    mask[first] = True
+    return mask

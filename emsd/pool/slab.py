@@ -1,0 +1,237 @@
+"""Slab allocator: size classes of equal chunks carved from fixed-size pages.
+
+The model is memcached's ``slabs.c``; this is the mechanism only (what to
+evict or which page to take back is decided by ``emsd.pool.eviction`` and
+carried out by the store).
+
+- The region's ``capacity`` bytes are cut into ``pages = capacity //
+  page_size`` pages. A page is free, or owned by exactly one size class.
+- A size class is one exact chunk size: the requested size rounded up to
+  ``align`` (64 bytes; more for pools over 256 GiB so that an offset in
+  ``align`` units fits in 32 bits, which the index relies on). KV blocks of
+  one model all have the same size, so exact classes waste almost nothing.
+  Classes are created on demand, at most ``MAX_CLASSES``; beyond that a class
+  that owns no page is recycled for the new size.
+- A class carves its pages into ``page_size // chunk_size`` chunks. Carving is
+  lazy: a class keeps a cursor into its newest page and hands out its chunks
+  in order, so taking a page costs O(1) even for tiny chunks. Freed chunks go
+  on the class's free stack and are reused first (LIFO, cache-warm).
+- The free stack is a numpy array with a top index rather than a Python list:
+  8 bytes per free chunk instead of ~40, batches pushed and popped with one
+  slice, and ``release_page`` drops a page's chunks with one vectorised mask.
+- ``release_page`` returns an empty page (no chunk in use) from its class to
+  the free pages, so another class can take it (page stealing, like
+  memcached's slab rebalancer). The caller evicts the page's entries first.
+
+Accounting, per class: ``pages * per_page == chunks_used + chunks_free``
+(free = on the stack + not yet carved). Over the region: ``bytes_used() +
+bytes_free() + bytes_slack() == capacity``, where slack is the tail of each
+owned page that no chunk covers, plus ``capacity % page_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAX_CLASSES = 1024
+MIN_ALIGN = 64
+_OFFSET_UNITS = 1 << 32  # offsets are stored in 32 bits of ``align`` units
+
+
+class SlabError(ValueError):
+    """A misuse of the allocator (a bug in the caller, never a full pool)."""
+
+
+@dataclass
+class SlabClass:
+    """One size class: its pages, its free stack and its carving cursor."""
+
+    chunk_size: int
+    per_page: int
+    pages: list[int] = field(default_factory=list)
+    chunks_used: int = 0
+    stack: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.uint64))
+    top: int = 0  # stack[:top] are free chunk offsets
+    carve_page: int = -1  # page being carved, or -1
+    carve_next: int = 0  # next uncarved chunk index in carve_page
+
+    @property
+    def chunks_free(self) -> int:
+        uncarved = self.per_page - self.carve_next if self.carve_page >= 0 else 0
+        return self.top + uncarved
+
+
+class SlabAllocator:
+    """Pages, size classes and free chunks of a region of ``capacity`` bytes."""
+
+    def __init__(self, capacity: int, page_size: int) -> None:
+        """``page_size`` is floored to a multiple of ``align``; raises
+        ``SlabError`` if it is smaller than ``align`` or than the region."""
+        self.capacity = capacity
+        self.align = _align_for(capacity)
+        self.page_size = page_size - page_size % self.align
+        if self.page_size <= 0 or self.page_size > capacity:
+            raise SlabError(f"page size {page_size} must be in [{self.align}, {capacity}]")
+        self.pages = capacity // self.page_size
+        self.page_owner = np.full(self.pages, -1, dtype=np.int32)  # class id or -1
+        self.page_used = np.zeros(self.pages, dtype=np.int64)  # chunks in use per page
+        self.classes: list[SlabClass] = []
+        self._by_chunk: dict[int, int] = {}
+        self._free_pages = list(range(self.pages - 1, -1, -1))  # a stack: page 0 first
+
+    # -- size classes ---------------------------------------------------------
+
+    def chunk_for(self, size: int) -> int:
+        """The chunk size that holds ``size`` bytes (rounded up to ``align``)."""
+        return -(-size // self.align) * self.align
+
+    def class_for(self, size: int) -> int | None:
+        """Class id for blocks of ``size`` bytes, created on demand.
+
+        None if ``size`` is not in 1..page_size, or ``MAX_CLASSES`` classes
+        exist and none of them owns no page (so none can be recycled).
+        """
+        if not 0 < size <= self.page_size:
+            return None
+        chunk = self.chunk_for(size)
+        cls = self._by_chunk.get(chunk)
+        if cls is not None:
+            return cls
+        new = SlabClass(chunk, self.page_size // chunk)
+        if len(self.classes) < MAX_CLASSES:
+            self.classes.append(new)
+            cls = len(self.classes) - 1
+        else:
+            cls = self._recyclable()
+            if cls is None:
+                return None
+            del self._by_chunk[self.classes[cls].chunk_size]
+            self.classes[cls] = new
+        self._by_chunk[chunk] = cls
+        return cls
+
+    def _recyclable(self) -> int | None:
+        for cls, c in enumerate(self.classes):
+            if not c.pages:
+                return cls
+        return None
+
+    # -- chunks ---------------------------------------------------------------
+
+    def alloc(self, cls: int) -> int | None:
+        """One chunk of class ``cls``: its byte offset, or None if no room."""
+        got = self.alloc_many(cls, 1)
+        return int(got[0]) if got.size else None
+
+    def alloc_many(self, cls: int, k: int) -> np.ndarray:
+        """Up to ``k`` chunks (uint64 byte offsets): free stack first, then the
+        carving page, then new pages. Fewer than ``k`` means no free page is
+        left: the caller may evict and ask again."""
+        c = self.classes[cls]
+        parts: list[np.ndarray] = []
+        take = min(k, c.top)
+        if take:
+            parts.append(c.stack[c.top - take : c.top][::-1].copy())
+            c.top -= take
+        need = k - take
+        while need > 0:
+            if c.carve_page < 0 or c.carve_next == c.per_page:
+                if not self._free_pages:
+                    break
+                page = self._free_pages.pop()
+                self.page_owner[page] = cls
+                c.pages.append(page)
+                c.carve_page, c.carve_next = page, 0
+            n = min(need, c.per_page - c.carve_next)
+            first = c.carve_page * self.page_size + c.carve_next * c.chunk_size
+            parts.append(first + np.arange(n, dtype=np.uint64) * np.uint64(c.chunk_size))
+            c.carve_next += n
+            need -= n
+        if not parts:
+            return np.zeros(0, dtype=np.uint64)
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        c.chunks_used += out.size
+        np.add.at(self.page_used, self.page_of(out), 1)
+        return out
+
+    def free(self, cls: int, offset: int) -> None:
+        """Return one chunk to its class."""
+        self.free_many(cls, np.array([offset], dtype=np.uint64))
+
+    def free_many(self, cls: int, offsets: np.ndarray) -> None:
+        """Return chunks of class ``cls`` (each allocated, each once)."""
+        k = offsets.size
+        if k == 0:
+            return
+        c = self.classes[cls]
+        if c.top + k > c.stack.size:
+            grown = np.zeros(max(2 * c.stack.size, c.top + k), dtype=np.uint64)
+            grown[: c.top] = c.stack[: c.top]
+            c.stack = grown
+        c.stack[c.top : c.top + k] = offsets
+        c.top += k
+        c.chunks_used -= k
+        np.subtract.at(self.page_used, self.page_of(offsets), 1)
+
+    # -- pages ----------------------------------------------------------------
+
+    def page_of(self, offset: int | np.ndarray) -> np.ndarray:
+        """Page index of byte offset(s)."""
+        return np.asarray(offset, dtype=np.uint64) // np.uint64(self.page_size)
+
+    def release_page(self, page: int) -> None:
+        """Take an empty page back from its class and make it free.
+
+        Raises ``SlabError`` if the page is free already or a chunk on it is
+        still in use (evict its entries first).
+        """
+        cls = int(self.page_owner[page])
+        if cls < 0:
+            raise SlabError(f"page {page} is not owned by a class")
+        if self.page_used[page]:
+            raise SlabError(f"page {page} still has {self.page_used[page]} chunks in use")
+        c = self.classes[cls]
+        keep = self.page_of(c.stack[: c.top]) != page
+        kept = c.stack[: c.top][keep]
+        c.stack[: kept.size] = kept
+        c.top = kept.size
+        if c.carve_page == page:
+            c.carve_page, c.carve_next = -1, 0
+        c.pages.remove(page)
+        self.page_owner[page] = -1
+        self._free_pages.append(page)
+
+    def class_of_offsets(self, offsets: np.ndarray) -> np.ndarray:
+        """Owning class id of each offset's page (int32; -1 for a free page)."""
+        return self.page_owner[self.page_of(offsets)]
+
+    # -- accounting -----------------------------------------------------------
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def bytes_used(self) -> int:
+        """Bytes in chunks handed out and not freed."""
+        return sum(c.chunks_used * c.chunk_size for c in self.classes)
+
+    def bytes_free(self) -> int:
+        """Bytes in free pages plus free (stacked or uncarved) chunks."""
+        chunks = sum(c.chunks_free * c.chunk_size for c in self.classes)
+        return self.free_pages * self.page_size + chunks
+
+    def bytes_slack(self) -> int:
+        """Bytes no chunk can use: page tails past the last chunk, region tail."""
+        tails = sum(len(c.pages) * (self.page_size - c.per_page * c.chunk_size)
+                    for c in self.classes)
+        return tails + self.capacity - self.pages * self.page_size
+
+
+def _align_for(capacity: int) -> int:
+    """Smallest power-of-two alignment >= 64 with capacity / align <= 2**32."""
+    align = MIN_ALIGN
+    while capacity > align * _OFFSET_UNITS:  # offsets < capacity, so units < 2**32
+        align *= 2
+    return align

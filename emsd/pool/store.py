@@ -1,0 +1,438 @@
+"""BlockStore: the pool's synchronous core, the one object the daemon calls.
+
+It ties the index (``emsd.pool.index``: key -> entry), the slab allocator
+(``emsd.pool.slab``: entry -> chunk of the region) and the eviction policy
+(``emsd.pool.eviction``) together. It never awaits and never touches the
+region's bytes or a socket: it hands out places (byte offsets in the region)
+and keeps track of what is where; clients move the bytes.
+
+A block's life::
+
+    (absent) --reserve--> PENDING --commit--> READY --evict--> (absent)
+                             |                  ^ |
+                             +--abort--> (absent) +-- pin / release (pins)
+
+- PENDING: reserved, being written by one client. Never visible to ``pin``
+  or ``exists``, never evicted; only ``commit`` or ``abort`` end it (the
+  daemon aborts a closing connection's reservations).
+- READY: committed, readable. Evictable when no reader pins it.
+
+Blocks are content-addressed: the same (namespace, key) always names the same
+bytes, so a key that is READY or PENDING is never written twice.
+
+Recency is a logical clock, one tick per mutating call (``reserve``,
+``commit``, ``pin``, ``release``), so tests are deterministic. The index
+keeps it in 32 bits; before it wraps every stamp is shifted down, keeping
+the relative order of the last 2**31 ticks (older entries tie as oldest).
+
+Eviction, when a size class has no free chunk and no free page is left, is
+LRU among the class's READY unpinned entries; then page stealing takes back
+the page of another class whose entries are all READY and unpinned and
+whose latest use is the oldest. LRU victims are found by a scan that keeps
+the oldest 1/64 of the eligible entries as a queue of candidates; a
+candidate is used only if it is unchanged since (same state, unpinned, same
+stamp), which keeps the order exact (every later use stamps the clock, and
+``release`` stamps too) while the scan's cost is shared by many evictions.
+
+Accounting: ``bytes_used`` is the bytes of chunks holding an entry (PENDING
+or READY); ``bytes_free`` the bytes of free pages and free chunks; the rest
+of ``capacity`` is slack no chunk can use (page tails past the last chunk of
+their class, and the region past the last whole page)::
+
+    capacity == bytes_used + bytes_free
+                + sum(c.pages * c.page_size - (c.chunks_used + c.chunks_free) * c.chunk_size)
+                + capacity % page_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from emsd.pool.eviction import lru_victims, page_to_steal
+from emsd.pool.index import EMPTY, FIRST_ID, PENDING, READY, BlockIndex, first_occurrences
+from emsd.pool.keys import KeyBatch
+from emsd.pool.slab import SlabAllocator
+
+CLOCK_LIMIT = (1 << 32) - 1
+LRU_QUEUE_FRACTION = 64  # a scan queues the oldest 1/64 of the eligible entries
+_READY = np.uint8(READY)  # a numpy scalar: comparing with it skips a conversion
+_NO_U4 = np.zeros(0, dtype=np.uint32)
+_NO_U8 = np.zeros(0, dtype=np.uint64)
+
+
+class Status(IntEnum):
+    """Outcome of ``reserve`` for one key."""
+
+    NEW = 0  # a place was reserved: write the block at ``offset``, then commit
+    PRESENT = 1  # the key is READY or PENDING already: nothing to write
+    FAILED = 2  # no place (bad size, or no room even after eviction)
+
+
+@dataclass
+class Reservation:
+    status: np.ndarray  # (n,) uint8 Status per key
+    handles: np.ndarray  # (n,) uint32 entry id, meaningful where status == NEW
+    offsets: np.ndarray  # (n,) uint64 byte offset in the region, meaningful where NEW
+
+
+@dataclass
+class Pinned:
+    count: int  # number of leading keys that are READY (stops at the first miss)
+    handles: np.ndarray  # (count,) uint32
+    offsets: np.ndarray  # (count,) uint64
+    lengths: np.ndarray  # (count,) uint64
+
+
+@dataclass
+class ClassStats:
+    chunk_size: int
+    pages: int
+    chunks_used: int
+    chunks_free: int
+    page_size: int
+
+
+@dataclass
+class StoreStats:
+    capacity: int
+    bytes_used: int
+    bytes_free: int
+    entries: int  # PENDING + READY
+    pending: int
+    pinned: int  # entries with at least one pin
+    evictions: dict[str, int]  # by reason: "lru", "page"
+    ns_bytes: dict[int, int]  # committed (READY) bytes per namespace id
+    classes: list[ClassStats] = field(default_factory=list)
+
+
+@dataclass
+class _LruQueue:
+    """Oldest eligible entries of one class at the last scan, oldest first."""
+
+    ids: np.ndarray
+    stamps: np.ndarray
+    pos: int = 0
+
+
+class BlockStore:
+    """Index + slab allocator + eviction over a region of ``capacity`` bytes."""
+
+    def __init__(self, capacity: int, page_size: int) -> None:
+        self.slabs = SlabAllocator(capacity, page_size)
+        self.index = BlockIndex()
+        self.capacity = capacity
+        self.page_size = self.slabs.page_size
+        self.max_block = min(self.page_size, 0xFFFFFFFF)  # lengths are 32-bit
+        self.clock_limit = CLOCK_LIMIT
+        self._unit = np.uint64(self.slabs.align)
+        self._units_per_page = self.page_size // self.slabs.align
+        self._clock = 0
+        self._pending = 0
+        self._evictions = {"lru": 0, "page": 0}
+        self._ns_bytes: dict[int, int] = {}
+        self._queues: dict[int, _LruQueue] = {}
+
+    # -- the contract -------------------------------------------------------------
+
+    def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray) -> Reservation:
+        """Reserve places for blocks ``keys`` of ``sizes`` bytes, in order.
+
+        Per key: present already (READY, or PENDING by anyone, including an
+        earlier key of this batch) -> PRESENT, nothing allocated. Else a chunk is found for ``sizes[i]``
+        (1..``max_block``): the class's free chunks, a free page, evicting the
+        class's least recently used READY unpinned entries, or taking a page
+        back from another class; a PENDING entry is made -> NEW with its
+        handle and offset. The first key that gets no place (bad size, no
+        room) and every key after it are FAILED, since a load only uses
+        consecutive blocks; places already reserved by this call are kept.
+        Keys of the batch that are present are not evicted to make room for
+        it, and the READY ones count as used now (LRU): someone has just
+        computed them again.
+        """
+        n = len(keys)
+        if len(sizes) != n:
+            raise ValueError(f"{len(sizes)} sizes for {n} keys")
+        status = np.full(n, int(Status.FAILED), dtype=np.uint8)
+        handles = np.zeros(n, dtype=np.uint32)
+        offsets = np.zeros(n, dtype=np.uint64)
+        if n == 0:
+            return Reservation(status, handles, offsets)
+        stamp = self._tick()
+        sizes = np.asarray(sizes)
+        ids = self.index.find(ns, keys)
+        need = ids == EMPTY
+        if np.count_nonzero(need) > 1:
+            absent = np.flatnonzero(need)
+            need[absent[~first_occurrences(keys.take(absent))]] = False
+        bad = need & ~((sizes >= 1) & (sizes <= self.max_block))
+        cut = int(bad.argmax()) if bad.any() else n
+        todo = np.flatnonzero(need[:cut])
+        present = ids[ids != EMPTY]
+        if present.size:
+            np.add.at(self.index.pins, present, 1)  # keep them through this call's evictions
+        try:
+            made, cut = self._reserve_runs(ns, keys, todo, sizes, stamp, handles, offsets, cut)
+        finally:
+            if present.size:
+                np.subtract.at(self.index.pins, present, 1)
+        status[:cut] = Status.PRESENT
+        status[todo[:made]] = Status.NEW
+        if present.size:
+            self.index.last_used[present[self.index.state.take(present) == READY]] = stamp
+        return Reservation(status, handles, offsets)
+
+    def commit(self, handles: np.ndarray) -> int:
+        """PENDING -> READY: readable now, counted in its namespace's bytes.
+
+        Handles that are not PENDING are ignored; returns how many were
+        committed.
+        """
+        h = self._in_state(handles, PENDING)
+        if h.size == 0:
+            return 0
+        self.index.state[h] = READY
+        self.index.last_used[h] = self._tick()
+        self._ns_add(h, 1)
+        self._pending -= h.size
+        return int(h.size)
+
+    def abort(self, handles: np.ndarray) -> int:
+        """PENDING -> freed (chunk and entry). Handles not PENDING are ignored;
+        returns how many were aborted."""
+        h = self._in_state(handles, PENDING)
+        if h.size == 0:
+            return 0
+        self._free_chunks(h)
+        self.index.remove(h)
+        self._pending -= h.size
+        return int(h.size)
+
+    def pin(self, ns: int, keys: KeyBatch) -> Pinned:
+        """Pin the leading READY keys (up to the first key that is not READY).
+
+        Each pinned entry gets one more pin (a key twice in the batch, two)
+        and counts as used now (LRU). Pinned entries are never evicted until
+        ``release``d. PENDING entries count as misses.
+        """
+        ids = self.index.find(ns, keys, prefix=True)
+        count = _leading(self.index.state.take(ids) == _READY)
+        if count == 0:
+            return Pinned(0, _NO_U4, _NO_U8, _NO_U8)
+        h = ids[:count]
+        np.add.at(self.index.pins, h, 1)
+        self.index.last_used[h] = self._tick()
+        return Pinned(count, h, self.index.offset[h].astype(np.uint64) * self._unit,
+                      self.index.length[h].astype(np.uint64))
+
+    def release(self, handles: np.ndarray) -> int:
+        """One pin less per handle (never below 0); returns pins released.
+
+        The entry counts as used now: it was in use until this release.
+        """
+        h = self._known(handles)
+        if h.size == 0:
+            return 0
+        u, c = np.unique(h, return_counts=True)
+        pins = self.index.pins[u]
+        dec = np.minimum(pins, c).astype(np.uint32)
+        self.index.pins[u] = pins - dec
+        done = int(dec.sum())
+        if done:
+            self.index.last_used[u[dec > 0]] = self._tick()
+        return done
+
+    def exists(self, ns: int, keys: KeyBatch) -> int:
+        """Number of leading keys that are READY; touches nothing (no LRU, no pin)."""
+        ids = self.index.find(ns, keys, prefix=True)
+        return _leading(self.index.state.take(ids) == _READY)
+
+    def stats(self) -> StoreStats:
+        hw = self.index.high_water
+        classes = [ClassStats(c.chunk_size, len(c.pages), c.chunks_used, c.chunks_free,
+                              self.page_size) for c in self.slabs.classes]
+        return StoreStats(
+            capacity=self.capacity,
+            bytes_used=self.slabs.bytes_used(),
+            bytes_free=self.slabs.bytes_free(),
+            entries=len(self.index),
+            pending=self._pending,
+            pinned=int(np.count_nonzero(self.index.pins[:hw])),
+            evictions=dict(self._evictions),
+            ns_bytes=dict(self._ns_bytes),
+            classes=classes,
+        )
+
+    # -- allocation -----------------------------------------------------------------
+
+    def _reserve_runs(self, ns: int, keys: KeyBatch, todo: np.ndarray, sizes: np.ndarray,
+                      stamp: int, handles: np.ndarray, offsets: np.ndarray,
+                      cut: int) -> tuple[int, int]:
+        """Places and PENDING entries for keys ``todo`` (ascending positions),
+        run by run of one size class, in order.
+
+        Each run's entries go in the index before the next run makes room, so
+        that no eviction or page steal can take a chunk just handed out.
+        Returns (how many of ``todo`` got one, new cut): the cut moves to the
+        first key that got none.
+        """
+        if todo.size == 0:
+            return 0, cut
+        for a, b, cls in self._runs(sizes[todo]):
+            got = self._room(cls, b - a) if cls >= 0 else _NO_U8
+            if got.size:
+                sel = todo[a : a + got.size]
+                handles[sel] = self.index.insert_new(
+                    ns, keys.take(sel), (got // self._unit).astype(np.uint32),
+                    sizes[sel].astype(np.uint32), PENDING, stamp)
+                offsets[sel] = got
+                self._pending += got.size
+            if got.size < b - a:
+                return a + got.size, int(todo[a + got.size])
+        return todo.size, cut
+
+    def _runs(self, want: np.ndarray) -> list[tuple[int, int, int]]:
+        """(start, end, class or -1) of each run of consecutive sizes of one class."""
+        lo, hi = int(want.min()), int(want.max())
+        if lo == hi:  # one size for the whole batch: the usual case
+            cls = self.slabs.class_for(lo)
+            return [(0, want.size, -1 if cls is None else cls)]
+        distinct, inverse = np.unique(want, return_inverse=True)
+        per_size = [self.slabs.class_for(int(s)) for s in distinct.tolist()]
+        classes = np.array([-1 if c is None else c for c in per_size], dtype=np.int64)[inverse]
+        bounds = [0, *(np.flatnonzero(np.diff(classes)) + 1).tolist(), want.size]
+        return [(a, b, int(classes[a])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def _room(self, cls: int, k: int) -> np.ndarray:
+        """Up to ``k`` chunks of class ``cls``, evicting or stealing pages as needed."""
+        parts = [self.slabs.alloc_many(cls, k)]
+        have = parts[0].size
+        while have < k:
+            victims = self._lru(cls, k - have)
+            if victims.size:
+                self._evict(victims, "lru")
+            elif not self._steal_page(cls):
+                break
+            more = self.slabs.alloc_many(cls, k - have)
+            if more.size == 0:
+                break
+            parts.append(more)
+            have += more.size
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _lru(self, cls: int, k: int) -> np.ndarray:
+        """Up to ``k`` least recently used READY unpinned entries of ``cls``."""
+        idx = self.index
+        q = self._queues.get(cls)
+        out: list[np.ndarray] = []
+        got = 0
+        scanned = False
+        while got < k:
+            if q is None or q.pos >= q.ids.size:
+                if scanned:
+                    break
+                q = self._scan(cls, k - got)
+                scanned = True
+            ids = q.ids[q.pos : q.pos + k - got]
+            stamps = q.stamps[q.pos : q.pos + k - got]
+            q.pos += ids.size
+            ok = (idx.state[ids] == READY) & (idx.pins[ids] == 0) & (idx.last_used[ids] == stamps)
+            ok &= self._class_of(ids) == cls
+            out.append(ids[ok])
+            got += int(np.count_nonzero(ok))
+        return np.concatenate(out) if out else _NO_U4
+
+    def _scan(self, cls: int, need: int) -> _LruQueue:
+        idx = self.index
+        hw = idx.high_water
+        ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
+        ids = ids[self._class_of(ids) == cls]
+        victims = lru_victims(idx.last_used, ids, max(need, ids.size // LRU_QUEUE_FRACTION))
+        q = _LruQueue(victims, idx.last_used[victims].copy())
+        self._queues[cls] = q
+        return q
+
+    def _steal_page(self, cls: int) -> bool:
+        """Take back a page from another class for ``cls``; False if none can be."""
+        idx = self.index
+        live = idx.live_ids()
+        pages = idx.offset[live] // self._units_per_page
+        blocked = (idx.state[live] == PENDING) | (idx.pins[live] > 0)
+        page = page_to_steal(self.slabs.page_owner, pages, idx.last_used[live], blocked, cls)
+        if page is None:
+            return False
+        self._evict(live[pages == page], "page")
+        self.slabs.release_page(page)
+        return True
+
+    def _evict(self, ids: np.ndarray, reason: str) -> None:
+        """Drop READY unpinned entries and free their chunks."""
+        self._ns_add(ids, -1)
+        self._free_chunks(ids)
+        self.index.remove(ids)
+        self._evictions[reason] += int(ids.size)
+
+    def _free_chunks(self, ids: np.ndarray) -> None:
+        if ids.size == 0:
+            return
+        offs = self.index.offset[ids].astype(np.uint64) * self._unit
+        classes = self.slabs.class_of_offsets(offs)
+        for cls in np.unique(classes).tolist():
+            self.slabs.free_many(cls, offs[classes == cls])
+
+    def _class_of(self, ids: np.ndarray) -> np.ndarray:
+        return self.slabs.page_owner[self.index.offset[ids] // self._units_per_page]
+
+    # -- bookkeeping ----------------------------------------------------------------
+
+    def _tick(self) -> int:
+        """Advance the logical clock; rebase all stamps before it wraps."""
+        self._clock += 1
+        if self._clock >= self.clock_limit:
+            shift = self._clock - self.clock_limit // 2
+            stamps = self.index.last_used[: self.index.high_water]
+            np.maximum(stamps, shift, out=stamps)
+            stamps -= np.uint32(shift)
+            self._clock -= shift
+            self._queues.clear()
+        return self._clock
+
+    def _known(self, handles: np.ndarray) -> np.ndarray:
+        """Handles that name an entry slot (uint32), in order, duplicates kept."""
+        h = np.asarray(handles).astype(np.uint32, copy=False)
+        return h[(h >= FIRST_ID) & (h < self.index.high_water)]
+
+    def _in_state(self, handles: np.ndarray, state: int) -> np.ndarray:
+        """Distinct handles whose entry is in ``state``."""
+        h = self._known(handles)
+        h = np.sort(h[self.index.state[h] == state])
+        if h.size > 1 and bool((h[1:] == h[:-1]).any()):
+            h = np.unique(h)
+        return h
+
+    def _ns_add(self, ids: np.ndarray, sign: int) -> None:
+        """Add (sign 1) or remove (sign -1) entries' lengths to their namespaces."""
+        if ids.size == 0:
+            return
+        ns = self.index.ns_of(ids)
+        lengths = self.index.length[ids].astype(np.int64)
+        if ns.min() == ns.max():
+            totals = {int(ns[0]): int(lengths.sum())}
+        else:
+            u, inv = np.unique(ns, return_inverse=True)
+            sums = np.zeros(u.size, dtype=np.int64)
+            np.add.at(sums, inv, lengths)
+            totals = dict(zip(u.tolist(), sums.tolist(), strict=True))
+        for key, total in totals.items():
+            left = self._ns_bytes.get(key, 0) + sign * total
+            if left:
+                self._ns_bytes[key] = left
+            else:
+                self._ns_bytes.pop(key, None)
+
+
+def _leading(ok: np.ndarray) -> int:
+    """Number of leading True values."""
+    return int(ok.size) if np.count_nonzero(ok) == ok.size else int(ok.argmin())
