@@ -41,16 +41,24 @@ matrix product, wrapping), xors in ``nstag`` and multiplies once more; the
 home slot is its top bits (Fibonacci hashing), which depend on every input
 bit. Pure numpy uint64 arithmetic, the same in every process.
 
-Lookups are vectorised over a batch: a round gathers a window of ``WINDOW``
-consecutive slots per unresolved key, keeps the slots whose entry has the
-key's first word, then checks those few candidates' 28-byte rows. A key
-is resolved when its entry is found or its window holds an EMPTY slot; the
-rare key that is neither goes on to the next window.
+Lookups are vectorised over a batch. Round one gathers each key's home
+window of ``WINDOW`` slots, takes the first slot whose entry has the key's
+first word and checks that candidate's 28-byte row: for a batch of hits this
+is the whole lookup, about 17 numpy calls whatever the batch size. Keys it
+leaves open (a miss whose window has no EMPTY slot, an entry displaced past
+its window, a first-word twin) are resolved one by one, or by vectorised
+window rounds when there are many. ``find(prefix=True)``, for loads, stops
+at the first miss. Inserts place a batch the same way: each key takes the
+first free slot of its window; keys that pick the same slot are told apart by
+which write stuck, and the losers look again.
 
-The entry arrays grow by doubling, and the table is rebuilt (vectorised)
-when it passes half full. Nothing here is a Python object per entry, so a
-later version can place these arrays in the shared region and re-attach to
-them after a restart.
+Removed entry ids are kept in a list of numpy arrays (4 bytes a free id) and
+reused first. The entry arrays grow by doubling and the table is rebuilt
+(vectorised, in chunks so that temporaries stay small) when it passes half
+full. Large arrays are anonymous mappings of their own, so memory given up
+by growth goes back to the system at once. Nothing here is a Python object
+per entry, so a later version can place these arrays in the shared region
+and re-attach to them after a restart.
 """
 
 from __future__ import annotations
@@ -192,10 +200,11 @@ class BlockIndex:
             return cand
         found = cand
         found[bad] = EMPTY
-        rows = bad.nonzero()[0]
-        if not prefix:  # drop the keys that are surely absent: no first word, an EMPTY slot
-            no_word = first_word[rows].view(np.uint64).reshape(-1) == 0
-            rows = rows[~(no_word & ((ids[rows] == EMPTY) @ _ANY_WINDOW))]
+        if prefix:
+            rows = bad.nonzero()[0]
+        else:  # leave out the keys surely absent: no first word, an EMPTY slot
+            word = first_word.view(np.uint64).reshape(-1) != 0
+            rows = (bad & (word | ~((ids == EMPTY) @ _ANY_WINDOW))).nonzero()[0]
             if rows.size > _ONE_BY_ONE:
                 self._probe_rows(found, rows, kw, krec, start[rows])
                 return found
@@ -330,37 +339,39 @@ class BlockIndex:
         """Put entry ids in the first EMPTY or TOMB slot from their home slot.
 
         Vectorised by windows: each key takes the first free slot of its
-        window; when keys of the batch pick the same slot one wins and the
-        others look again from there. Raises ``_Crowded`` if a slot would be
-        in the table's EMPTY tail.
+        window; when keys of the batch pick the same slot, one wins (the
+        write that stuck) and the others look again from there. Usually one
+        round places every key. Raises ``_Crowded`` if a slot would be in the
+        table's EMPTY tail.
         """
         limit = self.table.size - WINDOW
         start = (h >> self._shift).astype(np.int64)
-        todo = np.arange(ids.size)
-        first = True  # a first window starts at a home slot, far from the tail
-        while todo.size:
-            s = start.take(todo)
-            free = self._windows[s] <= TOMB
-            off = free.argmax(axis=1)
-            has = free[_arange(todo.size), off].nonzero()[0]
-            slot = s + off
-            cs, cids = slot.take(has), ids.take(todo.take(has))
-            if not first and cs.size and cs.max() >= limit:
-                raise _Crowded
-            first = False
-            before = self.table.take(cs) if self._tombs else None
-            self.table[cs] = cids
-            won = self.table.take(cs) == cids  # one writer per slot wins
-            nwon = np.count_nonzero(won)
-            if before is not None:
-                self._tombs -= int(np.count_nonzero(before[won] == TOMB))
-            if nwon == todo.size:
+        todo: np.ndarray | None = None  # None: every key (the first round)
+        while True:
+            s = start if todo is None else start.take(todo)
+            key_ids = ids if todo is None else ids.take(todo)
+            window = self._windows[s]
+            col = (window <= TOMB).argmax(axis=1)
+            prev = window[_arange(s.size), col]
+            slot = s + col
+            has = prev <= TOMB  # a free slot in this window
+            if np.count_nonzero(has) < s.size:
+                slot, key_ids, prev = slot[has], key_ids[has], prev[has]
+            if todo is not None and slot.size and slot.max() >= limit:
+                raise _Crowded  # (a first window starts at a home slot, far from the tail)
+            self.table[slot] = key_ids
+            won = self.table.take(slot) == key_ids  # one writer per slot wins
+            self._tombs -= int(np.count_nonzero(prev[won]))  # a free slot is EMPTY (0) or TOMB (1)
+            if np.count_nonzero(won) == s.size:
                 return
-            start[todo] = s + WINDOW  # a full window: look past it
-            start[todo.take(has)] = cs  # lost a race: look again from the taken slot
-            left = np.ones(todo.size, dtype=bool)
-            left[has[won]] = False
-            todo = todo[left]
+            rows = np.arange(s.size) if todo is None else todo
+            hit_rows = has.nonzero()[0]
+            again = s + WINDOW  # no free slot in the window: look past it
+            again[hit_rows] = slot  # lost a race: look again from the slot now taken
+            start[rows] = again
+            placed = np.zeros(s.size, dtype=bool)
+            placed[hit_rows[won]] = True
+            todo = rows[~placed]
 
     def _rebuild(self, home: int) -> None:
         """A fresh table with ``home`` home slots holding every live entry.
@@ -401,18 +412,20 @@ class BlockIndex:
 
     def _slots_of(self, ids: np.ndarray) -> np.ndarray:
         """Table slot holding each live entry id."""
-        h = hash_keys(self._words(ids), self.nstag[ids])
+        h = hash_keys(self._words(ids), self.rest[ids, 6])
         start = (h >> self._shift).astype(np.int64)
-        out = np.empty(ids.size, dtype=np.int64)
-        todo = np.arange(ids.size)
-        while todo.size:
-            hit = self._windows[start[todo]] == ids[todo, None]
-            got = hit @ _ANY_WINDOW
-            rows = np.flatnonzero(got)
-            out[todo[rows]] = start[todo[rows]] + hit[rows].argmax(axis=1)
-            todo = todo[~got]
-            start[todo] += WINDOW
+        hit = self._windows[start] == ids[:, None]
+        col = hit.argmax(axis=1)
+        out = start + col
+        far = (~hit[_arange(ids.size), col]).nonzero()[0]
+        for i in far.tolist():  # past the home window: rare
+            out[i] = self._slot_of_one(int(ids[i]), int(start[i]) + WINDOW)
         return out
+
+    def _slot_of_one(self, entry: int, slot: int) -> int:
+        while int(self.table[slot]) != entry:
+            slot += 1
+        return slot
 
     # -- reading ----------------------------------------------------------------
 

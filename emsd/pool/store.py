@@ -29,7 +29,7 @@ Eviction, when a size class has no free chunk and no free page is left, is
 LRU among the class's READY unpinned entries; then page stealing takes back
 the page of another class whose entries are all READY and unpinned and
 whose latest use is the oldest. LRU victims are found by a scan that keeps
-the oldest 1/64 of the eligible entries as a queue of candidates; a
+the oldest 1/16 of the eligible entries as a queue of candidates; a
 candidate is used only if it is unchanged since (same state, unpinned, same
 stamp), which keeps the order exact (every later use stamps the clock, and
 ``release`` stamps too) while the scan's cost is shared by many evictions.
@@ -57,8 +57,9 @@ from emsd.pool.keys import KeyBatch
 from emsd.pool.slab import SlabAllocator
 
 CLOCK_LIMIT = (1 << 32) - 1
-LRU_QUEUE_FRACTION = 64  # a scan queues the oldest 1/64 of the eligible entries
-_READY = np.uint8(READY)  # a numpy scalar: comparing with it skips a conversion
+LRU_QUEUE_FRACTION = 16  # a scan queues the oldest 1/16 of the eligible entries
+_READY = np.uint8(READY)  # numpy scalars: with them numpy skips a slow conversion
+_ONE = np.uint32(1)
 _NO_U4 = np.zeros(0, dtype=np.uint32)
 _NO_U8 = np.zeros(0, dtype=np.uint64)
 
@@ -172,12 +173,12 @@ class BlockStore:
         todo = np.flatnonzero(need[:cut])
         present = ids[ids != EMPTY]
         if present.size:
-            np.add.at(self.index.pins, present, 1)  # keep them through this call's evictions
+            np.add.at(self.index.pins, present, _ONE)  # keep them through this call's evictions
         try:
             made, cut = self._reserve_runs(ns, keys, todo, sizes, stamp, handles, offsets, cut)
         finally:
             if present.size:
-                np.subtract.at(self.index.pins, present, 1)
+                np.subtract.at(self.index.pins, present, _ONE)
         status[:cut] = Status.PRESENT
         status[todo[:made]] = Status.NEW
         if present.size:
@@ -222,7 +223,7 @@ class BlockStore:
         if count == 0:
             return Pinned(0, _NO_U4, _NO_U8, _NO_U8)
         h = ids[:count]
-        np.add.at(self.index.pins, h, 1)
+        np.add.at(self.index.pins, h, _ONE)
         self.index.last_used[h] = self._tick()
         return Pinned(count, h, self.index.offset[h].astype(np.uint64) * self._unit,
                       self.index.length[h].astype(np.uint64))
@@ -377,8 +378,12 @@ class BlockStore:
     def _free_chunks(self, ids: np.ndarray) -> None:
         if ids.size == 0:
             return
-        offs = self.index.offset[ids].astype(np.uint64) * self._unit
+        offs = self.index.offset.take(ids).astype(np.uint64) * self._unit
         classes = self.slabs.class_of_offsets(offs)
+        lo, hi = int(classes.min()), int(classes.max())
+        if lo == hi:
+            self.slabs.free_many(lo, offs)
+            return
         for cls in np.unique(classes).tolist():
             self.slabs.free_many(cls, offs[classes == cls])
 

@@ -1,0 +1,151 @@
+"""The shared-memory region: which memory backs it, and why."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from emsd.pool import region as region_mod
+from emsd.pool.region import HugepageInfo, Region, RegionError, _choose, read_hugepage_info
+
+MIB = 1 << 20
+NO_HUGEPAGES = HugepageInfo(page_size=2 * MIB, total=0, free=0)
+
+
+@pytest.fixture
+def shm() -> Iterator[Region]:
+    r = Region.create(3 * MIB + 5, "off", name="emsd-test")
+    yield r
+    r.close()
+
+
+def test_off_maps_shared_memory_rounded_to_pages(shm: Region) -> None:
+    assert shm.kind == "shm"
+    assert shm.size == 3 * MIB + mmap.PAGESIZE
+    assert "hugepages=off" in shm.reason
+    assert os.fstat(shm.fd).st_size == shm.size
+
+
+def test_the_fd_maps_the_same_bytes(shm: Region) -> None:
+    shm.mm[100:105] = b"hello"
+    other = mmap.mmap(shm.fd, shm.size, flags=mmap.MAP_SHARED)
+    try:
+        assert other[100:105] == b"hello"
+    finally:
+        other.close()
+
+
+def test_address_is_stable_and_does_not_block_close(shm: Region) -> None:
+    assert shm.address() == shm.address() != 0
+    shm.close()
+    shm.close()  # idempotent
+    assert shm.mm.closed and shm.fd == -1
+
+
+def test_prefault_uses_madvise_and_keeps_the_data(shm: Region) -> None:
+    shm.mm[0:4] = b"keep"
+    assert shm.prefault() == "MADV_POPULATE_WRITE"
+    assert shm.mm[0:4] == b"keep"
+
+
+def test_prefault_falls_back_to_touching_pages(shm: Region,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(region_mod, "MADV_POPULATE_WRITE", 0x7FFF)  # EINVAL
+    shm.mm[mmap.PAGESIZE : mmap.PAGESIZE + 4] = b"keep"
+    assert shm.prefault() == "touch"
+    assert shm.mm[mmap.PAGESIZE : mmap.PAGESIZE + 4] == b"keep"
+    shm.close()
+
+
+def test_unknown_mode_and_bad_size_are_refused() -> None:
+    with pytest.raises(RegionError, match="pool.hugepages"):
+        Region.create(MIB, "maybe")
+    with pytest.raises(RegionError, match="pool.size"):
+        Region.create(0, "off")
+
+
+def test_auto_without_free_hugepages_says_why_it_uses_shm() -> None:
+    size, reason = _choose(4 * MIB, "auto", NO_HUGEPAGES)
+    assert size is None
+    assert reason == ("hugepages=auto: 0 of 2 free hugepages of 2 MiB needed; "
+                      "using shared memory")
+
+
+def test_auto_with_enough_hugepages_picks_them() -> None:
+    size, reason = _choose(3 * MIB, "auto", HugepageInfo(2 * MIB, total=8, free=8))
+    assert size == 4 * MIB
+    assert reason.startswith("hugepages=auto: 2 hugepages of 2 MiB")
+
+
+def test_on_without_enough_hugepages_says_how_to_reserve_them() -> None:
+    with pytest.raises(RegionError) as exc:
+        _choose(8 * MIB, "on", HugepageInfo(2 * MIB, total=3, free=1))
+    msg = str(exc.value)
+    assert msg.startswith("pool.hugepages=on: 1 of 4 free hugepages of 2 MiB needed")
+    assert "echo 6 > /proc/sys/vm/nr_hugepages" in msg
+    assert "\n" not in msg
+
+
+def test_no_hugetlb_in_the_kernel() -> None:
+    assert _choose(MIB, "auto", None)[0] is None
+    with pytest.raises(RegionError, match="no hugetlb support"):
+        _choose(MIB, "on", None)
+
+
+def test_meminfo_parsing(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 100 kB\nHugePages_Total:      64\nHugePages_Free:       60\n"
+                       "Hugepagesize:       2048 kB\n")
+    assert read_hugepage_info(meminfo) == HugepageInfo(2 * MIB, 64, 60)
+    meminfo.write_text("MemTotal: 100 kB\n")
+    assert read_hugepage_info(meminfo) is None
+    assert read_hugepage_info(tmp_path / "missing") is None
+
+
+def test_on_fails_clearly_on_this_host_without_hugepages() -> None:
+    info = read_hugepage_info()
+    if info is not None and info.free * info.page_size >= 16 * MIB:
+        pytest.skip("this host has free hugepages")
+    with pytest.raises(RegionError, match=r"^pool\.hugepages=on: "):
+        Region.create(16 * MIB, "on")
+
+
+@pytest.fixture
+def hugepages() -> Iterator[int]:
+    """Reserve 16 hugepages for the test (root only), then restore the count."""
+    info = read_hugepage_info()
+    path = Path(region_mod.NR_HUGEPAGES)
+    if info is None or os.geteuid() != 0 or not os.access(path, os.W_OK):
+        pytest.skip("needs root and hugetlb to reserve hugepages")
+    before = int(path.read_text())
+    try:
+        path.write_text(str(before + 16))
+    except OSError:
+        pytest.skip("cannot reserve hugepages here")
+    try:
+        got = read_hugepage_info()
+        if got is None or got.free < 16:
+            pytest.skip("the kernel did not grant the hugepages")
+        yield got.page_size
+    finally:
+        path.write_text(str(before))
+
+
+def test_hugetlb_region_when_hugepages_are_reserved(hugepages: int) -> None:
+    r = Region.create(3 * hugepages - 1, "on", name="emsd-test-huge")
+    try:
+        assert r.kind == "hugetlb" and r.size == 3 * hugepages
+        assert r.prefault() in ("MADV_POPULATE_WRITE", "touch")
+        r.mm[r.size - 3 :] = b"end"
+        assert r.mm[r.size - 3 :] == b"end"
+    finally:
+        r.close()
+    auto = Region.create(hugepages, "auto", name="emsd-test-huge")
+    try:
+        assert auto.kind == "hugetlb"
+    finally:
+        auto.close()

@@ -1,0 +1,464 @@
+"""BlockStore: the reserve / commit / pin / release / exists contract."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from emsd.pool.eviction import lru_victims, page_to_steal
+from emsd.pool.index import FREE, PENDING, READY
+from emsd.pool.keys import KeyBatch
+from emsd.pool.store import BlockStore, Status
+
+PAGE = 4096
+NEW, PRESENT, FAILED = int(Status.NEW), int(Status.PRESENT), int(Status.FAILED)
+
+
+def kb(*keys: int | bytes) -> KeyBatch:
+    return KeyBatch.from_user(list(keys))
+
+
+def sizes(n: int, size: int = 1024) -> np.ndarray:
+    return np.full(n, size, dtype=np.uint64)
+
+
+def save(store: BlockStore, ns: int, keys: list[int], size: int = 1024) -> list[int]:
+    """Reserve and commit; returns the statuses."""
+    res = store.reserve(ns, kb(*keys), sizes(len(keys), size))
+    store.commit(res.handles[res.status == NEW])
+    return res.status.tolist()
+
+
+def present(store: BlockStore, ns: int, keys: list[int]) -> list[bool]:
+    return [store.exists(ns, kb(k)) == 1 for k in keys]
+
+
+def check_invariants(store: BlockStore) -> None:
+    """Structure that must hold after any sequence of calls."""
+    idx, slabs = store.index, store.slabs
+    live = idx.live_ids()
+    assert len(live) == len(idx)
+    offs = idx.offset[live].astype(np.int64) * slabs.align
+    lengths = idx.length[live].astype(np.int64)
+    order = np.argsort(offs)
+    ends = offs[order] + lengths[order]
+    assert (ends[:-1] <= offs[order][1:]).all(), "two live blocks overlap"
+    assert (ends <= slabs.pages * slabs.page_size).all()
+    owners = slabs.page_owner[offs // slabs.page_size]
+    assert (owners >= 0).all()
+    chunk = np.array([slabs.classes[c].chunk_size for c in owners.tolist()], dtype=np.int64)
+    assert (lengths <= chunk).all() and (lengths > 0).all()
+    assert (offs % slabs.page_size + chunk <= slabs.page_size).all()
+    assert int(sum(chunk)) == slabs.bytes_used()
+    st = store.stats()
+    slack = sum(c.pages * c.page_size - (c.chunks_used + c.chunks_free) * c.chunk_size
+                for c in st.classes)
+    assert st.bytes_used + st.bytes_free + slack + st.capacity % store.page_size == st.capacity
+    assert st.entries == len(live)
+    assert st.pending == int((idx.state[live] == PENDING).sum())
+    assert (idx.pins[live][idx.state[live] == PENDING] == 0).all()
+    ready = live[idx.state[live] == READY]
+    by_ns = Counter()
+    for ns, n in zip(idx.ns_of(ready).tolist(), idx.length[ready].tolist(), strict=True):
+        by_ns[ns] += n
+    assert st.ns_bytes == {k: v for k, v in by_ns.items() if v}
+    found = idx.find(0, idx.keys_of(live[idx.ns_of(live) == 0]))
+    assert (found == live[idx.ns_of(live) == 0]).all()
+
+
+# -- eviction policy (pure functions) ----------------------------------------------------
+
+
+def test_lru_victims_are_the_oldest_first_with_ties_in_input_order() -> None:
+    last_used = np.array([0, 0, 5, 1, 9, 1, 3], dtype=np.uint32)
+    eligible = np.array([2, 3, 4, 5, 6], dtype=np.uint32)
+    assert lru_victims(last_used, eligible, 3).tolist() == [3, 5, 6]
+    assert lru_victims(last_used, eligible, 10).tolist() == [3, 5, 6, 2, 4]
+    assert lru_victims(last_used, eligible, 0).size == 0
+    assert lru_victims(last_used, eligible[:0], 2).size == 0
+
+
+def test_page_to_steal_takes_the_page_used_longest_ago() -> None:
+    owner = np.array([0, 0, 1, -1, 0, 2], dtype=np.int32)
+    pages = np.array([0, 0, 1, 2, 4, 5])
+    last_used = np.array([50, 10, 30, 5, 20, 1])
+    blocked = np.array([False, False, False, False, False, True])
+    # page 0's latest use is 50, page 1's 30, page 4's 20; page 2 is the requester's own,
+    # page 3 is free, page 5 has a pinned or pending entry
+    assert page_to_steal(owner, pages, last_used, blocked, requester=1) == 4
+    owner[1] = 0  # a page with no live entry at all goes first
+    assert page_to_steal(owner, pages[pages != 1], last_used[pages != 1],
+                         blocked[pages != 1], requester=1) == 1
+    assert page_to_steal(owner[[2, 3]], np.array([0]), np.array([1]), np.array([False]),
+                         requester=1) is None
+
+
+# -- the contract, one behaviour at a time ---------------------------------------------
+
+
+def test_reserve_then_commit_makes_blocks_loadable() -> None:
+    store = BlockStore(8 * PAGE, PAGE)
+    res = store.reserve(0, kb(1, 2, 3), np.array([100, 200, 300], dtype=np.uint64))
+    assert res.status.tolist() == [NEW, NEW, NEW]
+    assert res.status.dtype == np.uint8 and res.handles.dtype == np.uint32
+    assert res.offsets.dtype == np.uint64
+    assert store.exists(0, kb(1, 2, 3)) == 0
+    assert store.commit(res.handles) == 3
+    assert store.exists(0, kb(1, 2, 3, 4)) == 3
+    pinned = store.pin(0, kb(1, 2, 3))
+    assert pinned.count == 3
+    assert pinned.offsets.tolist() == res.offsets.tolist()
+    assert pinned.lengths.tolist() == [100, 200, 300]
+    assert pinned.handles.tolist() == res.handles.tolist()
+    check_invariants(store)
+
+
+def test_pending_blocks_are_invisible_to_loads_but_present_to_saves() -> None:
+    store = BlockStore(8 * PAGE, PAGE)
+    res = store.reserve(0, kb(1), sizes(1))
+    assert store.exists(0, kb(1)) == 0
+    assert store.pin(0, kb(1)).count == 0
+    assert store.reserve(0, kb(1, 2), sizes(2)).status.tolist() == [PRESENT, NEW]
+    store.commit(res.handles)
+    assert store.exists(0, kb(1)) == 1
+
+
+def test_same_key_twice_in_a_batch_is_reserved_once() -> None:
+    store = BlockStore(8 * PAGE, PAGE)
+    res = store.reserve(0, kb(7, 8, 7, b"\x07", 7), sizes(5))
+    assert res.status.tolist() == [NEW, NEW, PRESENT, NEW, PRESENT]
+    assert store.stats().entries == 3
+
+
+def test_namespaces_do_not_share_blocks() -> None:
+    store = BlockStore(8 * PAGE, PAGE)
+    save(store, 0, [1])
+    assert store.exists(1, kb(1)) == 0
+    assert save(store, 1, [1]) == [NEW]
+
+
+def test_a_bad_size_fails_that_key_and_every_later_one() -> None:
+    store = BlockStore(8 * PAGE, PAGE)
+    save(store, 0, [3])
+    res = store.reserve(0, kb(1, 2, 3, 4), np.array([10, 0, 10, 10], dtype=np.uint64))
+    assert res.status.tolist() == [NEW, FAILED, FAILED, FAILED]
+    res = store.reserve(0, kb(5, 6), np.array([10, PAGE + 1], dtype=np.uint64))
+    assert res.status.tolist() == [NEW, FAILED]
+    assert store.stats().pending == 2  # the NEW ones stay reserved
+
+
+def test_abort_frees_the_place_and_the_key() -> None:
+    store = BlockStore(PAGE, PAGE)
+    res = store.reserve(0, kb(1, 2, 3, 4), sizes(4))
+    assert store.abort(res.handles[:2]) == 2
+    assert store.stats().bytes_used == 2 * 1024
+    again = store.reserve(0, kb(1, 9), sizes(2))
+    assert again.status.tolist() == [NEW, NEW]
+    assert sorted(again.offsets.tolist()) == sorted(res.offsets[:2].tolist())
+    check_invariants(store)
+
+
+def test_commit_and_abort_ignore_handles_in_the_wrong_state() -> None:
+    store = BlockStore(8 * PAGE, PAGE)
+    res = store.reserve(0, kb(1, 2), sizes(2))
+    junk = np.array([0, 1, 999_999, 2**32 - 1], dtype=np.uint32)
+    assert store.commit(np.concatenate([res.handles, res.handles, junk])) == 2
+    assert store.commit(res.handles) == 0
+    assert store.abort(res.handles) == 0
+    assert store.abort(junk) == 0
+    assert store.exists(0, kb(1, 2)) == 2
+
+
+def test_pin_takes_the_leading_ready_keys_only() -> None:
+    store = BlockStore(8 * PAGE, PAGE)
+    save(store, 0, [1, 2, 4])
+    store.reserve(0, kb(5), sizes(1))  # PENDING
+    assert store.pin(0, kb(1, 2, 3, 4)).count == 2
+    assert store.pin(0, kb(3, 1)).count == 0
+    assert store.pin(0, kb(4, 5, 1)).count == 1
+    p = store.pin(0, kb(1, 1))
+    assert p.count == 2 and p.handles[0] == p.handles[1]
+    assert store.stats().pinned == 3
+    assert store.release(p.handles) == 2
+
+
+def test_release_never_takes_pins_below_zero() -> None:
+    store = BlockStore(8 * PAGE, PAGE)
+    save(store, 0, [1])
+    h = store.pin(0, kb(1)).handles
+    assert store.release(np.concatenate([h, h, h])) == 1
+    assert store.release(h) == 0
+    assert store.stats().pinned == 0
+
+
+def test_eviction_takes_the_least_recently_used_first() -> None:
+    store = BlockStore(PAGE, PAGE)  # room for four 1 KiB blocks
+    save(store, 0, [1, 2, 3, 4])
+    store.release(store.pin(0, kb(1)).handles)  # 1 is now the most recent
+    assert save(store, 0, [5]) == [NEW]
+    assert present(store, 0, [1, 2, 3, 4, 5]) == [True, False, True, True, True]
+    assert save(store, 0, [6, 7]) == [NEW, NEW]
+    assert present(store, 0, [1, 3, 4, 5, 6, 7]) == [True, False, False, True, True, True]
+    assert store.stats().evictions["lru"] == 3
+    check_invariants(store)
+
+
+def test_exists_does_not_count_as_a_use() -> None:
+    store = BlockStore(PAGE, PAGE)
+    save(store, 0, [1, 2, 3, 4])
+    assert store.exists(0, kb(1)) == 1
+    save(store, 0, [5])
+    assert present(store, 0, [1, 2]) == [False, True]
+
+
+def test_saving_a_present_key_counts_as_a_use() -> None:
+    store = BlockStore(PAGE, PAGE)
+    save(store, 0, [1, 2, 3, 4])
+    assert save(store, 0, [1]) == [PRESENT]
+    save(store, 0, [5])
+    assert present(store, 0, [1, 2]) == [True, False]
+
+
+def test_pinned_blocks_are_never_evicted() -> None:
+    store = BlockStore(PAGE, PAGE)
+    save(store, 0, [1, 2, 3, 4])
+    store.pin(0, kb(1, 2))
+    assert save(store, 0, [5, 6, 7]) == [NEW, NEW, FAILED]
+    assert present(store, 0, [1, 2, 5, 6]) == [True, True, True, True]
+    check_invariants(store)
+
+
+def test_no_room_even_after_eviction_fails_that_key_and_the_rest() -> None:
+    store = BlockStore(PAGE, PAGE)
+    save(store, 0, [1, 2, 3])
+    store.pin(0, kb(1, 2, 3))
+    res = store.reserve(0, kb(1, 4, 5, 2), sizes(4))
+    assert res.status.tolist() == [PRESENT, NEW, FAILED, FAILED]
+    assert store.stats().pending == 1
+
+
+def test_keys_present_in_a_batch_are_not_evicted_to_make_room_for_it() -> None:
+    store = BlockStore(PAGE, PAGE)
+    save(store, 0, [1, 2, 3, 4])
+    res = store.reserve(0, kb(1, 2, 3, 4, 5), sizes(5))
+    assert res.status.tolist() == [PRESENT] * 4 + [FAILED]
+    assert present(store, 0, [1, 2, 3, 4]) == [True] * 4
+    assert store.stats().pinned == 0
+
+
+def test_pending_blocks_are_never_evicted() -> None:
+    store = BlockStore(PAGE, PAGE)
+    store.reserve(0, kb(1, 2, 3, 4), sizes(4))
+    assert store.reserve(0, kb(5), sizes(1)).status.tolist() == [FAILED]
+
+
+def test_a_new_size_class_steals_the_least_recently_used_page() -> None:
+    store = BlockStore(2 * PAGE, PAGE)
+    save(store, 0, [1, 2, 3, 4, 5, 6, 7, 8])  # two pages of 1 KiB blocks
+    store.release(store.pin(0, kb(2)).handles)  # page 0 has the most recent use
+    assert save(store, 0, [100], size=3000) == [NEW]
+    assert present(store, 0, [1, 2, 3, 4, 5, 6, 7, 8, 100]) == [True] * 4 + [False] * 4 + [True]
+    st = store.stats()
+    assert st.evictions["page"] == 4
+    assert [(c.chunk_size, c.pages) for c in st.classes] == [(1024, 1), (3008, 1)]
+    check_invariants(store)
+
+
+def test_pages_with_pinned_or_pending_blocks_are_not_stolen() -> None:
+    store = BlockStore(2 * PAGE, PAGE)
+    save(store, 0, [1, 2, 3, 4, 5, 6, 7, 8])
+    store.pin(0, kb(1))
+    store.reserve(0, kb(9), np.array([64], dtype=np.uint64))  # no page for a new class
+    assert store.reserve(0, kb(10), sizes(1, 3000)).status.tolist() == [FAILED]
+
+
+def test_a_batch_never_steals_the_page_it_just_got_a_place_on() -> None:
+    store = BlockStore(2 * PAGE, PAGE)
+    save(store, 0, [1, 2, 3, 4])  # page 0; page 1 free
+    res = store.reserve(0, kb(10, 11), np.array([3000, 2000], dtype=np.uint64))
+    assert res.status.tolist() == [NEW, NEW]
+    assert res.offsets.tolist() == [PAGE, 0]
+    assert present(store, 0, [1, 2, 3, 4]) == [False] * 4
+    check_invariants(store)
+
+
+def test_stats_account_for_every_byte() -> None:
+    store = BlockStore(3 * PAGE + 100, PAGE)
+    save(store, 0, [1, 2], size=1000)
+    save(store, 1, [1], size=3000)
+    store.reserve(0, kb(3), sizes(1, 10))
+    st = store.stats()
+    assert st.capacity == 3 * PAGE + 100
+    assert st.bytes_used == 2 * 1024 + 3008 + 64
+    assert st.ns_bytes == {0: 2000, 1: 3000}
+    assert (st.entries, st.pending, st.pinned) == (4, 1, 0)
+    check_invariants(store)
+
+
+def test_clock_rebase_keeps_the_lru_order() -> None:
+    store = BlockStore(PAGE, PAGE)
+    store.clock_limit = 16
+    for k in range(1, 5):
+        save(store, 0, [k])
+    for _ in range(20):  # many ticks, rebases on the way
+        store.release(store.pin(0, kb(4)).handles)
+    store.release(store.pin(0, kb(2)).handles)
+    save(store, 0, [5, 6])
+    assert present(store, 0, [1, 2, 3, 4, 5, 6]) == [False, True, False, True, True, True]
+    assert int(store.index.last_used.max()) < 16
+
+
+def test_big_blocks_fill_whole_pages() -> None:
+    store = BlockStore(2 * PAGE, PAGE)
+    res = store.reserve(0, kb(1, 2, 3), sizes(3, PAGE))
+    assert res.status.tolist() == [NEW, NEW, FAILED]
+    assert sorted(res.offsets[:2].tolist()) == [0, PAGE]
+
+
+def test_mismatched_sizes_are_an_error() -> None:
+    store = BlockStore(PAGE, PAGE)
+    with pytest.raises(ValueError, match="sizes"):
+        store.reserve(0, kb(1, 2), sizes(1))
+
+
+def test_empty_batches_do_nothing() -> None:
+    store = BlockStore(PAGE, PAGE)
+    empty = KeyBatch.from_ints(np.zeros(0, dtype=np.uint64))
+    assert store.reserve(0, empty, sizes(0)).status.size == 0
+    assert store.pin(0, empty).count == 0
+    assert store.exists(0, empty) == 0
+    assert store.commit(np.zeros(0, dtype=np.uint32)) == 0
+    assert store.release(np.zeros(0, dtype=np.uint32)) == 0
+
+
+# -- a model of what the store may hold -------------------------------------------------
+
+
+class StoreModel(RuleBasedStateMachine):
+    """Random calls against a model of what the store must, may and must not hold.
+
+    PENDING and pinned blocks are known exactly (never evicted); committed,
+    unpinned blocks may have been evicted, which the model learns when a
+    call reports them missing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = BlockStore(3 * PAGE + 500, PAGE)
+        self.store.clock_limit = 64  # rebase the clock now and then
+        self.pending: dict[tuple[int, int], int] = {}  # key -> handle
+        self.ready: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (handle, size)
+        self.pins: Counter[int] = Counter()  # handle -> pins we hold
+
+    def pinned(self, key: tuple[int, int]) -> bool:
+        return key in self.ready and self.pins[self.ready[key][0]] > 0
+
+    @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, 12), min_size=1, max_size=8),
+          data=st.data())
+    def reserve(self, ns: int, keys: list[int], data: st.DataObject) -> None:
+        one = st.sampled_from([1, 100, 1000, 2000, 4000, 0, PAGE + 1])
+        if data.draw(st.booleans()):  # usually one size for the batch, as a model saves
+            per_key = [data.draw(one)] * len(keys)
+        else:
+            per_key = data.draw(st.lists(one, min_size=len(keys), max_size=len(keys)))
+        res = self.store.reserve(ns, kb(*keys), np.array(per_key, dtype=np.uint64))
+        status = res.status.tolist()
+        failed = status.index(FAILED) if FAILED in status else len(keys)
+        assert status[failed:] == [FAILED] * (len(keys) - failed)
+        if failed < len(keys):
+            key = (ns, keys[failed])
+            assert key not in self.pending and not self.pinned(key)
+        batch: set[tuple[int, int]] = set()
+        for k, s, h, off, size in zip(keys[:failed], status, res.handles.tolist(),
+                                      res.offsets.tolist(), per_key, strict=False):
+            key = (ns, k)
+            if s == PRESENT:
+                assert key in self.pending or key in self.ready or key in batch
+            else:
+                assert key not in self.pending and not self.pinned(key) and key not in batch
+                assert 1 <= size <= PAGE and off + size <= self.store.capacity
+                self.ready.pop(key, None)  # it had been evicted
+                assert self.pins[h] == 0, "the entry of a pinned block was reused"
+                for gone in [r for r, (rh, _) in self.ready.items() if rh == h]:
+                    del self.ready[gone]  # evicted: its entry id is reused
+                self.pending[key] = h
+            batch.add(key)
+
+    @rule(data=st.data(), junk=st.lists(st.integers(0, 40), max_size=3))
+    def commit(self, data: st.DataObject, junk: list[int]) -> None:
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.pending) or [(9, 9)]),
+                                  unique=True))
+        keys = [k for k in keys if k in self.pending]
+        handles = [self.pending[k] for k in keys]
+        known = set(self.pending.values())
+        extra = [j for j in junk if j not in known]
+        assert self.store.commit(np.array(handles + extra + handles, dtype=np.uint32)) == len(keys)
+        for k in keys:
+            h = self.pending.pop(k)
+            self.ready[k] = (h, int(self.store.index.length[h]))
+
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.pending) or [(9, 9)]),
+                                  unique=True))
+        keys = [k for k in keys if k in self.pending]
+        handles = [self.pending.pop(k) for k in keys]
+        assert self.store.abort(np.array(handles, dtype=np.uint32)) == len(keys)
+
+    def check_prefix(self, ns: int, keys: list[int], count: int) -> None:
+        for k in keys[:count]:
+            assert (ns, k) in self.ready, "a key that is not committed was loaded"
+        if count < len(keys):
+            key = (ns, keys[count])
+            assert not self.pinned(key), "a pinned block went missing"
+            self.ready.pop(key, None)  # committed but evicted
+
+    @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, 12), min_size=1, max_size=8))
+    def pin(self, ns: int, keys: list[int]) -> None:
+        p = self.store.pin(ns, kb(*keys))
+        self.check_prefix(ns, keys, p.count)
+        for k, h, n in zip(keys, p.handles.tolist(), p.lengths.tolist(), strict=False):
+            assert self.ready[(ns, k)] == (h, n)
+            self.pins[h] += 1
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        held = sorted(self.pins.elements())
+        if not held:
+            return
+        handles = data.draw(st.lists(st.sampled_from(held), max_size=len(held)))
+        handles = [h for h in handles if self.pins[h] > 0]
+        done = Counter()
+        for h in handles:
+            if self.pins[h] > done[h]:
+                done[h] += 1
+        assert self.store.release(np.array(handles, dtype=np.uint32)) == sum(done.values())
+        self.pins.subtract(done)
+
+    @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, 12), min_size=1, max_size=8))
+    def exists(self, ns: int, keys: list[int]) -> None:
+        self.check_prefix(ns, keys, self.store.exists(ns, kb(*keys)))
+
+    @invariant()
+    def structure_holds(self) -> None:
+        check_invariants(self.store)
+
+    @invariant()
+    def known_blocks_are_where_the_model_says(self) -> None:
+        idx = self.store.index
+        for (ns, k), h in self.pending.items():
+            assert idx.state[h] == PENDING and idx.find(ns, kb(k)).tolist() == [h]
+        for h, n in self.pins.items():
+            if n:
+                assert idx.state[h] == READY and idx.pins[h] == n
+        assert self.store.stats().pending == len(self.pending)
+        assert int((idx.state[: idx.high_water] != FREE).sum()) >= len(self.pending)
+
+
+StoreModel.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestStoreModel = StoreModel.TestCase
