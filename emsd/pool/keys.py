@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,6 +49,9 @@ class KeyBatch:
 
     words: np.ndarray
     tags: np.ndarray
+    # The KT_INT wire bytes when the batch came from int keys: the SDK's hot
+    # path (exists/pin of hundreds of int hashes) then skips re-encoding.
+    wire: bytes | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.tags.shape[0])
@@ -67,19 +70,19 @@ class KeyBatch:
     # -- construction -------------------------------------------------------
 
     @classmethod
-    def from_ints(cls, values: np.ndarray) -> KeyBatch:
-        """Int keys already reduced to uint64."""
+    def from_ints(cls, values: np.ndarray, wire: bytes | None = None) -> KeyBatch:
+        """Int keys already reduced to uint64 (``wire``: their KT_INT bytes, if known)."""
         n = values.shape[0]
         words = np.zeros((n, 4), dtype=np.uint64)
         words[:, 0] = values
-        return cls(words, np.full(n, INT_TAG, dtype=np.uint8))
+        return cls(words, np.full(n, INT_TAG, dtype=np.uint8), wire)
 
     @classmethod
     def from_user(cls, keys: Sequence[int | bytes]) -> KeyBatch:
         """Canonical form of user keys; raises ``KeyError_`` naming the bad one."""
         ints = _try_int_array(keys)
         if ints is not None:
-            return cls.from_ints(ints)
+            return cls.from_ints(ints, ints.astype("<u8", copy=False).tobytes())
         n = len(keys)
         raw = np.zeros(n, dtype=_TAGGED)
         for i, k in enumerate(keys):
@@ -100,6 +103,8 @@ class KeyBatch:
 
     def to_wire(self) -> tuple[int, bytes]:
         """(key type, payload bytes) in the most compact wire form."""
+        if self.wire is not None:
+            return KT_INT, self.wire
         if bool(np.all(self.tags == INT_TAG)):
             return KT_INT, self.words[:, 0].astype("<u8").tobytes()
         raw = np.empty(len(self), dtype=_TAGGED)
