@@ -66,6 +66,11 @@ class ContextCaching:
         self._executor = ThreadPoolExecutor(max_workers=ASYNC_WORKERS, thread_name_prefix="ems-cc")
         self._lock = threading.Lock()
 
+    def close(self) -> None:
+        """Wait for async calls in flight, then close the profiling record file."""
+        self._executor.shutdown(wait=True)
+        self._profiler.close()
+
     # -- registration ------------------------------------------------------------
 
     def register_kvcache(self, kvcache: Any) -> None:

@@ -6,6 +6,10 @@ the pool. A second ``init`` while connected is a no-op; after a failure (the
 daemon restarted, the connection broke) it reconnects and keeps the same
 ``ContextCaching`` object, whose registered layout stays valid.
 
+The SDK logs to ``$EMS_SDK_LOG/ems_sdk.log`` (default /var/log/ems, or a
+temp directory when that cannot be created); ``ENABLE_CC_PROFILING=1`` adds
+one JSON line per call next to it.
+
 ``check_health()`` never raises and never blocks for long (a PING with a
 short deadline): a connector can poll it from a thread to decide when to
 re-init.
@@ -21,7 +25,7 @@ from ems.client import DaemonClient, socket_path
 from ems.common.exception import EmsErrorCode, EmsException, invalid
 from ems.config import EmsConfig
 from ems.context_caching import ContextCaching
-from ems.profiling import Profiler
+from ems.profiling import Profiler, install_log_handler
 from emsd.transport.frames import Op
 
 log = logging.getLogger("ems")
@@ -43,6 +47,7 @@ class Ems:
         if not isinstance(config, EmsConfig):
             raise invalid(f"config must be an EmsConfig, not {type(config).__name__}")
         cc_cfg = config.validate()
+        install_log_handler()  # $EMS_SDK_LOG/ems_sdk.log (default /var/log/ems, else a temp dir)
         with cls._lock:
             if cls._client is not None and not cls._client.broken and cls._config is config:
                 return
@@ -87,6 +92,8 @@ class Ems:
     def _reset(cls) -> None:
         """Forget the connection (tests and shutdown); not part of the EMS API."""
         with cls._lock:
+            if cls._cc is not None:
+                cls._cc.close()
             if cls._client is not None:
                 cls._client.close()
             cls._client = cls._cc = cls._config = None

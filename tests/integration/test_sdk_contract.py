@@ -274,3 +274,20 @@ def test_init_without_a_daemon_raises_io_error(tmp_path: Any, monkeypatch: Any) 
     assert info.value.status_code() == EmsErrorCode.EMS_IO_ERROR
     assert Ems.get_cc() is None
     assert Ems.check_health() is False
+
+
+def test_profiling_records_one_json_line_per_call(sdk_env: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    import json
+    import os
+
+    monkeypatch.setenv("ENABLE_CC_PROFILING", "1")
+    monkeypatch.setenv("EMS_SDK_LOG", str(tmp_path))
+    cc = init()
+    cc.register_kvcache(make_kv())
+    cc.save(block_slots([1]), hashes=[77], offsets=[BLOCK])
+    cc.load(block_slots([1]), hashes=[77], offsets=[BLOCK])
+    cc.exists([77, 78])
+    records = [json.loads(line) for line in (tmp_path / f"cc_profile_{os.getpid()}.jsonl").read_text().splitlines()]
+    assert [r["op"] for r in records] == ["save", "load", "exists"]
+    assert records[2]["success"] == 1 and records[2]["total"] == 2
+    assert all(r["duration_us"] >= 0 for r in records)
