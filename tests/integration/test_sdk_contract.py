@@ -287,7 +287,8 @@ def test_profiling_records_one_json_line_per_call(sdk_env: Any, tmp_path: Any, m
     cc.save(block_slots([1]), hashes=[77], offsets=[BLOCK])
     cc.load(block_slots([1]), hashes=[77], offsets=[BLOCK])
     cc.exists([77, 78])
-    records = [json.loads(line) for line in (tmp_path / f"cc_profile_{os.getpid()}.jsonl").read_text().splitlines()]
+    path = tmp_path / f"cc_profile_{os.getpid()}.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["op"] for r in records] == ["save", "load", "exists"]
     assert records[2]["success"] == 1 and records[2]["total"] == 2
     assert all(r["duration_us"] >= 0 for r in records)
