@@ -70,6 +70,11 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from emsd.pool.keys import KeyBatch
 
+try:  # the lookup loop in C; the numpy probe below gives the same answers
+    from emsd.pool import _probe  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - extension not built
+    _probe = None  # type: ignore[assignment]
+
 FREE, PENDING, READY = 0, 1, 2
 EMPTY, TOMB = 0, 1  # table slot values; also the two sentinel entry ids
 FIRST_ID = 2
@@ -112,6 +117,9 @@ def hash_keys(words: np.ndarray, nstag: np.ndarray) -> np.ndarray:
     return h
 
 
+_C_HASH = hash_keys  # _probe computes exactly this hash; tests that swap it use the numpy probe
+
+
 class BlockIndex:
     """(namespace, key) -> entry id, with the entry's fields as arrays.
 
@@ -136,6 +144,7 @@ class BlockIndex:
         self._keyrec = np.zeros((0, REST_COLS), dtype=np.uint32)  # scratch: a batch's rows
         self._tail = TAIL
         self._new_table(_MIN_HOME)
+        self.use_c = True  # tests turn it off to compare with the numpy probe
 
     def __len__(self) -> int:
         return self._count
@@ -175,8 +184,15 @@ class BlockIndex:
         absent one are resolved (later ones may read as absent): what a load
         needs, and it spares the rounds for far-probing later keys.
         """
-        knt = nstag_of(ns, keys.tags)
         words = np.ascontiguousarray(keys.words)
+        if _probe is not None and self.use_c and hash_keys is _C_HASH:
+            if not 0 <= ns <= MAX_NS:
+                raise ValueError(f"namespace id {ns} is outside 0..{MAX_NS}")
+            out = np.empty(len(keys), dtype=np.uint32)
+            _probe.find(self.table, self.w0, self.rest, words, np.ascontiguousarray(keys.tags),
+                        ns, int(self._shift), out, prefix)
+            return out
+        knt = nstag_of(ns, keys.tags)
         return self._probe(words, knt, hash_keys(words, knt), prefix)
 
     def _probe(self, kw: np.ndarray, knt: np.ndarray, h: np.ndarray, prefix: bool) -> np.ndarray:
