@@ -25,7 +25,7 @@ from ems.client import DaemonClient, socket_path
 from ems.common.exception import EmsErrorCode, EmsException, invalid
 from ems.config import EmsConfig
 from ems.context_caching import ContextCaching
-from ems.profiling import Profiler, install_log_handler
+from ems.profiling import Profiler, install_log_handler, remove_log_handler
 from emsd.transport.frames import Op
 
 log = logging.getLogger("ems")
@@ -97,3 +97,4 @@ class Ems:
             if cls._client is not None:
                 cls._client.close()
             cls._client = cls._cc = cls._config = None
+        remove_log_handler()

@@ -332,6 +332,7 @@ def test_profiler_unwritable_directory_turns_itself_off(tmp_path: Path) -> None:
 
 def test_log_handler_writes_sdk_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMS_SDK_LOG", str(tmp_path))
+    remove_log_handler()  # an earlier Ems.init in this process may have installed one
     logger = logging.getLogger("ems")
     level = logger.level
     try:
