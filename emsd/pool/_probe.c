@@ -39,39 +39,35 @@ static int get_buf(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writ
     return 0;
 }
 
+enum { TABLE, W0, REST, WORDS, TAGS, OUT, NBUF };
+
 static PyObject *find(PyObject *self, PyObject *args) {
-    PyObject *o_table, *o_w0, *o_rest, *o_words, *o_tags, *o_out;
+    PyObject *obj[NBUF];
     unsigned long long ns, shift;
     int prefix;
-    if (!PyArg_ParseTuple(args, "OOOOOKKOp", &o_table, &o_w0, &o_rest, &o_words, &o_tags, &ns, &shift,
-                          &o_out, &prefix))
+    if (!PyArg_ParseTuple(args, "OOOOOKKOp", &obj[TABLE], &obj[W0], &obj[REST], &obj[WORDS], &obj[TAGS],
+                          &ns, &shift, &obj[OUT], &prefix))
         return NULL;
-    Py_buffer table, w0, rest, words, tags, out;
+    static const Py_ssize_t itemsize[NBUF] = {4, 8, 4, 8, 1, 4};
+    static const char *name[NBUF] = {"table", "w0", "rest", "words", "tags", "out"};
+    Py_buffer buf[NBUF];
     int got = 0;
-    if (get_buf(o_table, &table, 4, 0, "table") < 0) goto fail;
-    got = 1;
-    if (get_buf(o_w0, &w0, 8, 0, "w0") < 0) goto fail;
-    got = 2;
-    if (get_buf(o_rest, &rest, 4, 0, "rest") < 0) goto fail;
-    got = 3;
-    if (get_buf(o_words, &words, 8, 0, "words") < 0) goto fail;
-    got = 4;
-    if (get_buf(o_tags, &tags, 1, 0, "tags") < 0) goto fail;
-    got = 5;
-    if (get_buf(o_out, &out, 4, 1, "out") < 0) goto fail;
-    got = 6;
+    PyObject *result = NULL;
+    for (; got < NBUF; got++)
+        if (get_buf(obj[got], &buf[got], itemsize[got], got == OUT, name[got]) < 0)
+            goto done;
 
-    Py_ssize_t n = tags.len;
-    Py_ssize_t n_slots = table.len / 4, n_entries = w0.len / 8;
-    if (words.len != n * 32 || out.len != n * 4 || rest.len / (4 * REST_COLS) < n_entries ||
+    Py_ssize_t n = buf[TAGS].len;
+    Py_ssize_t n_slots = buf[TABLE].len / 4, n_entries = buf[W0].len / 8;
+    if (buf[WORDS].len != n * 32 || buf[OUT].len != n * 4 || buf[REST].len / (4 * REST_COLS) < n_entries ||
         shift < 1 || shift > 63) {
         PyErr_SetString(PyExc_ValueError, "find: array sizes do not match");
-        goto fail;
+        goto done;
     }
-    const uint32_t *t = table.buf, *r = rest.buf;
-    const uint64_t *e0 = w0.buf, *kw = words.buf;
-    const uint8_t *tg = tags.buf;
-    uint32_t *o = out.buf;
+    const uint32_t *t = buf[TABLE].buf, *r = buf[REST].buf;
+    const uint64_t *e0 = buf[W0].buf, *kw = buf[WORDS].buf;
+    const uint8_t *tg = buf[TAGS].buf;
+    uint32_t *o = buf[OUT].buf;
     Py_ssize_t i = 0;
     for (; i < n; i++) {
         const uint64_t *k = kw + 4 * i;
@@ -101,13 +97,12 @@ static PyObject *find(PyObject *self, PyObject *args) {
     }
     for (; i < n; i++)
         o[i] = 0;
-    for (int j = got; j > 0; j--)
-        PyBuffer_Release(j == 1 ? &table : j == 2 ? &w0 : j == 3 ? &rest : j == 4 ? &words : j == 5 ? &tags : &out);
-    Py_RETURN_NONE;
-fail:
-    for (int j = got; j > 0; j--)
-        PyBuffer_Release(j == 1 ? &table : j == 2 ? &w0 : j == 3 ? &rest : j == 4 ? &words : j == 5 ? &tags : &out);
-    return NULL;
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    while (got-- > 0)
+        PyBuffer_Release(&buf[got]);
+    return result;
 }
 
 static PyMethodDef methods[] = {
