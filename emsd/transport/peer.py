@@ -1,0 +1,421 @@
+"""The TCP peer transport: moving blocks between the pools of two daemons.
+
+Not yet wired into the daemon: this module is the transport of the cluster
+issue (membership and placement come separately). It is complete and tested
+on its own against real sockets on loopback.
+
+Bytes never pass through Python ``bytes`` objects: a sender hands the
+kernel memoryview slices of its pool (``loop.sock_sendall``), a receiver
+reads straight into freshly reserved slabs of its own pool
+(``loop.sock_recv_into`` on a memoryview). Control frames use the same
+codec as the local socket (``emsd.transport.frames``); a frame's ``bulk``
+field says how many raw bytes follow it.
+
+Connections authenticate both ways before anything else, with a shared
+cluster secret and HMAC-SHA256 over fresh nonces:
+
+    server -> client   {op: CHALLENGE, nonce: Ns}
+    client -> server   {op: AUTH, node, nonce: Nc, mac: H(secret, "c" Ns Nc node)}
+    server -> client   {st: OK, node, mac: H(secret, "s" Nc Ns node)}
+
+A wrong secret is refused (and logged) and the connection closed; the
+secret itself never crosses the wire.
+
+Requests (one at a time per connection; a daemon keeps several connections
+per peer for parallelism):
+
+- ``GET {ns, n, kt}`` + keys: the server pins the leading present blocks and
+  answers ``{count, lengths}`` followed by their bytes, then releases the
+  pins. The client reserves local chunks for them, receives each block into
+  its chunk (or discards it when the block was already present locally) and
+  commits.
+- ``PUT {ns, n, kt, lengths}`` + keys + the blocks' bytes: the server
+  reserves, receives into its chunks and commits; it answers ``{stored}``, the
+  number of leading blocks now present on the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from emsd.pool.keys import KeyBatch, KeyError_
+from emsd.pool.store import BlockStore
+from emsd.pool.store import Status as SlotStatus
+from emsd.transport.frames import (
+    MAX_BATCH_KEYS,
+    PREFIX,
+    PROTOCOL_VERSION,
+    FrameError,
+    Status,
+    check_lengths,
+    decode_header,
+    encode_parts,
+)
+
+log = logging.getLogger("emsd.peer")
+
+PEER_PROTOCOL = 1
+OP_CHALLENGE, OP_AUTH, OP_GET, OP_PUT = 101, 102, 103, 104
+NONCE_BYTES = 32
+AUTH_TIMEOUT = 5.0
+MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
+SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
+
+
+class PeerError(Exception):
+    """A peer broke the protocol, refused us, or went away."""
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"\0".join(parts), hashlib.sha256).digest()
+
+
+@dataclass
+class PoolAccess:
+    """What the transport needs of its daemon: the store, the pool bytes, namespaces."""
+
+    store: BlockStore
+    pool: memoryview  # the whole region, writable
+    namespace_id: Callable[[str], int]  # name -> local id (created on first use)
+
+
+# -- framing over a raw non-blocking socket ------------------------------------
+
+
+async def _send(loop: asyncio.AbstractEventLoop, sock: socket.socket, header: dict[str, Any],
+                *payload: bytes | memoryview) -> None:
+    header = {"v": PROTOCOL_VERSION, "id": header.pop("id", 0), **header}
+    for part in encode_parts(header, *payload):
+        await loop.sock_sendall(sock, part)
+
+
+async def _recv_exact_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise PeerError("peer closed the connection")
+        got += n
+
+
+async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    prefix = bytearray(PREFIX.size)
+    await _recv_exact_into(loop, sock, memoryview(prefix))
+    header_len, payload_len = PREFIX.unpack(prefix)
+    check_lengths(header_len, payload_len)
+    body = bytearray(header_len + payload_len)
+    await _recv_exact_into(loop, sock, memoryview(body))
+    return decode_header(bytes(body[:header_len])), bytes(body[header_len:])
+
+
+async def _discard(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int,
+                   scratch: memoryview) -> None:
+    while nbytes > 0:
+        step = min(nbytes, len(scratch))
+        await _recv_exact_into(loop, sock, scratch[:step])
+        nbytes -= step
+
+
+def _keys_of(header: dict[str, Any], payload: bytes) -> tuple[KeyBatch, bytes]:
+    n, kt = header.get("n"), header.get("kt")
+    if type(n) is not int or not 0 <= n <= MAX_BATCH_KEYS or kt not in (0, 1):
+        raise FrameError("bad n or kt")
+    width = 8 if kt == 0 else 33
+    if len(payload) < width * n:
+        raise FrameError("short key payload")
+    try:
+        return KeyBatch.from_wire(kt, payload[: width * n], n), payload[width * n :]
+    except KeyError_ as exc:
+        raise FrameError(f"keys: {exc}") from None
+
+
+def _lengths(raw: bytes, n: int) -> np.ndarray:
+    if len(raw) != 8 * n:
+        raise FrameError("lengths must be n little-endian u64")
+    lengths = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+    if n and (int(lengths.min()) == 0 or int(lengths.sum()) > MAX_BULK):
+        raise FrameError("block lengths out of range")
+    return lengths
+
+
+async def _receive_blocks(loop: asyncio.AbstractEventLoop, sock: socket.socket, access: PoolAccess,
+                          ns: int, keys: KeyBatch, lengths: np.ndarray, scratch: memoryview) -> int:
+    """Reserve, receive into the pool, commit; returns how many leading keys are now present.
+
+    Blocks that are already present, or for which there is no space, are
+    read off the socket into ``scratch`` and dropped, keeping the stream in
+    step. A failure mid-stream aborts what was reserved.
+    """
+    store = access.store
+    res = store.reserve(ns, keys, lengths)
+    new = np.flatnonzero(res.status == SlotStatus.NEW)
+    try:
+        for i in range(len(keys)):
+            size = int(lengths[i])
+            if res.status[i] == SlotStatus.NEW:
+                off = int(res.offsets[i])
+                await _recv_exact_into(loop, sock, access.pool[off : off + size])
+            else:
+                await _discard(loop, sock, size, scratch)
+    except BaseException:
+        store.abort(res.handles[new])
+        raise
+    store.commit(res.handles[new])
+    failed = np.flatnonzero(res.status == SlotStatus.FAILED)
+    return int(failed[0]) if failed.size else len(keys)
+
+
+# -- server ------------------------------------------------------------------
+
+
+class PeerServer:
+    """Serves this daemon's pool to authenticated peers over TCP."""
+
+    def __init__(self, access: PoolAccess, node_id: str, secret: bytes) -> None:
+        self.access = access
+        self.node_id = node_id
+        self.secret = secret
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._conns: set[socket.socket] = set()
+        self.refused = 0  # connections that failed authentication
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        """Listen; returns the bound (host, port) (port 0 picks a free one)."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self._spawn(self._accept_loop())
+        bound = sock.getsockname()
+        return bound[0], bound[1]
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for conn in list(self._conns):
+            conn.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                if self._listener is None:
+                    return
+                log.warning("peer accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conns.add(conn)
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        peer = "?"
+        try:
+            peer = await asyncio.wait_for(self._authenticate(loop, conn), AUTH_TIMEOUT)
+            scratch = memoryview(bytearray(SCRATCH))
+            while True:
+                header, payload = await _recv_frame(loop, conn)
+                rid = header["id"]
+                try:
+                    if header.get("op") == OP_GET:
+                        await self._get(loop, conn, rid, header, payload)
+                    elif header.get("op") == OP_PUT:
+                        await self._put(loop, conn, rid, header, payload, scratch)
+                    else:
+                        raise FrameError(f"unknown peer op {header.get('op')!r}")
+                except FrameError as exc:
+                    # The stream may be out of step after a bad request: answer and drop it.
+                    await _send(loop, conn, {"id": rid, "st": int(exc.status), "msg": str(exc)})
+                    raise
+        except (PeerError, FrameError, ConnectionError, TimeoutError, OSError) as exc:
+            log.debug("peer %s: connection ends: %s", peer, exc)
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    async def _authenticate(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> str:
+        nonce = os.urandom(NONCE_BYTES)
+        await _send(loop, conn, {"op": OP_CHALLENGE, "nonce": nonce, "proto": PEER_PROTOCOL})
+        header, _ = await _recv_frame(loop, conn)
+        node, their, mac = header.get("node"), header.get("nonce"), header.get("mac")
+        ok = (header.get("op") == OP_AUTH and isinstance(node, str) and isinstance(their, bytes)
+              and len(their) == NONCE_BYTES and isinstance(mac, bytes)
+              and hmac.compare_digest(mac, _mac(self.secret, b"c", nonce, their, node.encode())))
+        if not ok or not isinstance(their, bytes):
+            self.refused += 1
+            log.warning("peer connection refused: failed authentication")
+            await _send(loop, conn, {"st": int(Status.INVALID_ARGUMENT), "msg": "authentication failed"})
+            raise PeerError("authentication failed")
+        await _send(loop, conn, {"st": int(Status.OK), "node": self.node_id,
+                                 "mac": _mac(self.secret, b"s", their, nonce, self.node_id.encode())})
+        return str(node)
+
+    async def _get(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
+                   header: dict[str, Any], payload: bytes) -> None:
+        ns_name = header.get("ns")
+        if not isinstance(ns_name, str):
+            raise FrameError("ns must be a namespace name")
+        keys, rest = _keys_of(header, payload)
+        if rest:
+            raise FrameError("unexpected bytes after the keys")
+        store = self.access.store
+        pinned = store.pin(self.access.namespace_id(ns_name), keys)
+        try:
+            lengths = pinned.lengths.astype("<u8")
+            await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": pinned.count,
+                                     "bulk": int(lengths.sum())}, lengths.tobytes())
+            pool = self.access.pool
+            for off, size in zip(pinned.offsets.tolist(), pinned.lengths.tolist(), strict=True):
+                await loop.sock_sendall(conn, pool[off : off + size])
+        finally:
+            store.release(pinned.handles)
+
+    async def _put(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
+                   header: dict[str, Any], payload: bytes, scratch: memoryview) -> None:
+        ns_name = header.get("ns")
+        if not isinstance(ns_name, str):
+            raise FrameError("ns must be a namespace name")
+        keys, rest = _keys_of(header, payload)
+        lengths = _lengths(rest, len(keys))
+        if header.get("bulk") != int(lengths.sum()):
+            raise FrameError("bulk does not match the lengths")
+        ns = self.access.namespace_id(ns_name)
+        stored = await _receive_blocks(loop, conn, self.access, ns, keys, lengths, scratch)
+        await _send(loop, conn, {"id": rid, "st": int(Status.OK), "stored": stored})
+
+
+# -- client ------------------------------------------------------------------
+
+
+class PeerConnection:
+    """One authenticated connection to a peer; one request at a time."""
+
+    def __init__(self, access: PoolAccess, node_id: str, secret: bytes) -> None:
+        self.access = access
+        self.node_id = node_id
+        self.secret = secret
+        self.sock: socket.socket | None = None
+        self.peer_id = ""
+        self._ids = 0
+        self._lock = asyncio.Lock()
+        self._scratch = memoryview(bytearray(SCRATCH))
+
+    async def connect(self, host: str, port: int, timeout: float = 5.0) -> None:
+        """Connect and authenticate both ways; raises ``PeerError``."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await asyncio.wait_for(self._authenticate(loop, sock), timeout)
+        except (OSError, TimeoutError, FrameError, PeerError) as exc:
+            sock.close()
+            raise PeerError(f"cannot connect to peer {host}:{port}: {exc}") from None
+        self.sock = sock
+
+    async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        header, _ = await _recv_frame(loop, sock)
+        theirs = header.get("nonce")
+        if header.get("op") != OP_CHALLENGE or not isinstance(theirs, bytes):
+            raise PeerError("peer did not send a challenge")
+        mine = os.urandom(NONCE_BYTES)
+        await _send(loop, sock, {"op": OP_AUTH, "node": self.node_id, "nonce": mine,
+                                 "mac": _mac(self.secret, b"c", theirs, mine, self.node_id.encode())})
+        answer, _ = await _recv_frame(loop, sock)
+        node, mac = answer.get("node"), answer.get("mac")
+        if answer.get("st") != Status.OK or not isinstance(node, str) or not isinstance(mac, bytes):
+            raise PeerError(f"peer refused us: {answer.get('msg', 'no reason')}")
+        if not hmac.compare_digest(mac, _mac(self.secret, b"s", mine, theirs, node.encode())):
+            raise PeerError("peer failed to prove the cluster secret")
+        self.peer_id = node
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    async def get(self, ns_name: str, keys: KeyBatch) -> int:
+        """Fetch the leading blocks the peer has into the local pool; returns how many are now local."""
+        async with self._lock:
+            loop, sock = self._ready()
+            rid = self._next_id()
+            kt, raw = keys.to_wire()
+            try:
+                await _send(loop, sock, {"id": rid, "op": OP_GET, "ns": ns_name, "n": len(keys), "kt": kt},
+                            raw)
+                header, payload = await _recv_frame(loop, sock)
+                if header.get("st") != Status.OK:
+                    raise PeerError(f"GET refused: {header.get('msg')}")
+                count = header.get("count")
+                if type(count) is not int or not 0 <= count <= len(keys):
+                    raise PeerError("GET answer has a bad count")
+                lengths = _lengths(payload, count)
+                if header.get("bulk") != int(lengths.sum()):
+                    raise PeerError("GET answer's bulk does not match its lengths")
+                ns = self.access.namespace_id(ns_name)
+                return await _receive_blocks(loop, sock, self.access, ns, keys.take(slice(0, count)),
+                                             lengths, self._scratch)
+            except (OSError, FrameError, PeerError) as exc:
+                self.close()  # the stream is out of step
+                raise PeerError(f"GET from {self.peer_id} failed: {exc}") from None
+
+    async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
+        """Send local blocks (pool ``offsets``/``lengths``) to the peer; returns its leading stored count.
+
+        The caller keeps the blocks pinned until this returns.
+        """
+        async with self._lock:
+            loop, sock = self._ready()
+            rid = self._next_id()
+            kt, raw = keys.to_wire()
+            lengths = lengths.astype("<u8")
+            try:
+                await _send(loop, sock, {"id": rid, "op": OP_PUT, "ns": ns_name, "n": len(keys), "kt": kt,
+                                         "bulk": int(lengths.sum())}, raw, lengths.tobytes())
+                pool = self.access.pool
+                for off, size in zip(offsets.tolist(), lengths.tolist(), strict=True):
+                    await loop.sock_sendall(sock, pool[off : off + size])
+                header, _ = await _recv_frame(loop, sock)
+            except (OSError, FrameError, PeerError) as exc:
+                self.close()
+                raise PeerError(f"PUT to {self.peer_id} failed: {exc}") from None
+            if header.get("st") != Status.OK or type(header.get("stored")) is not int:
+                raise PeerError(f"PUT refused: {header.get('msg')}")
+            return int(header["stored"])
+
+    def _ready(self) -> tuple[asyncio.AbstractEventLoop, socket.socket]:
+        if self.sock is None:
+            raise PeerError("not connected")
+        return asyncio.get_running_loop(), self.sock
+
+    def _next_id(self) -> int:
+        self._ids += 1
+        return self._ids

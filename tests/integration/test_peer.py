@@ -1,0 +1,192 @@
+"""The TCP peer transport between two pools, over real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+
+from emsd.pool.keys import KeyBatch
+from emsd.pool.store import BlockStore
+from emsd.transport.peer import PeerConnection, PeerError, PeerServer, PoolAccess
+
+POOL = 16 << 20
+PAGE = 4 << 20
+SECRET = b"cluster-secret-for-tests"
+
+
+class Node:
+    """A pool, its store and namespace table: what a daemon gives the transport."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mem = bytearray(POOL)
+        self.store = BlockStore(POOL, PAGE)
+        self.names: dict[str, int] = {}
+        self.access = PoolAccess(self.store, memoryview(self.mem), self.ns)
+
+    def ns(self, name: str) -> int:
+        return self.names.setdefault(name, len(self.names))
+
+    def put_local(self, ns: str, keys: list[int], blocks: list[bytes]) -> None:
+        batch = KeyBatch.from_user(keys)
+        res = self.store.reserve(self.ns(ns), batch, np.array([len(b) for b in blocks], np.uint64))
+        for off, block in zip(res.offsets.tolist(), blocks, strict=True):
+            self.mem[off : off + len(block)] = block
+        self.store.commit(res.handles[res.status == 0])
+
+    def read(self, ns: str, keys: list[int]) -> list[bytes]:
+        pinned = self.store.pin(self.ns(ns), KeyBatch.from_user(keys))
+        try:
+            return [bytes(self.mem[o : o + n]) for o, n in
+                    zip(pinned.offsets.tolist(), pinned.lengths.tolist(), strict=True)]
+        finally:
+            self.store.release(pinned.handles)
+
+
+def blocks(n: int, size: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+async def drain(sock: socket.socket) -> None:
+    """Read until the peer closes (EOF or reset): it must close within 5 s."""
+    loop = asyncio.get_running_loop()
+    try:
+        while await asyncio.wait_for(loop.sock_recv(sock, 4096), 5):
+            pass
+    except ConnectionResetError:
+        pass
+
+
+async def serve(node: Node, secret: bytes = SECRET) -> tuple[PeerServer, int]:
+    server = PeerServer(node.access, node.name, secret)
+    _, port = await server.start("127.0.0.1", 0)
+    return server, port
+
+
+async def test_get_fetches_leading_blocks_into_the_local_pool() -> None:
+    a, b = Node("a"), Node("b")
+    data = blocks(5, 300_000, seed=1)
+    b.put_local("ns", [1, 2, 3, 5, 6], data)  # 4 is missing
+    server, port = await serve(b)
+    conn = PeerConnection(a.access, "a", SECRET)
+    try:
+        await conn.connect("127.0.0.1", port)
+        assert conn.peer_id == "b"
+        assert await conn.get("ns", KeyBatch.from_user([1, 2, 3, 4, 5])) == 3
+        assert a.read("ns", [1, 2, 3]) == data[:3]
+        assert a.store.exists(a.ns("ns"), KeyBatch.from_user([1, 2, 3, 4])) == 3
+        # Already local blocks are read off the wire and dropped; the stream stays in step.
+        assert await conn.get("ns", KeyBatch.from_user([1, 2, 3])) == 3
+        assert await conn.get("other", KeyBatch.from_user([1])) == 0
+        assert b.store.stats().pinned == 0
+    finally:
+        conn.close()
+        await server.close()
+
+
+async def test_put_stores_blocks_on_the_peer() -> None:
+    a, b = Node("a"), Node("b")
+    data = blocks(4, 1 << 20, seed=2)
+    a.put_local("ns", [10, 11, 12, 13], data)
+    b.put_local("ns", [11], [data[1]])  # already there: skipped, not an error
+    server, port = await serve(b)
+    conn = PeerConnection(a.access, "a", SECRET)
+    try:
+        await conn.connect("127.0.0.1", port)
+        pinned = a.store.pin(a.ns("ns"), KeyBatch.from_user([10, 11, 12, 13]))
+        stored = await conn.put("ns", KeyBatch.from_user([10, 11, 12, 13]), pinned.offsets, pinned.lengths)
+        a.store.release(pinned.handles)
+        assert stored == 4
+        assert b.read("ns", [10, 11, 12, 13]) == data
+        assert b.store.stats().pending == 0
+    finally:
+        conn.close()
+        await server.close()
+
+
+async def test_a_wrong_secret_is_refused_both_ways() -> None:
+    a, b = Node("a"), Node("b")
+    b.put_local("ns", [1], blocks(1, 1000, seed=3))
+    server, port = await serve(b)
+    try:
+        intruder = PeerConnection(a.access, "a", b"wrong-secret")
+        with pytest.raises(PeerError, match="authentication failed|refused"):
+            await intruder.connect("127.0.0.1", port)
+        assert server.refused == 1
+        # A server without the secret cannot pass itself off as a peer either.
+        fake, fake_port = await serve(Node("fake"), secret=b"other")
+        try:
+            with pytest.raises(PeerError):
+                await PeerConnection(a.access, "a", SECRET).connect("127.0.0.1", fake_port)
+        finally:
+            await fake.close()
+        good = PeerConnection(a.access, "a", SECRET)
+        await good.connect("127.0.0.1", port)
+        assert await good.get("ns", KeyBatch.from_user([1])) == 1
+        good.close()
+    finally:
+        await server.close()
+
+
+async def test_garbage_from_a_peer_closes_only_that_connection() -> None:
+    a, b = Node("a"), Node("b")
+    b.put_local("ns", [1], blocks(1, 1000, seed=4))
+    server, port = await serve(b)
+    loop = asyncio.get_running_loop()
+    try:
+        for junk in [b"\xff" * 64, struct.pack("<II", 5, 0) + b"\x00" * 5,
+                     struct.pack("<II", 1 << 30, 0)]:
+            raw = socket.socket()
+            try:
+                raw.setblocking(False)
+                await loop.sock_connect(raw, ("127.0.0.1", port))
+                await loop.sock_sendall(raw, junk)
+                await drain(raw)
+            finally:
+                raw.close()
+        # An authenticated peer that then sends a bad request is answered and dropped.
+        conn = PeerConnection(a.access, "a", SECRET)
+        await conn.connect("127.0.0.1", port)
+        assert conn.sock is not None
+        head = msgpack.packb({"v": 1, "id": 9, "op": 103, "ns": 5, "n": 1, "kt": 0})
+        await loop.sock_sendall(conn.sock, struct.pack("<II", len(head), 0) + head)
+        await drain(conn.sock)
+        conn.close()
+        good = PeerConnection(a.access, "a", SECRET)
+        await good.connect("127.0.0.1", port)
+        assert await good.get("ns", KeyBatch.from_user([1])) == 1
+        good.close()
+    finally:
+        await server.close()
+
+
+async def test_a_peer_that_dies_mid_transfer_leaves_nothing_reserved() -> None:
+    a, b = Node("a"), Node("b")
+    server, port = await serve(b)
+    loop = asyncio.get_running_loop()
+    try:
+        conn = PeerConnection(a.access, "a", SECRET)
+        await conn.connect("127.0.0.1", port)
+        assert conn.sock is not None
+        keys = KeyBatch.from_user([1, 2])
+        kt, raw = keys.to_wire()
+        lengths = np.array([1 << 20, 1 << 20], "<u8").tobytes()
+        head = msgpack.packb({"v": 1, "id": 1, "op": 104, "ns": "ns", "n": 2, "kt": kt, "bulk": 2 << 20})
+        payload = raw + lengths
+        await loop.sock_sendall(conn.sock, struct.pack("<II", len(head), len(payload)) + head + payload)
+        await loop.sock_sendall(conn.sock, b"\x01" * (1 << 19))  # half of the first block, then gone
+        conn.close()
+        for _ in range(200):
+            if not server._conns:
+                break
+            await asyncio.sleep(0.01)
+        stats = b.store.stats()
+        assert stats.pending == 0 and stats.entries == 0
+    finally:
+        await server.close()
