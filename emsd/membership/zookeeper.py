@@ -1,0 +1,192 @@
+"""Membership through a ZooKeeper ensemble (kazoo).
+
+Each daemon registers an ephemeral znode ``/emsd/<cluster>/nodes/<node_id>``
+holding its ``NodeInfo`` and watches the children of that directory. The
+znode lives as long as the daemon's ZooKeeper session, so a daemon that dies
+leaves the view once its session times out.
+
+Threads: kazoo runs its own connection thread and calls our listener and
+watch callbacks from its threads; those only set flags and wake our worker
+thread, which does every blocking ZooKeeper call (register, read the view)
+and runs the ``on_change`` callbacks. A daemon on asyncio marshals those
+into its loop with ``call_soon_threadsafe``.
+
+Registration is idempotent: if our znode exists and belongs to our own
+session it is rewritten; if it belongs to another live session, the id is
+taken and ``start()`` raises ``DuplicateNodeError``. ``start()`` never
+blocks for longer than its timeout: with ZooKeeper unreachable it returns
+in state CONNECTING and the worker joins once the ensemble answers. Local
+service never waits on ZooKeeper. SUSPENDED keeps the last view; LOST (the
+session expired, our znode is gone) keeps it too and re-registers as soon
+as the client reconnects with a new session.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.retry import KazooRetry
+
+from emsd.membership.base import DuplicateNodeError, MembershipState, NodeInfo, ViewCallback
+
+log = logging.getLogger("emsd.membership")
+
+
+class ZooKeeperMembership:
+    def __init__(self, hosts: str, cluster: str, me: NodeInfo, session_timeout: float = 10.0) -> None:
+        self.me = me
+        self.dir = f"/emsd/{cluster}/nodes"
+        self.path = f"{self.dir}/{me.node_id}"
+        self.state = MembershipState.CONNECTING
+        self.transitions: list[MembershipState] = []  # every state entered, in order (metrics, tests)
+        self._zk = KazooClient(hosts=hosts, timeout=session_timeout,
+                               connection_retry=KazooRetry(max_tries=-1, max_delay=2.0),
+                               command_retry=KazooRetry(max_tries=3, max_delay=1.0))
+        self._view: dict[str, NodeInfo] = {me.node_id: me}
+        self._callbacks: list[ViewCallback] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._need_register = True
+        self._need_refresh = True
+        self._stopped = False
+        self._watching = False
+        self._worker = threading.Thread(target=self._run, name="emsd-membership", daemon=True)
+
+    # -- interface ----------------------------------------------------------------
+
+    def start(self, timeout: float = 5.0) -> None:
+        """Join; raises ``DuplicateNodeError`` if the id is live elsewhere.
+
+        Returns within about ``timeout`` seconds whether or not ZooKeeper
+        answers; without it, the join completes in the background.
+        """
+        self._zk.add_listener(self._on_state)
+        event = self._zk.start_async()
+        event.wait(timeout)
+        if self._zk.connected:
+            self._register()  # in the caller's thread, so a duplicate id fails start()
+            self._refresh()
+        else:
+            log.warning("ZooKeeper %s unreachable; serving locally, joining in the background",
+                        self._zk.hosts)
+        self._worker.start()
+
+    def stop(self) -> None:
+        """Leave the cluster (delete our znode) and close the client."""
+        self._stopped = True
+        self._wake.set()
+        if self._worker.is_alive():
+            self._worker.join(5)
+        try:
+            if self._zk.connected:
+                self._zk.delete(self.path)
+        except KazooException:
+            pass
+        self._zk.stop()
+        self._zk.close()
+
+    def members(self) -> tuple[NodeInfo, ...]:
+        with self._lock:
+            return tuple(sorted(self._view.values(), key=lambda n: n.node_id))
+
+    def on_change(self, callback: ViewCallback) -> None:
+        self._callbacks.append(callback)
+
+    # -- kazoo callbacks (kazoo's threads: set flags, wake the worker) ----------------
+
+    def _on_state(self, state: str) -> None:
+        if state == KazooState.SUSPENDED:
+            self._enter(MembershipState.SUSPENDED)
+            log.warning("ZooKeeper connection suspended; keeping the last view")
+        elif state == KazooState.LOST:
+            self._enter(MembershipState.LOST)
+            self._need_register = True
+            log.warning("ZooKeeper session lost; keeping the last view, will re-register")
+        else:  # CONNECTED: make sure we are registered and the view is fresh
+            self._need_register = True
+            self._need_refresh = True
+            self._wake.set()
+
+    def _on_children(self, _children: list[str]) -> None:
+        self._need_refresh = True
+        self._wake.set()
+
+    # -- worker ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._stopped or not self._zk.connected:
+                continue
+            try:
+                if self._need_register:
+                    self._register()
+                if self._need_refresh:
+                    self._refresh()
+            except DuplicateNodeError as exc:
+                log.error("%s; staying out of the cluster", exc)
+                self._need_register = False
+                self._enter(MembershipState.LOST)
+            except KazooException as exc:
+                log.warning("ZooKeeper call failed (%s); will retry", exc)
+                self._wake.set()
+
+    def _register(self) -> None:
+        data = self.me.encode()
+        self._zk.ensure_path(self.dir)
+        try:
+            self._zk.create(self.path, data, ephemeral=True)
+        except NodeExistsError:
+            _, stat = self._zk.get(self.path)
+            if stat.ephemeralOwner != self._zk.client_id[0]:
+                raise DuplicateNodeError(
+                    f"node id {self.me.node_id!r} is already registered by another live emsd "
+                    f"(ZooKeeper session {stat.ephemeralOwner:#x}); give each node a unique node.id"
+                ) from None
+            self._zk.set(self.path, data)
+        self._need_register = False
+        if not self._watching:
+            self._zk.ChildrenWatch(self.dir, self._on_children)
+            self._watching = True
+        if self.state is not MembershipState.JOINED:
+            log.info("joined cluster at %s as %s", self.dir, self.me.node_id)
+        self._enter(MembershipState.JOINED)
+
+    def _refresh(self) -> None:
+        self._need_refresh = False
+        view: dict[str, NodeInfo] = {self.me.node_id: self.me}
+        for child in self._zk.get_children(self.dir):
+            try:
+                data, _ = self._zk.get(f"{self.dir}/{child}")
+                info = NodeInfo.decode(data)
+            except NoNodeError:
+                continue
+            except ValueError as exc:
+                log.warning("ignoring malformed member %s: %s", child, exc)
+                continue
+            if info.node_id == child:
+                view[child] = info
+        with self._lock:
+            changed = view != self._view
+            self._view = view
+        if changed:
+            members = self.members()
+            log.info("cluster view: %s", ", ".join(n.node_id for n in members))
+            for callback in self._callbacks:
+                try:
+                    callback(members)
+                except Exception:  # a broken callback must not stop membership
+                    log.exception("membership callback failed")
+
+    def _enter(self, state: MembershipState) -> None:
+        if state is not self.state or not self.transitions:
+            self.transitions.append(state)
+        self.state = state
+
+    def debug_state(self) -> dict[str, Any]:
+        return {"state": self.state.value, "members": [n.node_id for n in self.members()]}

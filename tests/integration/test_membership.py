@@ -1,0 +1,147 @@
+"""Membership against a real ZooKeeper server (Debian's package, started per test)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import zk  # noqa: E402 - the fixture helper lives beside the tests
+from kazoo.client import KazooClient  # noqa: E402
+
+from emsd.membership import DuplicateNodeError, MembershipState, NodeInfo, StaticMembership  # noqa: E402
+from emsd.membership.zookeeper import ZooKeeperMembership  # noqa: E402
+
+pytestmark = pytest.mark.skipif(zk.available() is not None, reason=str(zk.available()))
+SESSION = 2.0
+
+
+@pytest.fixture
+def zookeeper(tmp_path: Path) -> Iterator[zk.ZooKeeperServer]:
+    server = zk.ZooKeeperServer(tmp_path / "zk").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def members(zookeeper: zk.ZooKeeperServer) -> Iterator[Callable[..., ZooKeeperMembership]]:
+    made: list[ZooKeeperMembership] = []
+
+    def make(node_id: str, start: bool = True, hosts: str | None = None) -> ZooKeeperMembership:
+        m = ZooKeeperMembership(hosts or zookeeper.hosts, "test", info(node_id), session_timeout=SESSION)
+        made.append(m)
+        if start:
+            m.start()
+        return m
+
+    yield make
+    for m in made:
+        m.stop()
+
+
+def info(node_id: str) -> NodeInfo:
+    return NodeInfo(node_id, f"127.0.0.1:{1000 + len(node_id)}", 4 << 30, 1)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def ids(m: ZooKeeperMembership) -> list[str]:
+    return [n.node_id for n in m.members()]
+
+
+def test_members_see_each_other_and_a_leaver_disappears(members: Callable[..., ZooKeeperMembership]) -> None:
+    a, b, c = members("a"), members("b"), members("c")
+    for m in (a, b, c):
+        wait_for(lambda m=m: ids(m) == ["a", "b", "c"])
+        assert m.state is MembershipState.JOINED
+    assert {n.node_id: n for n in a.members()}["b"] == info("b")
+    c.stop()
+    wait_for(lambda: ids(a) == ["a", "b"] and ids(b) == ["a", "b"])
+
+
+def test_change_callbacks_fire(members: Callable[..., ZooKeeperMembership]) -> None:
+    a = members("a")
+    seen: list[list[str]] = []
+    a.on_change(lambda view: seen.append([n.node_id for n in view]))
+    members("b")
+    wait_for(lambda: ["a", "b"] in seen)
+
+
+def test_a_duplicate_node_id_is_refused(members: Callable[..., ZooKeeperMembership]) -> None:
+    members("a")
+    twin = members("a", start=False)
+    with pytest.raises(DuplicateNodeError, match="already registered"):
+        twin.start()
+
+
+def test_zookeeper_down_keeps_the_view_and_rejoin_follows(
+        zookeeper: zk.ZooKeeperServer, members: Callable[..., ZooKeeperMembership]) -> None:
+    a, b = members("a"), members("b")
+    wait_for(lambda: ids(a) == ["a", "b"] and ids(b) == ["a", "b"])
+    zookeeper.stop()
+    wait_for(lambda: a.state is MembershipState.SUSPENDED)
+    assert ids(a) == ["a", "b"]  # serving on with the last view
+    zookeeper.start()
+    wait_for(lambda: a.state is MembershipState.JOINED and b.state is MembershipState.JOINED)
+    wait_for(lambda: ids(a) == ["a", "b"] and ids(b) == ["a", "b"])
+    c = members("c")
+    wait_for(lambda: ids(a) == ["a", "b", "c"] and ids(c) == ["a", "b", "c"])
+
+
+def test_an_expired_session_re_registers(zookeeper: zk.ZooKeeperServer,
+                                         members: Callable[..., ZooKeeperMembership]) -> None:
+    a, b = members("a"), members("b")
+    wait_for(lambda: ids(b) == ["a", "b"])
+    # kazoo's own trick: a second client on the same session closes it, which
+    # expires the session for the first one (its ephemeral znode goes too).
+    twin = KazooClient(hosts=zookeeper.hosts, client_id=a._zk.client_id)
+    twin.start(timeout=10)
+    twin.stop()
+    twin.close()
+    wait_for(lambda: MembershipState.LOST in a.transitions)
+    wait_for(lambda: a.state is MembershipState.JOINED)
+    wait_for(lambda: ids(b) == ["a", "b"] and ids(a) == ["a", "b"])
+    assert a._zk.exists(a.path) is not None
+
+
+def test_start_with_zookeeper_down_returns_and_joins_later(
+        zookeeper: zk.ZooKeeperServer, members: Callable[..., ZooKeeperMembership]) -> None:
+    zookeeper.stop()
+    t0 = time.monotonic()
+    a = members("a")
+    assert time.monotonic() - t0 < 10
+    assert a.state is MembershipState.CONNECTING
+    assert ids(a) == ["a"]
+    zookeeper.start()
+    b = members("b")
+    wait_for(lambda: a.state is MembershipState.JOINED)
+    wait_for(lambda: ids(a) == ["a", "b"] and ids(b) == ["a", "b"])
+
+
+def test_node_info_round_trip_and_malformed_data() -> None:
+    n = NodeInfo("x", "10.0.0.1:11000", 1 << 30, 1, {"rdma": {"gid": "fe80::1"}})
+    assert NodeInfo.decode(n.encode()) == n
+    for bad in (b"", b"\xc1", b"\x93\x01\x02\x03", NodeInfo("x", "p", 1, 1).encode().replace(b"cap", b"cup"),
+                b"\x00" * 20000):
+        with pytest.raises(ValueError):
+            NodeInfo.decode(bad)
+
+
+def test_static_membership_is_standalone_without_others() -> None:
+    alone = StaticMembership(info("solo"))
+    alone.start()
+    assert alone.state is MembershipState.STANDALONE and ids(alone) == ["solo"]  # type: ignore[arg-type]
+    pair = StaticMembership(info("a"), (info("b"),))
+    pair.start()
+    assert pair.state is MembershipState.JOINED
+    with pytest.raises(ValueError):
+        StaticMembership(info("a"), (info("a"),))
