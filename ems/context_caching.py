@@ -205,8 +205,14 @@ class ContextCaching:
                 client.send_noreply(Op.COMMIT, {"c": 0, "a": int(new.size)},
                                     [handles[new].astype("<u4").tobytes()])
                 raise
-            client.call(Op.COMMIT, {"c": int(new.size), "a": 0}, [handles[new].astype("<u4").tobytes()],
-                        timeout=_remaining(deadline))
+            commit = {"c": int(new.size), "a": 0, "wr": opt.write_rcache, **_budget(deadline)}
+            answer, _ = client.call(Op.COMMIT, commit, [handles[new].astype("<u4").tobytes()],
+                                    timeout=_remaining(deadline))
+            reached = answer.get("reached")
+            if isinstance(reached, bytes) and len(reached) == new.size:
+                lost = new[np.frombuffer(reached, dtype=np.uint8) == 0]  # not at their owner
+                if lost.size:
+                    good = min(good, int(lost[0]))
         return CcResult(good, req.total)
 
     def _load(self, req: BatchRequest, opt: CcKvOption) -> CcResult:
@@ -216,8 +222,9 @@ class ContextCaching:
         layout, client, deadline = self.layout, self._connected(), _deadline(opt)
         ns = self._ns(client, deadline)
         kt, raw = req.keys.to_wire()
-        header, payload = client.call(Op.PIN, {"ns": ns, "n": n, "kt": kt}, [raw],
-                                      timeout=_remaining(deadline), late=_release_late(client))
+        pin = {"ns": ns, "n": n, "kt": kt, "lo": opt.read_local_only, **_budget(deadline)}
+        header, payload = client.call(Op.PIN, pin, [raw], timeout=_remaining(deadline),
+                                      late=_release_late(client))
         count = int(header["count"])
         offsets = np.frombuffer(payload, dtype="<u8", count=count)
         lengths = np.frombuffer(payload, dtype="<u8", count=count, offset=8 * count)
@@ -291,6 +298,13 @@ def _remaining(deadline: float | None) -> float | None:
     if left <= 0:
         raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT, "the call's timeout passed")
     return left
+
+
+def _budget(deadline: float | None) -> dict[str, int]:
+    """The ``to`` field: milliseconds the daemon may spend on peers for this request."""
+    if deadline is None:
+        return {}
+    return {"to": max(1, int((deadline - time.monotonic()) * 1000))}
 
 
 def _split_reservation(payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

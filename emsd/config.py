@@ -65,11 +65,35 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """``[cluster]``; with ``zookeeper`` empty the node runs standalone."""
+
+    name: str = "default"
+    zookeeper: str = ""  # "host:port,host:port"; "" = standalone
+    peer_listen: str = "127.0.0.1:11000"
+    advertise: str = ""  # the address peers dial; "" = peer_listen
+    session_timeout: float = 10.0
+    replicas: int = 1
+    vnodes: int = 160
+    peer_connections: int = 2
+    secret_file: str = ""  # file holding the cluster secret; required with zookeeper
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.zookeeper)
+
+    @property
+    def advertised(self) -> str:
+        return self.advertise or self.peer_listen
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -107,12 +131,13 @@ def load_config(path: str | Path) -> Config:
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Build and check a ``Config`` from parsed TOML."""
-    _only(raw, "", {"node", "pool", "metrics", "log"})
+    _only(raw, "", {"node", "pool", "metrics", "log", "cluster"})
     node = _node(_table(raw, "node"))
     pool = _pool(_table(raw, "pool"))
     metrics = _metrics(_table(raw, "metrics"))
     log = _log(_table(raw, "log"))
-    return Config(node=node, pool=pool, metrics=metrics, log=log)
+    cluster = _cluster(_table(raw, "cluster"))
+    return Config(node=node, pool=pool, metrics=metrics, log=log, cluster=cluster)
 
 
 def _table(raw: dict[str, Any], name: str) -> dict[str, Any]:
@@ -167,13 +192,59 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
 def _metrics(t: dict[str, Any]) -> MetricsConfig:
     _only(t, "metrics", {"listen"})
     listen = t.get("listen", MetricsConfig().listen)
-    if not isinstance(listen, str):
+    if not isinstance(listen, str) or (listen and not _is_endpoint(listen)):
         raise ConfigError("metrics.listen", f'must be "host:port" or "" (got {listen!r})')
-    if listen:
-        host, sep, port = listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError("metrics.listen", f'must be "host:port" or "" (got {listen!r})')
     return MetricsConfig(listen=listen)
+
+
+def _is_endpoint(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+
+
+def _cluster(t: dict[str, Any]) -> ClusterConfig:
+    d = ClusterConfig()
+    _only(t, "cluster", set(d.__dataclass_fields__))
+    name = t.get("name", d.name)
+    if not isinstance(name, str) or not _NODE_ID.match(name):
+        raise ConfigError("cluster.name", f"must be 1-64 characters of [A-Za-z0-9._-] (got {name!r})")
+    zk = t.get("zookeeper", d.zookeeper)
+    if not isinstance(zk, str) or (zk and not all(_is_endpoint(h.strip()) for h in zk.split(","))):
+        raise ConfigError("cluster.zookeeper", f'must be "" or "host:port[,host:port...]" (got {zk!r})')
+    for key in ("peer_listen", "advertise"):
+        value = t.get(key, getattr(d, key))
+        if not isinstance(value, str) or (value and not _is_endpoint(value)) or (key == "peer_listen"
+                                                                                and not value):
+            raise ConfigError(f"cluster.{key}", f'must be "host:port" (got {value!r})')
+    timeout = t.get("session_timeout", d.session_timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 2 <= timeout <= 120:
+        raise ConfigError("cluster.session_timeout", f"must be seconds in 2..120 (got {timeout!r})")
+    ints = {}
+    for key, low, high in (("replicas", 1, 8), ("vnodes", 1, 4096), ("peer_connections", 1, 64)):
+        value = t.get(key, getattr(d, key))
+        if type(value) is not int or not low <= value <= high:
+            raise ConfigError(f"cluster.{key}", f"must be an integer in {low}..{high} (got {value!r})")
+        ints[key] = value
+    secret = t.get("secret_file", d.secret_file)
+    if not isinstance(secret, str) or (secret and not secret.startswith("/")):
+        raise ConfigError("cluster.secret_file", f"must be an absolute path (got {secret!r})")
+    if zk and not secret:
+        raise ConfigError("cluster.secret_file", "is required when cluster.zookeeper is set "
+                          "(peers authenticate with the secret it holds)")
+    return ClusterConfig(name=name, zookeeper=zk, peer_listen=t.get("peer_listen", d.peer_listen),
+                         advertise=t.get("advertise", d.advertise), session_timeout=float(timeout),
+                         secret_file=secret, **ints)
+
+
+def read_secret(path: str) -> bytes:
+    """The cluster secret from ``path``: at least 16 bytes; raises ``ConfigError``."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError("cluster.secret_file", f"cannot read {path!r}: {exc.strerror}") from None
+    if len(secret) < 16:
+        raise ConfigError("cluster.secret_file", f"{path!r} must hold a secret of at least 16 bytes")
+    return secret
 
 
 def _log(t: dict[str, Any]) -> LogConfig:

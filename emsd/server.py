@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import signal
+from typing import TYPE_CHECKING
 
 from emsd.config import Config
 from emsd.metrics import HttpEndpoint, Metrics
@@ -29,6 +30,9 @@ from emsd.pool.region import Region
 from emsd.pool.store import BlockStore
 from emsd.service import Service
 from emsd.transport.unix import UnixControlServer
+
+if TYPE_CHECKING:
+    from emsd.cluster import Cluster
 
 log = logging.getLogger("emsd")
 
@@ -53,6 +57,8 @@ class Daemon:
             on_count=self.metrics.clients.set,
         )
         self.http = HttpEndpoint(self.metrics, is_ready=lambda: self.service is not None)
+        self.cluster: Cluster | None = None
+        self._pool_view: memoryview | None = None
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
@@ -88,11 +94,44 @@ class Daemon:
         self.region = region
         store = BlockStore(region.size, min(cfg.pool.page_size, region.size))
         self.metrics.watch_pool(store.stats)
-        self.service = Service(store, cfg.node.id, region.kind, self.metrics)
+        service = Service(store, cfg.node.id, region.kind, self.metrics)
+        if cfg.cluster.enabled:
+            service.cluster = await self._join(store, region, service)
+        self.service = service
         self.metrics.ready.set(1)
         log.info("ready: pool %d MiB (%s: %s), slab page %d MiB, pid %d",
                  region.size >> 20, region.kind, region.reason,
                  min(cfg.pool.page_size, region.size) >> 20, os.getpid())
+
+    async def _join(self, store: BlockStore, region: Region, service: Service) -> Cluster:
+        """Serve peers and join the cluster; raises ``StartupError`` for a bad secret or a taken id."""
+        from emsd.cluster import Cluster
+        from emsd.config import ConfigError, read_secret
+        from emsd.membership.base import DuplicateNodeError
+        from emsd.transport.peer import PoolAccess
+
+        cfg = self.config
+        try:
+            secret = read_secret(cfg.cluster.secret_file)
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
+        self._pool_view = memoryview(region.mm)
+        access = PoolAccess(store, self._pool_view, service.namespace_id)
+        cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret)
+        try:
+            await cluster.start()
+        except DuplicateNodeError as exc:
+            await cluster.stop()
+            raise StartupError(f"node.id: {exc}") from None
+        except OSError as exc:
+            await cluster.stop()
+            raise StartupError(f"cluster.peer_listen: cannot listen on {cfg.cluster.peer_listen}: "
+                               f"{exc.strerror}") from None
+        self.cluster = cluster
+        log.info("cluster %s: peers on %s (advertised %s), ZooKeeper %s, membership %s",
+                 cfg.cluster.name, cfg.cluster.peer_listen, cfg.cluster.advertised,
+                 cfg.cluster.zookeeper, cluster.state.value)
+        return cluster
 
     def _make_region(self) -> Region:
         from emsd.pool.region import RegionError
@@ -112,8 +151,14 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         await self.control.close()
+        if self.cluster is not None:
+            await self.cluster.stop()  # leave the ring first: peers stop sending here
+            self.cluster = None
         await self.http.close()
         self.service = None
+        if self._pool_view is not None:
+            self._pool_view.release()
+            self._pool_view = None
         if self.region is not None:
             self.region.close()
             self.region = None

@@ -29,12 +29,16 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from emsd.metrics import Metrics
+
+if TYPE_CHECKING:
+    from emsd.cluster import Cluster
 from emsd.pool.keys import KeyBatch, KeyError_
 from emsd.pool.store import BlockStore
 from emsd.pool.store import Status as SlotStatus
@@ -79,6 +83,7 @@ class Service:
         self._ns_ids: dict[str, int] = {}
         self._ns_names: list[str] = []
         self.started = time.time()
+        self.cluster: Cluster | None = None  # set when the node runs in a cluster
 
     # -- entry points ---------------------------------------------------------
 
@@ -127,17 +132,86 @@ class Service:
             self.store.release(held)
             session.pins.clear()
 
+    # -- cluster hooks (async work around a synchronous handler) ----------------
+
+    def remote_fetch(self, session: Session, header: dict[str, Any],
+                     payload: bytes) -> Awaitable[None] | None:
+        """For a PIN whose keys are not all here: fetching the rest from their owners.
+
+        The transport awaits it, then handles the PIN as usual (the fetched
+        blocks are local by then, kept as read cache). None: nothing to fetch
+        (standalone, ``lo`` = read_local_only, all present, or a bad request
+        that the synchronous handler will refuse).
+        """
+        if self.cluster is None or header.get("op") != Op.PIN or header.get("lo"):
+            return None
+        try:
+            ns, keys, _ = self._keys(session, header, payload)
+        except RequestError:
+            return None
+        count = self.store.exists(ns, keys)
+        if count == len(keys):
+            return None
+        deadline = time.monotonic() + _timeout(header)
+        return self.cluster.fetch(self.namespace_name(ns), keys.take(slice(count, None)), deadline)
+
+    def forward_commit(self, header: dict[str, Any], payload: bytes,
+                       resp: dict[str, Any]) -> Awaitable[dict[str, Any]] | None:
+        """For a COMMIT in a cluster: send the committed blocks to their owners.
+
+        The answer gains ``reached``: one byte per committed handle, 1 when
+        the block is now at its owner (or is owned here). With ``wr`` false
+        (write_rcache off) the local copies of blocks that reached another
+        owner are dropped.
+        """
+        nc = header.get("c", 0)
+        if self.cluster is None or header.get("op") != Op.COMMIT or resp.get("st") or not nc:
+            return None
+        handles = np.frombuffer(payload, dtype="<u4", count=nc).astype(np.uint32)
+        resp["reached"] = bytes(nc)  # what the answer says if forwarding fails outright
+        return self._push(handles, bool(header.get("wr", True)), time.monotonic() + _timeout(header), resp)
+
+    async def _push(self, handles: np.ndarray, keep: bool, deadline: float,
+                    resp: dict[str, Any]) -> dict[str, Any]:
+        assert self.cluster is not None
+        reached = np.zeros(handles.size, dtype=np.uint8)
+        nss = self.store.index.ns_of(handles)
+        for ns in np.unique(nss).tolist():
+            sel = np.flatnonzero(nss == ns)
+            keys = self.store.index.keys_of(handles[sel])
+            pinned = self.store.pin(ns, keys)  # hold them while they are sent
+            try:
+                got = await self.cluster.push(self.namespace_name(ns), keys.take(slice(0, pinned.count)),
+                                              pinned.offsets, pinned.lengths, deadline)
+            finally:
+                self.store.release(pinned.handles)
+            reached[sel[: pinned.count]] = got
+            if not keep:
+                remote = np.array([o != self.node_id for o in self.cluster.primaries(
+                    self.namespace_name(ns), keys.take(slice(0, pinned.count)))], dtype=bool)
+                self.store.discard(ns, keys.take(np.flatnonzero(got & remote)))
+        resp["reached"] = reached.tobytes()
+        return resp
+
     # -- handlers -------------------------------------------------------------
 
-    def _namespace(self, s: Session, h: dict[str, Any], _p: bytes) -> Response:
-        name = h.get("name")
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAMESPACE_LEN:
-            raise RequestError(Status.INVALID_ARGUMENT, "namespace name must be 1-4096 characters")
+    def namespace_id(self, name: str) -> int:
+        """The local id of namespace ``name``, created on first use (ids are per daemon)."""
         ns = self._ns_ids.get(name)
         if ns is None:
             ns = len(self._ns_names)
             self._ns_ids[name] = ns
             self._ns_names.append(name)
+        return ns
+
+    def namespace_name(self, ns: int) -> str:
+        return self._ns_names[ns]
+
+    def _namespace(self, s: Session, h: dict[str, Any], _p: bytes) -> Response:
+        name = h.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAMESPACE_LEN:
+            raise RequestError(Status.INVALID_ARGUMENT, "namespace name must be 1-4096 characters")
+        ns = self.namespace_id(name)
         if ns not in s.namespaces and len(s.namespaces) >= MAX_NAMESPACES_PER_SESSION:
             raise RequestError(Status.INVALID_ARGUMENT, "too many namespaces on one connection")
         s.namespaces.add(ns)
@@ -227,6 +301,8 @@ class Service:
             "evictions": dict(st.evictions),
             "namespaces": len(self._ns_names),
             "uptime_s": time.time() - self.started,
+            "membership": "standalone" if self.cluster is None else self.cluster.state.value,
+            "members": [self.node_id] if self.cluster is None else [n.node_id for n in self.cluster.view],
         }, []
 
     def _ping(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
@@ -262,6 +338,12 @@ class Service:
         Op.STATS: _stats,
         Op.PING: _ping,
     }
+
+
+def _timeout(header: dict[str, Any]) -> float:
+    """Seconds left for a request's peer work: its ``to`` (ms), else 5 s."""
+    to = header.get("to")
+    return to / 1000.0 if type(to) is int and 0 < to <= 3_600_000 else 5.0
 
 
 def _own(pending: set[int], handles: np.ndarray, what: str) -> None:

@@ -250,6 +250,18 @@ class BlockStore:
         ids = self.index.find(ns, keys, prefix=True)
         return _leading(self.index.state.take(ids) == _READY)
 
+    def discard(self, ns: int, keys: KeyBatch, reason: str = "moved") -> int:
+        """Drop the READY, unpinned entries of ``keys`` (a local copy no longer wanted).
+
+        Returns how many were dropped; absent, PENDING or pinned keys are left alone.
+        """
+        ids = self.index.find(ns, keys)
+        ids = np.unique(ids[ids >= FIRST_ID])
+        ids = ids[(self.index.state[ids] == READY) & (self.index.pins[ids] == 0)]
+        if ids.size:
+            self._evict(ids, reason)
+        return int(ids.size)
+
     def stats(self) -> StoreStats:
         hw = self.index.high_water
         classes = [ClassStats(c.chunk_size, len(c.pages), c.chunks_used, c.chunks_free,
@@ -373,7 +385,7 @@ class BlockStore:
         self._ns_add(ids, -1)
         self._free_chunks(ids)
         self.index.remove(ids)
-        self._evictions[reason] += int(ids.size)
+        self._evictions[reason] = self._evictions.get(reason, 0) + int(ids.size)
 
     def _free_chunks(self, ids: np.ndarray) -> None:
         if ids.size == 0:

@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from emsd.service import RequestError, Service, Session
 from emsd.transport.frames import (
     PREFIX,
     PROTOCOL_VERSION,
+    Frame,
     FrameDecoder,
     FrameError,
     Status,
@@ -62,6 +63,8 @@ class ControlProtocol(asyncio.Protocol):
         self.decoder = FrameDecoder()
         self.transport: asyncio.Transport | None = None
         self._on_close = on_close
+        self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
@@ -75,11 +78,46 @@ class ControlProtocol(asyncio.Protocol):
             return
         out: list[bytes | memoryview] = []
         for frame in frames:
+            fetch = self.service.remote_fetch(self.session, frame.header, frame.payload)
+            if fetch is not None:  # answered when the peers have answered (by id, out of order)
+                self._spawn(self._pin_after(fetch, frame))
+                continue
             resp, parts = self.service.handle(self.session, frame.header, frame.payload)
+            push = self.service.forward_commit(frame.header, frame.payload, resp)
+            if push is not None:
+                self._spawn(self._answer_after(push, parts, resp))
+                continue
             if not frame.header.get("nr") or resp.get("st"):
                 out += encode_parts(resp, *parts)
         if out:
             self.transport.writelines(out)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _pin_after(self, fetch: Awaitable[None], frame: Frame) -> None:
+        try:
+            await fetch
+        except Exception:  # peers failing means misses, never a failed PIN
+            log.exception("remote fetch failed")
+        if self._closed:  # the client is gone: pinning now would leak the pins
+            return
+        resp, parts = self.service.handle(self.session, frame.header, frame.payload)
+        self._write(resp, parts)
+
+    async def _answer_after(self, push: Awaitable[dict[str, Any]], parts: list[bytes],
+                            resp: dict[str, Any]) -> None:
+        try:
+            resp = await push
+        except Exception:  # the commit itself succeeded; the blocks just did not reach their owners
+            log.exception("forwarding committed blocks failed")
+        self._write(resp, parts)
+
+    def _write(self, resp: dict[str, Any], parts: list[bytes]) -> None:
+        if not self._closed and self.transport is not None:
+            self.transport.writelines(encode_parts(resp, *parts))
 
     def _refuse(self, exc: FrameError) -> None:
         assert self.transport is not None
@@ -89,6 +127,7 @@ class ControlProtocol(asyncio.Protocol):
         self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
         self.service.close(self.session)
         self._on_close(self)
 

@@ -40,6 +40,10 @@ def run_emsd(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str
     ('[metrics]\nlisten = "nowhere"\n', "metrics.listen"),
     ('[pool]\nsiez = "1GiB"\n', "pool.siez"),
     ("[pool\n", "--config"),
+    ('[cluster]\nzookeeper = "zk:2181"\n', "cluster.secret_file"),
+    ('[cluster]\nzookeeper = "zk"\n', "cluster.zookeeper"),
+    ('[cluster]\nreplicas = 0\n', "cluster.replicas"),
+    ('[cluster]\npeer_listen = "nowhere"\n', "cluster.peer_listen"),
 ])
 def test_bad_config_is_one_line_naming_the_key_and_exit_2(tmp_path: Path, body: str, key: str) -> None:
     cfg = tmp_path / "bad.toml"

@@ -1,0 +1,184 @@
+"""The daemon's view of its cluster: membership, placement and peer connections.
+
+``Cluster`` ties the parts together for one daemon: it serves its pool to
+peers (``PeerServer``), registers and watches members (``ZooKeeperMembership``),
+rebuilds the placement ring whenever the view changes (kazoo's thread hands
+the view to the event loop with ``call_soon_threadsafe``), and keeps a few
+authenticated connections per peer, opened on first use.
+
+``fetch`` brings blocks owned by other nodes into the local pool (they stay
+as a read cache); ``push`` sends locally committed blocks to their owners.
+Both are bounded by a deadline and turn every peer failure into "not
+fetched" / "not pushed": a dead or slow peer costs misses, never a hang.
+A peer that failed is left alone for ``BACKOFF`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from emsd.config import ClusterConfig
+from emsd.membership.base import MembershipState, NodeInfo
+from emsd.membership.zookeeper import ZooKeeperMembership
+from emsd.placement.ring import ClusterView, Member, Ring
+from emsd.pool.keys import KeyBatch
+from emsd.transport.peer import PEER_PROTOCOL, PeerConnection, PeerError, PeerServer, PoolAccess
+
+log = logging.getLogger("emsd.cluster")
+
+BACKOFF = 1.0
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Cluster:
+    def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, access: PoolAccess,
+                 secret: bytes) -> None:
+        self.cfg = cfg
+        self.node_id = node_id
+        self.access = access
+        self.secret = secret
+        self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL)
+        self.server = PeerServer(access, node_id, secret)
+        self.membership = ZooKeeperMembership(cfg.zookeeper, cfg.name, self.me, cfg.session_timeout)
+        self.view: tuple[NodeInfo, ...] = (self.me,)
+        self.ring = Ring.build(ClusterView.of([Member(node_id, capacity)]), cfg.vnodes, cfg.replicas)
+        self._conns: dict[str, list[PeerConnection]] = {}
+        self._next: dict[str, int] = defaultdict(int)
+        self._down_until: dict[str, float] = {}
+
+    async def start(self) -> None:
+        """Listen for peers and join; raises ``DuplicateNodeError`` if the id is taken."""
+        host, port = _split(self.cfg.peer_listen)
+        await self.server.start(host, port)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.membership.start)
+        self.membership.on_change(lambda view: self._from_thread(loop, view))
+        self.set_view(self.membership.members())
+
+    def _from_thread(self, loop: asyncio.AbstractEventLoop, view: tuple[NodeInfo, ...]) -> None:
+        loop.call_soon_threadsafe(self.set_view, view)
+
+    async def stop(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.membership.stop)
+        for conns in self._conns.values():
+            for conn in conns:
+                conn.close()
+        self._conns.clear()
+        await self.server.close()
+
+    @property
+    def state(self) -> MembershipState:
+        return self.membership.state
+
+    def set_view(self, view: tuple[NodeInfo, ...]) -> None:
+        """Adopt a membership view: rebuild the ring, drop connections to departed nodes."""
+        self.view = view
+        self.ring = Ring.build(ClusterView.of(Member(n.node_id, n.capacity) for n in view),
+                               self.cfg.vnodes, self.cfg.replicas)
+        present = {n.node_id for n in view}
+        for gone in set(self._conns) - present:
+            for conn in self._conns.pop(gone):
+                conn.close()
+        log.info("placement ring: %d members (%s)", len(view), ", ".join(sorted(present)))
+
+    def primaries(self, ns_name: str, keys: KeyBatch) -> list[str]:
+        """The primary owner's node id of each key."""
+        ids = [m.node_id for m in self.ring.view.members]
+        return [ids[i] for i in self.ring.owners(ns_name, keys)[:, 0].tolist()]
+
+    async def fetch(self, ns_name: str, keys: KeyBatch, deadline: float) -> None:
+        """Bring the keys owned elsewhere into the local pool, one batch per owner, in parallel."""
+        groups = self._by_owner(ns_name, keys)
+        if groups:
+            await self._bounded(deadline, *(self._get(node, ns_name, keys.take(np.array(idx)))
+                                            for node, idx in groups.items()))
+
+    async def push(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray,
+                   deadline: float) -> np.ndarray:
+        """Send blocks to their owners; True per key that is now at its owner (or owned here)."""
+        reached = np.ones(len(keys), dtype=bool)
+        groups = self._by_owner(ns_name, keys)
+        for idx in groups.values():
+            reached[idx] = False
+
+        async def one(node: str, idx: list[int]) -> None:
+            sel = np.array(idx)
+            stored = await self._put(node, ns_name, keys.take(sel), offsets[sel], lengths[sel])
+            reached[sel[:stored]] = True
+
+        if groups:
+            await self._bounded(deadline, *(one(node, idx) for node, idx in groups.items()))
+        return reached
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _by_owner(self, ns_name: str, keys: KeyBatch) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = defaultdict(list)
+        if len(keys) and len(self.ring.view.members) > 1:
+            for i, owner in enumerate(self.primaries(ns_name, keys)):
+                if owner != self.node_id:
+                    groups[owner].append(i)
+        return groups
+
+    async def _bounded(self, deadline: float, *jobs: object) -> None:
+        tasks = [asyncio.ensure_future(job) for job in jobs]  # type: ignore[call-overload]
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        for task in pending:
+            task.cancel()
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                log.debug("peer job failed: %s", task.exception())
+
+    async def _get(self, node: str, ns_name: str, keys: KeyBatch) -> int:
+        conn = await self._conn(node)
+        return 0 if conn is None else await self._guard(node, conn, conn.get(ns_name, keys))
+
+    async def _put(self, node: str, ns_name: str, keys: KeyBatch, offsets: np.ndarray,
+                   lengths: np.ndarray) -> int:
+        conn = await self._conn(node)
+        return 0 if conn is None else await self._guard(node, conn, conn.put(ns_name, keys, offsets, lengths))
+
+    async def _guard(self, node: str, conn: PeerConnection, job: object) -> int:
+        try:
+            return int(await job)  # type: ignore[misc]
+        except PeerError as exc:
+            log.warning("peer %s failed: %s", node, exc)
+            self._drop(node, conn)
+            return 0
+
+    async def _conn(self, node: str) -> PeerConnection | None:
+        """A connection to ``node`` (round robin over up to peer_connections); None if unreachable."""
+        if time.monotonic() < self._down_until.get(node, 0.0):
+            return None
+        info = next((n for n in self.view if n.node_id == node), None)
+        if info is None:
+            return None
+        conns = self._conns.setdefault(node, [])
+        if len(conns) < self.cfg.peer_connections:
+            conn = PeerConnection(self.access, self.node_id, self.secret)
+            try:
+                await conn.connect(*_split(info.peer_addr))
+            except PeerError as exc:
+                log.warning("peer %s unreachable: %s", node, exc)
+                self._down_until[node] = time.monotonic() + BACKOFF
+                return None
+            conns.append(conn)
+            return conn
+        self._next[node] += 1
+        return conns[self._next[node] % len(conns)]
+
+    def _drop(self, node: str, conn: PeerConnection) -> None:
+        conn.close()
+        conns = self._conns.get(node, [])
+        if conn in conns:
+            conns.remove(conn)
+        self._down_until[node] = time.monotonic() + BACKOFF

@@ -1,0 +1,138 @@
+"""Several emsd processes joined through a real ZooKeeper: blocks saved on one node load on another."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import zk  # noqa: E402
+
+from ems import CcConfig, CcKvOption, Ems, EmsConfig  # noqa: E402
+from ems.client import DaemonClient  # noqa: E402
+from emsd.transport.frames import Op  # noqa: E402
+
+pytestmark = pytest.mark.skipif(zk.available() is not None, reason=str(zk.available()))
+BLOCK, BLOCKS = 4, 48
+
+
+@pytest.fixture
+def zookeeper(tmp_path: Path) -> Iterator[zk.ZooKeeperServer]:
+    server = zk.ZooKeeperServer(tmp_path / "zk").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cluster(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) -> Callable[[int], list[Any]]:
+    secret = tmp_path / "secret"
+    secret.write_text("a-cluster-secret-of-some-length\n")
+    os.chmod(secret, 0o600)
+
+    def start(n: int) -> list[Any]:
+        nodes = [emsd_factory(start=False, cluster={
+            "name": "t", "zookeeper": zookeeper.hosts, "peer_listen": f"127.0.0.1:{zk.free_port()}",
+            "secret_file": str(secret), "session_timeout": 4}) for _ in range(n)]
+        for d in nodes:
+            d.start()
+        wait_for(lambda: all(len(stats(d)["members"]) == n for d in nodes))
+        return nodes
+
+    return start
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def stats(d: Any) -> dict[str, Any]:
+    client = DaemonClient(d.socket_dir / "emsd.sock")
+    client.connect({})
+    try:
+        return client.call(Op.STATS, {}, timeout=5)[0]
+    finally:
+        client.close()
+
+
+def use(d: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Point the process-wide SDK at daemon ``d``."""
+    monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
+    Ems._reset()
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+    return Ems.get_cc()
+
+
+def kv(seed: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(BLOCKS, BLOCK, 8, 64, generator=g) for _ in range(2)] for _ in range(2)]
+
+
+SLOTS = list(range(BLOCKS * BLOCK))
+KEYS = [1000 + i for i in range(BLOCKS)]
+
+
+@pytest.fixture(autouse=True)
+def _reset_sdk() -> Iterator[None]:
+    yield
+    Ems._reset()
+
+
+def test_saved_on_one_node_loads_on_another_with_identical_bytes(cluster: Any, monkeypatch: Any) -> None:
+    a, b = cluster(2)
+    src = kv(1)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(src)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+
+    cc = use(b, monkeypatch)
+    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
+    cc.register_kvcache(dst)
+    res = cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS)
+    assert (res.success, res.total) == (BLOCKS, BLOCKS)
+    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
+    assert all(torch.equal(x, y) for x, y in pairs)
+    # What b fetched stays as a read cache: now it is there even for read_local_only.
+    local = cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(read_local_only=True))
+    assert local.success == BLOCKS
+
+
+def test_each_node_holds_its_share_and_read_local_only_stays_home(cluster: Any, monkeypatch: Any) -> None:
+    a, b = cluster(2)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(kv(2))
+    res = cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(write_rcache=False))
+    assert res.success == BLOCKS
+    held_a, held_b = stats(a)["entries"], stats(b)["entries"]
+    assert held_a + held_b == BLOCKS  # each block lives once, at its owner
+    assert 0.2 * BLOCKS <= held_b <= 0.8 * BLOCKS  # about half each (consistent hashing, 2 nodes)
+
+    cc = use(b, monkeypatch)
+    cc.register_kvcache(kv(3))
+    only_b = cc.exists(KEYS).success
+    local = cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(read_local_only=True))
+    assert local.success == only_b < BLOCKS
+    assert stats(b)["entries"] == held_b  # nothing was fetched
+
+
+def test_a_killed_owner_costs_only_its_share_and_calls_stay_bounded(cluster: Any, monkeypatch: Any) -> None:
+    a, b = cluster(2)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(kv(4))
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
+                   option=CcKvOption(write_rcache=False)).success == BLOCKS
+    b.kill9()
+    t0 = time.monotonic()
+    res = cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(timeout=2000))
+    assert time.monotonic() - t0 < 3.0
+    assert res.success < BLOCKS  # b's blocks are misses, not errors
+    assert a.alive()
