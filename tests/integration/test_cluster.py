@@ -136,3 +136,57 @@ def test_a_killed_owner_costs_only_its_share_and_calls_stay_bounded(cluster: Any
     assert time.monotonic() - t0 < 3.0
     assert res.success < BLOCKS  # b's blocks are misses, not errors
     assert a.alive()
+
+
+def test_zookeeper_down_keeps_serving_and_the_cluster_rejoins(cluster: Any, zookeeper: Any,
+                                                               monkeypatch: Any) -> None:
+    a, b = cluster(2)
+    src = kv(5)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(src)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+    zookeeper.stop()
+    wait_for(lambda: stats(a)["membership"] in ("suspended", "lost"))
+    cc = use(b, monkeypatch)  # the last view still routes to a
+    cc.register_kvcache(kv(6))
+    assert cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+    zookeeper.start()
+    wait_for(lambda: stats(a)["membership"] == "joined" and stats(b)["membership"] == "joined")
+    assert len(stats(a)["members"]) == 2
+
+
+def test_a_peer_with_the_wrong_secret_is_refused_and_the_daemon_stays_up(cluster: Any) -> None:
+    import asyncio
+
+    from emsd.pool.store import BlockStore
+    from emsd.transport.peer import PeerConnection, PeerError, PoolAccess
+
+    (a,) = cluster(1)
+    port = int(a.sections["cluster"]["peer_listen"].rsplit(":", 1)[1])
+    access = PoolAccess(BlockStore(8 << 20, 1 << 20), memoryview(bytearray(8 << 20)), lambda _n: 0)
+
+    async def intrude() -> None:
+        with pytest.raises(PeerError):
+            await PeerConnection(access, "intruder", b"not-the-cluster-secret").connect("127.0.0.1", port)
+
+    asyncio.run(intrude())
+    assert a.alive() and stats(a)["membership"] == "joined"
+
+
+def test_a_joining_node_takes_new_saves_for_its_share(cluster: Any, emsd_factory: Any,
+                                                      monkeypatch: Any) -> None:
+    (a,) = cluster(1)
+    cfg = dict(a.sections["cluster"])
+    cfg["peer_listen"] = f"127.0.0.1:{zk.free_port()}"
+    b = emsd_factory(cluster=cfg)
+    wait_for(lambda: len(stats(a)["members"]) == 2)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(kv(7))
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
+                   option=CcKvOption(write_rcache=False)).success == BLOCKS
+    assert 0 < stats(b)["entries"] < BLOCKS  # the newcomer owns part of the new saves
+    b.terminate()
+    wait_for(lambda: len(stats(a)["members"]) == 1)
+    assert cc.save(SLOTS, hashes=[k + 10_000 for k in KEYS], offsets=[BLOCK] * BLOCKS,
+                   option=CcKvOption(write_rcache=False)).success == BLOCKS
+    assert cc.exists([k + 10_000 for k in KEYS]).success == BLOCKS  # all local again
