@@ -111,6 +111,8 @@ class PoolCollector(Collector):
                                 value=st.pending)
         yield GaugeMetricFamily("emsd_pool_pinned_blocks", "Blocks pinned by readers",
                                 value=st.pinned)
+        yield GaugeMetricFamily("emsd_pool_cached_blocks",
+                                "Read-cache copies of blocks owned by other nodes", value=st.cached)
         ev = GaugeMetricFamily("emsd_pool_evictions", "Blocks evicted since start, by reason",
                                labels=["reason"])
         for reason, n in sorted(st.evictions.items()):

@@ -153,7 +153,13 @@ class Service:
         if count == len(keys):
             return None
         deadline = time.monotonic() + _timeout(header)
-        return self.cluster.fetch(self.namespace_name(ns), keys.take(slice(count, None)), deadline)
+        return self._fetch(ns, keys.take(slice(count, None)), deadline)
+
+    async def _fetch(self, ns: int, keys: KeyBatch, deadline: float) -> None:
+        assert self.cluster is not None
+        name = self.namespace_name(ns)
+        await self.cluster.fetch(name, keys, deadline)
+        self.store.mark_cached(ns, keys.take(self._remote(name, keys)))
 
     def forward_commit(self, header: dict[str, Any], payload: bytes,
                        resp: dict[str, Any]) -> Awaitable[dict[str, Any]] | None:
@@ -186,12 +192,19 @@ class Service:
             finally:
                 self.store.release(pinned.handles)
             reached[sel[: pinned.count]] = got
-            if not keep:
-                remote = np.array([o != self.node_id for o in self.cluster.primaries(
-                    self.namespace_name(ns), keys.take(slice(0, pinned.count)))], dtype=bool)
-                self.store.discard(ns, keys.take(np.flatnonzero(got & remote)))
+            sent = keys.take(slice(0, pinned.count))
+            moved = sent.take(np.flatnonzero(got & self._remote(self.namespace_name(ns), sent)))
+            if keep:
+                self.store.mark_cached(ns, moved)  # now a read-cache copy of the owner's block
+            else:
+                self.store.discard(ns, moved)
         resp["reached"] = reached.tobytes()
         return resp
+
+    def _remote(self, ns_name: str, keys: KeyBatch) -> np.ndarray:
+        """True per key whose primary owner is another node."""
+        assert self.cluster is not None
+        return np.array([o != self.node_id for o in self.cluster.primaries(ns_name, keys)], dtype=bool)
 
     # -- handlers -------------------------------------------------------------
 
@@ -298,6 +311,7 @@ class Service:
             "entries": st.entries,
             "pending": st.pending,
             "pinned": st.pinned,
+            "cached": st.cached,
             "evictions": dict(st.evictions),
             "namespaces": len(self._ns_names),
             "uptime_s": time.time() - self.started,

@@ -32,6 +32,18 @@ def lru_victims(last_used: np.ndarray, eligible_ids: np.ndarray, n: int) -> np.n
     return eligible_ids[order]
 
 
+def copies_first(last_used: np.ndarray, cached: np.ndarray, eligible_ids: np.ndarray,
+                 n: int) -> np.ndarray:
+    """Up to ``n`` victims: read-cache copies (``cached[id]`` set) first, oldest
+    first, then owned blocks, oldest first. A copy can be fetched again from
+    its owner; an owned block lost is a recompute for the whole cluster."""
+    copy = cached[eligible_ids] != 0
+    first = lru_victims(last_used, eligible_ids[copy], n)
+    if first.size >= n:
+        return first
+    return np.concatenate([first, lru_victims(last_used, eligible_ids[~copy], n - first.size)])
+
+
 def page_to_steal(page_owner: np.ndarray, entry_pages: np.ndarray,
                   entry_last_used: np.ndarray, entry_blocked: np.ndarray,
                   requester: int) -> int | None:

@@ -1,7 +1,7 @@
 """Compact index from (namespace, key) to a block entry, in numpy arrays.
 
 Entries are rows of a structure of arrays, addressed by a uint32 entry id
-(the handle clients hold). Per entry, 54 bytes:
+(the handle clients hold). Per entry, 55 bytes:
 
 ==========  ============  =================================================
 field       dtype         meaning
@@ -17,6 +17,8 @@ offset      u32           chunk offset in the allocator's ``align`` units
 length      u32           block length in bytes
 last_used   u32           logical clock of the last use (the store rebases
                           it before it wraps)
+cached      u8            1 for a read-cache copy of a block another node
+                          owns: eviction takes these first
 ==========  ============  =================================================
 
 The size class is not stored: it is the owner of the entry's page
@@ -136,6 +138,7 @@ class BlockIndex:
         self.offset = _zeros(cap, np.uint32)
         self.length = _zeros(cap, np.uint32)
         self.last_used = _zeros(cap, np.uint32)
+        self.cached = _zeros(cap, np.uint8)  # 1: a read-cache copy of a block owned elsewhere
         self.rest[:FIRST_ID, 6] = _SENTINEL_NSTAG
         self.high_water = FIRST_ID  # ids >= high_water have never been used
         self._free: list[np.ndarray] = []  # removed ids, in the batches they were removed
@@ -166,7 +169,7 @@ class BlockIndex:
     def nbytes(self) -> int:
         """Bytes held by the arrays (allocated, touched or not)."""
         arrays = (self.w0, self.rest, self.state, self.pins, self.offset, self.length,
-                  self.last_used, self.table)
+                  self.last_used, self.cached, self.table)
         return sum(a.nbytes for a in arrays)
 
     # -- lookup -----------------------------------------------------------------
@@ -298,6 +301,7 @@ class BlockIndex:
         self.offset[ids] = offsets
         self.length[ids] = lengths
         self.last_used[ids] = stamp
+        self.cached[ids] = 0
         self._count += k
         try:
             self._place(ids, hash_keys(words, knt))
@@ -321,7 +325,7 @@ class BlockIndex:
 
     def _grow_entries(self, at_least: int) -> None:
         cap = max(2 * self.capacity, at_least)
-        for name in ("w0", "rest", "state", "pins", "offset", "length", "last_used"):
+        for name in ("w0", "rest", "state", "pins", "offset", "length", "last_used", "cached"):
             old = getattr(self, name)
             new = _zeros((cap, *old.shape[1:]), old.dtype)
             new[: self.high_water] = old[: self.high_water]

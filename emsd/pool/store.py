@@ -26,7 +26,8 @@ keeps it in 32 bits; before it wraps every stamp is shifted down, keeping
 the relative order of the last 2**31 ticks (older entries tie as oldest).
 
 Eviction, when a size class has no free chunk and no free page is left, is
-LRU among the class's READY unpinned entries; then page stealing takes back
+LRU among the class's READY unpinned entries, read-cache copies of blocks
+owned elsewhere (``mark_cached``) before owned ones; then page stealing takes back
 the page of another class whose entries are all READY and unpinned and
 whose latest use is the oldest. LRU victims are found by a scan that keeps
 the oldest 1/16 of the eligible entries as a queue of candidates; a
@@ -51,7 +52,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from emsd.pool.eviction import lru_victims, page_to_steal
+from emsd.pool.eviction import copies_first, page_to_steal
 from emsd.pool.index import EMPTY, FIRST_ID, PENDING, READY, BlockIndex, first_occurrences
 from emsd.pool.keys import KeyBatch
 from emsd.pool.slab import SlabAllocator
@@ -104,9 +105,10 @@ class StoreStats:
     entries: int  # PENDING + READY
     pending: int
     pinned: int  # entries with at least one pin
-    evictions: dict[str, int]  # by reason: "lru", "page"
+    evictions: dict[str, int]  # by reason: "lru", "page", "moved"
     ns_bytes: dict[int, int]  # committed (READY) bytes per namespace id
     classes: list[ClassStats] = field(default_factory=list)
+    cached: int = 0  # READY entries that are read-cache copies of blocks owned elsewhere
 
 
 @dataclass
@@ -250,6 +252,14 @@ class BlockStore:
         ids = self.index.find(ns, keys, prefix=True)
         return _leading(self.index.state.take(ids) == _READY)
 
+    def mark_cached(self, ns: int, keys: KeyBatch) -> int:
+        """Flag the present ``keys`` as read-cache copies of blocks owned elsewhere
+        (eviction takes them before owned blocks); returns how many were flagged."""
+        ids = self.index.find(ns, keys)
+        ids = ids[ids >= FIRST_ID]
+        self.index.cached[ids] = 1
+        return int(ids.size)
+
     def discard(self, ns: int, keys: KeyBatch, reason: str = "moved") -> int:
         """Drop the READY, unpinned entries of ``keys`` (a local copy no longer wanted).
 
@@ -273,6 +283,7 @@ class BlockStore:
             entries=len(self.index),
             pending=self._pending,
             pinned=int(np.count_nonzero(self.index.pins[:hw])),
+            cached=int(np.count_nonzero((self.index.cached[:hw] != 0) & (self.index.state[:hw] == READY))),
             evictions=dict(self._evictions),
             ns_bytes=dict(self._ns_bytes),
             classes=classes,
@@ -362,7 +373,7 @@ class BlockStore:
         hw = idx.high_water
         ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
         ids = ids[self._class_of(ids) == cls]
-        victims = lru_victims(idx.last_used, ids, max(need, ids.size // LRU_QUEUE_FRACTION))
+        victims = copies_first(idx.last_used, idx.cached, ids, max(need, ids.size // LRU_QUEUE_FRACTION))
         q = _LruQueue(victims, idx.last_used[victims].copy())
         self._queues[cls] = q
         return q

@@ -104,6 +104,10 @@ def test_saved_on_one_node_loads_on_another_with_identical_bytes(cluster: Any, m
     # What b fetched stays as a read cache: now it is there even for read_local_only.
     local = cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(read_local_only=True))
     assert local.success == BLOCKS
+    # Copies of blocks owned elsewhere are marked so that eviction takes them first.
+    sa, sb = stats(a), stats(b)
+    assert sa["cached"] > 0 and sb["cached"] > 0
+    assert sa["cached"] + sb["cached"] == BLOCKS  # each block is a copy on exactly one of the two
 
 
 def test_each_node_holds_its_share_and_read_local_only_stays_home(cluster: Any, monkeypatch: Any) -> None:

@@ -462,3 +462,45 @@ class StoreModel(RuleBasedStateMachine):
 
 StoreModel.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestStoreModel = StoreModel.TestCase
+
+
+def test_read_cache_copies_are_evicted_before_owned_blocks() -> None:
+    store = BlockStore(4 << 20, 1 << 20)  # 4 pages of 1 MiB: 16 blocks of 256 KiB
+    size = np.full(1, 256 << 10, np.uint64)
+    for k in range(16):
+        res = store.reserve(0, KeyBatch.from_user([k]), size)
+        store.commit(res.handles)
+    copies = [3, 7, 11]  # recently used, but only copies of other nodes' blocks
+    store.mark_cached(0, KeyBatch.from_user(copies))
+    pinned = store.pin(0, KeyBatch.from_user(copies))  # a use: they are now the most recent
+    store.release(pinned.handles)
+    for k in range(100, 103):
+        res = store.reserve(0, KeyBatch.from_user([k]), size)
+        assert res.status[0] == Status.NEW
+        store.commit(res.handles)
+    assert all(store.exists(0, KeyBatch.from_user([c])) == 0 for c in copies)
+    assert store.exists(0, KeyBatch.from_user(list(range(3)))) == 3  # the oldest owned blocks stayed
+    assert store.mark_cached(0, KeyBatch.from_user([999])) == 0  # absent keys are not flagged
+
+
+def test_discard_drops_unpinned_ready_blocks_only() -> None:
+    store = BlockStore(4 << 20, 1 << 20)
+    res = store.reserve(0, KeyBatch.from_user([1, 2, 3]), np.full(3, 4096, np.uint64))
+    store.commit(res.handles[:2])  # 3 stays PENDING
+    pinned = store.pin(0, KeyBatch.from_user([2]))
+    assert store.discard(0, KeyBatch.from_user([1, 2, 3, 4])) == 1
+    assert store.exists(0, KeyBatch.from_user([1])) == 0 and store.exists(0, KeyBatch.from_user([2])) == 1
+    store.release(pinned.handles)
+    store.abort(res.handles[2:])
+    assert store.stats().evictions.get("moved") == 1
+
+
+def test_copies_first_takes_copies_oldest_first_then_owned() -> None:
+    from emsd.pool.eviction import copies_first
+
+    last_used = np.array([0, 0, 5, 1, 9, 2, 3], dtype=np.uint32)
+    cached = np.array([0, 0, 0, 1, 1, 0, 0], dtype=np.uint8)
+    ids = np.arange(2, 7, dtype=np.uint32)
+    assert copies_first(last_used, cached, ids, 1).tolist() == [3]
+    assert copies_first(last_used, cached, ids, 4).tolist() == [3, 4, 5, 6]
+    assert copies_first(last_used, cached, ids, 9).tolist() == [3, 4, 5, 6, 2]
