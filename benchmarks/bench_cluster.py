@@ -1,0 +1,244 @@
+"""Two emsd daemons on loopback: remote load and save throughput, against iperf3 and Redis.
+
+    python benchmarks/bench_cluster.py [--json] [--rounds N]
+
+Starts a ZooKeeper (Debian's package, as the tests do), two daemons joined
+into one cluster, and measures through the SDK:
+
+- remote load: blocks of 2 MiB owned by node B, loaded by a client of node
+  A (A fetches them from B over the peer transport into its pool, then the
+  SDK copies them into tensors);
+- remote save: a client of A saves blocks owned by B with write_rcache off
+  (A forwards them to B and drops its copy);
+- daemon CPU seconds per remote block (both daemons, psutil);
+
+and in the same run the references: iperf3 over loopback (one stream),
+and Redis GET of the same 2 MiB values, single and pipelined (redis-py with
+hiredis), taking the better. Needs iperf3, redis-server (Debian) and
+redis[hiredis] (pip); a missing reference is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import zk  # noqa: E402
+
+from emsd.placement import ClusterView, Member, Ring  # noqa: E402
+from emsd.pool.keys import KeyBatch  # noqa: E402
+
+POOL = 1 << 30
+LAYERS, TOKENS, HEADS, DIM = 32, 16, 8, 128  # 2 MiB blocks in fp16
+BATCH = 32
+MiB = 1 << 20
+
+
+def start_daemon(work: Path, name: str, zk_hosts: str, secret: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    sock = work / name / "sock"
+    sock.parent.mkdir(parents=True)
+    port, peer = zk.free_port(), zk.free_port()
+    cfg = work / name / "emsd.toml"
+    cfg.write_text(
+        f'[node]\nid = "{name}"\nsocket_dir = "{sock}"\n'
+        f'[pool]\nsize = "{POOL >> 20}MiB"\nhugepages = "auto"\npage_size = "64MiB"\n'
+        f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n'
+        f'[cluster]\nname = "bench"\nzookeeper = "{zk_hosts}"\npeer_listen = "127.0.0.1:{peer}"\n'
+        f'secret_file = "{secret}"\nsession_timeout = 4\n')
+    proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(cfg)], cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return proc, sock
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"emsd {name} did not become ready")
+
+
+def sdk(sock: Path) -> Any:
+    from ems import CcConfig, Ems, EmsConfig
+
+    os.environ["EMS_SOCKET_DIR"] = str(sock)
+    Ems._reset()
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="bench")))
+    return Ems.get_cc()
+
+
+def keys_owned_by(owner: str, n: int, start: int, namespace: str, ring: Ring) -> list[int]:
+    cand = np.arange(start, start + 8 * n, dtype=np.uint64)
+    owners = np.array(ring.owner_ids(namespace, KeyBatch.from_ints(cand)))[:, 0]
+    picked = cand[owners == owner][:n]
+    assert picked.size == n
+    return [int(k) for k in picked]
+
+
+def bench_emsd(rounds: int) -> dict[str, float]:
+    from ems import CcConfig, CcKvOption, Ems
+    from ems.namespace import namespace_name
+
+    kv = [[torch.randn(2 * BATCH, TOKENS, HEADS, DIM).to(torch.float16) for _ in range(2)]
+          for _ in range(LAYERS)]
+    slots = list(range(BATCH * TOKENS))
+    nbytes = BATCH * LAYERS * 2 * TOKENS * HEADS * DIM * 2
+    ns = namespace_name(None, CcConfig(rank_id=0, device_id=0, model_id="bench"), "")
+    ring = Ring.build(ClusterView.of([Member("a", POOL), Member("b", POOL)]))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        server = zk.ZooKeeperServer(work / "zk").start()
+        secret = work / "secret"
+        secret.write_text("benchmark-cluster-secret\n")
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            a, sock_a = start_daemon(work, "a", server.hosts, secret)
+            b, sock_b = start_daemon(work, "b", server.hosts, secret)
+            procs = [a, b]
+            time.sleep(1.0)  # both views settle (membership is event-driven; this only avoids a race)
+            cpu = [psutil.Process(p.pid) for p in procs]
+            loads, saves, cpu_used, blocks = [], [], 0.0, 0
+            for r in range(rounds + 1):
+                keys = keys_owned_by("b", BATCH, 10_000_000 * (r + 1), ns, ring)
+                cc = sdk(sock_b)
+                cc.register_kvcache(kv)
+                assert cc.save(slots, hashes=keys, offsets=[TOKENS] * BATCH).success == BATCH
+                cc = sdk(sock_a)
+                cc.register_kvcache(kv)
+                before = sum(sum(p.cpu_times()[:2]) for p in cpu)
+                t0 = time.perf_counter()
+                res = cc.load(slots, hashes=keys, offsets=[TOKENS] * BATCH)
+                t_load = time.perf_counter() - t0
+                assert res.success == BATCH, res
+                fresh = keys_owned_by("b", BATCH, 10_000_000 * (r + 1) + 5_000_000, ns, ring)
+                t0 = time.perf_counter()
+                res = cc.save(slots, hashes=fresh, offsets=[TOKENS] * BATCH,
+                              option=CcKvOption(write_rcache=False))
+                t_save = time.perf_counter() - t0
+                assert res.success == BATCH, res
+                after = sum(sum(p.cpu_times()[:2]) for p in cpu)
+                if r:  # round 0 warms up connections and pages
+                    loads.append(t_load)
+                    saves.append(t_save)
+                    cpu_used += after - before
+                    blocks += 2 * BATCH
+            Ems._reset()
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(30)
+            server.stop()
+    return {"remote_load_gbps": nbytes / statistics.median(loads) / 1e9,
+            "remote_save_gbps": nbytes / statistics.median(saves) / 1e9,
+            "daemon_cpu_ms_per_block": 1000 * cpu_used / max(blocks, 1)}
+
+
+def bench_iperf3() -> float | None:
+    if shutil.which("iperf3") is None:
+        return None
+    port = zk.free_port()
+    srv = subprocess.Popen(["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", "3", "-J"],
+                             capture_output=True, text=True, timeout=30)
+        return float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]) / 8 / 1e9
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def bench_redis(rounds: int) -> dict[str, float] | None:
+    if shutil.which("redis-server") is None:
+        return None
+    try:
+        import redis
+    except ImportError:
+        return None
+    port = zk.free_port()
+    srv = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                            "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        value = os.urandom(2 * MiB)
+        keys = [f"k{i}" for i in range(BATCH)]
+        for k in keys:
+            client.set(k, value)
+        single, piped = [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for k in keys:
+                client.get(k)
+            single.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            pipe.execute()
+            piped.append(time.perf_counter() - t0)
+        total = BATCH * 2 * MiB
+        return {"single_gbps": total / statistics.median(single) / 1e9,
+                "pipelined_gbps": total / statistics.median(piped) / 1e9}
+    finally:
+        srv.terminate()
+        srv.wait(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    emsd = bench_emsd(args.rounds)
+    iperf = bench_iperf3()
+    rds = bench_redis(args.rounds)
+    out: dict[str, Any] = {"emsd": emsd, "iperf3_gbps": iperf, "redis": rds}
+    if iperf:
+        out["load_vs_iperf3"] = emsd["remote_load_gbps"] / iperf
+        out["save_vs_iperf3"] = emsd["remote_save_gbps"] / iperf
+    if rds:
+        best = max(rds.values())
+        out["load_vs_redis"] = emsd["remote_load_gbps"] / best
+        out["save_vs_redis"] = emsd["remote_save_gbps"] / best
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"remote load, {BATCH} x 2 MiB via SDK : {emsd['remote_load_gbps']:.2f} GB/s")
+    print(f"remote save (write_rcache off)    : {emsd['remote_save_gbps']:.2f} GB/s")
+    print(f"daemon CPU per remote block       : {emsd['daemon_cpu_ms_per_block']:.2f} ms")
+    print(f"iperf3 loopback, 1 stream         : {iperf if iperf is None else f'{iperf:.2f} GB/s'}")
+    if rds:
+        print(f"redis GET 2 MiB single/pipelined  : {rds['single_gbps']:.2f} / "
+              f"{rds['pipelined_gbps']:.2f} GB/s")
+    for key in ("load_vs_iperf3", "save_vs_iperf3", "load_vs_redis", "save_vs_redis"):
+        if key in out:
+            print(f"{key:34s}: {out[key]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
