@@ -54,6 +54,7 @@ class Cluster:
         self._conns: dict[str, list[PeerConnection]] = {}
         self._next: dict[str, int] = defaultdict(int)
         self._down_until: dict[str, float] = {}
+        self._dialing: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def start(self) -> None:
         """Listen for peers and join; raises ``DuplicateNodeError`` if the id is taken."""
@@ -90,44 +91,83 @@ class Cluster:
                 conn.close()
         log.info("placement ring: %d members (%s)", len(view), ", ".join(sorted(present)))
 
-    def primaries(self, ns_name: str, keys: KeyBatch) -> list[str]:
-        """The primary owner's node id of each key."""
-        ids = [m.node_id for m in self.ring.view.members]
-        return [ids[i] for i in self.ring.owners(ns_name, keys)[:, 0].tolist()]
+    def owners(self, ns_name: str, keys: KeyBatch) -> np.ndarray:
+        """(n, r) owner indices into ``self.ring.view.members``, primary first (r = min(replicas, N))."""
+        return self.ring.owners(ns_name, keys)
+
+    def owned_here(self, ns_name: str, keys: KeyBatch) -> np.ndarray:
+        """True per key that this node owns (as primary or as a replica)."""
+        if len(self.ring.view.members) <= 1:
+            return np.ones(len(keys), dtype=bool)
+        return (self.owners(ns_name, keys) == self._my_index()).any(axis=1)
 
     async def fetch(self, ns_name: str, keys: KeyBatch, deadline: float) -> None:
-        """Bring the keys owned elsewhere into the local pool, one batch per owner, in parallel."""
-        groups = self._by_owner(ns_name, keys)
-        if groups:
-            await self._bounded(deadline, *(self._get(node, ns_name, keys.take(np.array(idx)))
-                                            for node, idx in groups.items()))
+        """Bring keys owned elsewhere into the local pool: batched per owner, parts in parallel.
+
+        The primaries are asked first; keys a primary did not have (a node
+        that joined since the save, or restarted) go to the next replica, and
+        so on, all within ``deadline``.
+        """
+        if len(keys) == 0 or len(self.ring.view.members) <= 1:
+            return
+        owners, me = self.owners(ns_name, keys), self._my_index()
+        pending = np.flatnonzero(~(owners == me).any(axis=1))
+        for rank in range(owners.shape[1]):
+            if pending.size == 0 or time.monotonic() >= deadline:
+                return
+            missed: list[np.ndarray] = []
+
+            async def one(node: str, sel: np.ndarray) -> None:
+                got = 0
+                try:
+                    got = await self._get(node, ns_name, keys.take(sel))
+                finally:
+                    missed.append(sel[got:])
+
+            jobs = [one(node, part) for node, idx in self._group(owners[pending, rank], pending).items()
+                    for part in self._parts(idx)]
+            await self._bounded(deadline, *jobs)
+            pending = np.sort(np.concatenate(missed)) if missed else pending[:0]
 
     async def push(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray,
                    deadline: float) -> np.ndarray:
-        """Send blocks to their owners; True per key that is now at its owner (or owned here)."""
-        reached = np.ones(len(keys), dtype=bool)
-        groups = self._by_owner(ns_name, keys)
-        for idx in groups.values():
-            reached[idx] = False
+        """Send blocks to every other owner; True per key now held by at least one owner.
 
-        async def one(node: str, idx: list[int]) -> None:
-            sel = np.array(idx)
+        A key owned here counts as reached at once; replicas beyond the first
+        owner to answer are best effort.
+        """
+        if len(keys) == 0 or len(self.ring.view.members) <= 1:
+            return np.ones(len(keys), dtype=bool)
+        owners, me = self.owners(ns_name, keys), self._my_index()
+        reached = (owners == me).any(axis=1)
+        all_keys = np.arange(len(keys))
+
+        async def one(node: str, sel: np.ndarray) -> None:
             stored = await self._put(node, ns_name, keys.take(sel), offsets[sel], lengths[sel])
             reached[sel[:stored]] = True
 
-        if groups:
-            await self._bounded(deadline, *(one(node, idx) for node, idx in groups.items()))
+        jobs = [one(node, part) for rank in range(owners.shape[1])
+                for node, idx in self._group(owners[:, rank], all_keys).items() for part in self._parts(idx)]
+        await self._bounded(deadline, *jobs)
         return reached
 
     # -- helpers ------------------------------------------------------------------
 
-    def _by_owner(self, ns_name: str, keys: KeyBatch) -> dict[str, list[int]]:
-        groups: dict[str, list[int]] = defaultdict(list)
-        if len(keys) and len(self.ring.view.members) > 1:
-            for i, owner in enumerate(self.primaries(ns_name, keys)):
-                if owner != self.node_id:
-                    groups[owner].append(i)
-        return groups
+    def _my_index(self) -> int:
+        """This node's index in the ring's members; -1 while the view lacks it (ZooKeeper lost)."""
+        ids = [m.node_id for m in self.ring.view.members]
+        return ids.index(self.node_id) if self.node_id in ids else -1
+
+    def _group(self, owner_idx: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """``positions`` grouped by the node id at ``owner_idx`` (same length), skipping this node."""
+        members, me = self.ring.view.members, self._my_index()
+        return {members[o].node_id: positions[owner_idx == o]
+                for o in np.unique(owner_idx).tolist() if o != me}
+
+    def _parts(self, idx: np.ndarray) -> list[np.ndarray]:
+        """A batch for one peer cut into one part per connection, to move in parallel."""
+        k = max(1, min(self.cfg.peer_connections, idx.size))
+        return [p for p in np.array_split(idx, k) if p.size]
 
     async def _bounded(self, deadline: float, *jobs: object) -> None:
         tasks = [asyncio.ensure_future(job) for job in jobs]  # type: ignore[call-overload]
@@ -164,17 +204,24 @@ class Cluster:
             return None
         conns = self._conns.setdefault(node, [])
         if len(conns) < self.cfg.peer_connections:
-            conn = PeerConnection(self.access, self.node_id, self.secret)
-            try:
-                await conn.connect(*_split(info.peer_addr))
-            except PeerError as exc:
-                log.warning("peer %s unreachable: %s", node, exc)
-                self._down_until[node] = time.monotonic() + BACKOFF
-                return None
-            conns.append(conn)
-            return conn
+            async with self._dialing[node]:  # parallel jobs must not open more than the limit
+                if len(conns) < self.cfg.peer_connections:
+                    return await self._dial(node, info.peer_addr, conns)
+        if not conns:  # another job's dial failed while this one waited
+            return None
         self._next[node] += 1
         return conns[self._next[node] % len(conns)]
+
+    async def _dial(self, node: str, addr: str, conns: list[PeerConnection]) -> PeerConnection | None:
+        conn = PeerConnection(self.access, self.node_id, self.secret)
+        try:
+            await conn.connect(*_split(addr))
+        except PeerError as exc:
+            log.warning("peer %s unreachable: %s", node, exc)
+            self._down_until[node] = time.monotonic() + BACKOFF
+            return None
+        conns.append(conn)
+        return conn
 
     def _drop(self, node: str, conn: PeerConnection) -> None:
         conn.close()

@@ -202,9 +202,9 @@ class Service:
         return resp
 
     def _remote(self, ns_name: str, keys: KeyBatch) -> np.ndarray:
-        """True per key whose primary owner is another node."""
+        """True per key that other nodes own and this one does not (its copy is a read cache)."""
         assert self.cluster is not None
-        return np.array([o != self.node_id for o in self.cluster.primaries(ns_name, keys)], dtype=bool)
+        return ~self.cluster.owned_here(ns_name, keys)
 
     # -- handlers -------------------------------------------------------------
 

@@ -31,15 +31,15 @@ def zookeeper(tmp_path: Path) -> Iterator[zk.ZooKeeperServer]:
 
 
 @pytest.fixture
-def cluster(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) -> Callable[[int], list[Any]]:
+def cluster(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) -> Callable[..., list[Any]]:
     secret = tmp_path / "secret"
     secret.write_text("a-cluster-secret-of-some-length\n")
     os.chmod(secret, 0o600)
 
-    def start(n: int) -> list[Any]:
+    def start(n: int, **extra: Any) -> list[Any]:
         nodes = [emsd_factory(start=False, cluster={
             "name": "t", "zookeeper": zookeeper.hosts, "peer_listen": f"127.0.0.1:{zk.free_port()}",
-            "secret_file": str(secret), "session_timeout": 4}) for _ in range(n)]
+            "secret_file": str(secret), "session_timeout": 4, **extra}) for _ in range(n)]
         for d in nodes:
             d.start()
         wait_for(lambda: all(len(stats(d)["members"]) == n for d in nodes))
@@ -194,3 +194,24 @@ def test_a_joining_node_takes_new_saves_for_its_share(cluster: Any, emsd_factory
     assert cc.save(SLOTS, hashes=[k + 10_000 for k in KEYS], offsets=[BLOCK] * BLOCKS,
                    option=CcKvOption(write_rcache=False)).success == BLOCKS
     assert cc.exists([k + 10_000 for k in KEYS]).success == BLOCKS  # all local again
+
+
+def test_with_two_replicas_a_killed_owner_costs_nothing(cluster: Any, monkeypatch: Any) -> None:
+    a, b, c = cluster(3, replicas=2)
+    src = kv(8)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(src)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
+                   option=CcKvOption(write_rcache=False)).success == BLOCKS
+    held = [stats(d)["entries"] for d in (a, b, c)]
+    assert sum(held) == 2 * BLOCKS  # every block at both of its owners, no extra copies
+    assert all(0 < h < 2 * BLOCKS for h in held)
+
+    b.kill9()  # still in the ring until its session expires: its keys fall to their other owner
+    cc = use(c, monkeypatch)
+    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
+    cc.register_kvcache(dst)
+    res = cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(timeout=5000))
+    assert res.success == BLOCKS
+    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
+    assert all(torch.equal(x, y) for x, y in pairs)
