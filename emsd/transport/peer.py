@@ -149,6 +149,11 @@ def _keys_of(header: dict[str, Any], payload: bytes) -> tuple[KeyBatch, bytes]:
         raise FrameError(f"keys: {exc}") from None
 
 
+def _check_id(header: dict[str, Any], rid: int) -> None:
+    if header.get("id") != rid:
+        raise PeerError(f"answer {header.get('id')!r} does not match request {rid}")
+
+
 def _lengths(raw: bytes, n: int) -> np.ndarray:
     if len(raw) != 8 * n:
         raise FrameError("lengths must be n little-endian u64")
@@ -382,6 +387,7 @@ class PeerConnection:
                 await _send(loop, sock, {"id": rid, "op": OP_GET, "ns": ns_name, "n": len(keys), "kt": kt},
                             raw)
                 header, payload = await _recv_frame(loop, sock)
+                _check_id(header, rid)
                 if header.get("st") != Status.OK:
                     raise PeerError(f"GET refused: {header.get('msg')}")
                 count = header.get("count")
@@ -396,6 +402,9 @@ class PeerConnection:
             except (OSError, FrameError, PeerError) as exc:
                 self.close()  # the stream is out of step
                 raise PeerError(f"GET from {self.peer_id} failed: {exc}") from None
+            except asyncio.CancelledError:
+                self.close()  # the caller's deadline struck mid-request: the stream is out of step
+                raise
 
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
         """Send local blocks (pool ``offsets``/``lengths``) to the peer; returns its leading stored count.
@@ -414,9 +423,13 @@ class PeerConnection:
                 for off, size in zip(offsets.tolist(), lengths.tolist(), strict=True):
                     await loop.sock_sendall(sock, pool[off : off + size])
                 header, _ = await _recv_frame(loop, sock)
+                _check_id(header, rid)
             except (OSError, FrameError, PeerError) as exc:
                 self.close()
                 raise PeerError(f"PUT to {self.peer_id} failed: {exc}") from None
+            except asyncio.CancelledError:
+                self.close()
+                raise
             if header.get("st") != Status.OK or type(header.get("stored")) is not int:
                 raise PeerError(f"PUT refused: {header.get('msg')}")
             return int(header["stored"])
