@@ -47,7 +47,9 @@ class Emsd:
         self.workdir = workdir
         self.sections = sections
         self.socket_dir = Path(sections["node"]["socket_dir"])
-        self.metrics_port = int(sections["metrics"]["listen"].rsplit(":", 1)[1])
+        self.metrics_host, port = sections["metrics"]["listen"].rsplit(":", 1)
+        self.metrics_port = int(port)
+        self.prefix: list[str] = []  # e.g. ["ip", "netns", "exec", NAME]: it must exec, keeping the pid
         self.config_path = workdir / "emsd.toml"
         self.log_path = workdir / "emsd.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -63,7 +65,7 @@ class Emsd:
         self.write_config()
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "emsd", "--config", str(self.config_path)],
+            [*self.prefix, sys.executable, "-m", "emsd", "--config", str(self.config_path)],
             stdout=log, stderr=log, cwd=ROOT,
         )
         log.close()
@@ -83,7 +85,7 @@ class Emsd:
         raise TimeoutError(f"emsd not ready after {timeout}s:\n{self.log()}")
 
     def http(self, path: str) -> tuple[int, bytes]:
-        url = f"http://127.0.0.1:{self.metrics_port}{path}"
+        url = f"http://{self.metrics_host}:{self.metrics_port}{path}"
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 return resp.status, resp.read()

@@ -39,21 +39,22 @@ def free_port() -> int:
 
 
 class ZooKeeperServer:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, host: str = "127.0.0.1") -> None:
         self.workdir = workdir
+        self.host = host
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def hosts(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> ZooKeeperServer:
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / "zoo.cfg"
         cfg.write_text(
-            f"tickTime=200\ndataDir={data}\nclientPort={self.port}\nclientPortAddress=127.0.0.1\n"
+            f"tickTime=200\ndataDir={data}\nclientPort={self.port}\nclientPortAddress={self.host}\n"
             "admin.enableServer=false\nminSessionTimeout=400\nmaxSessionTimeout=60000\n"
             "4lw.commands.whitelist=ruok,srvr\n"
         )
@@ -76,7 +77,7 @@ class ZooKeeperServer:
 
     def ruok(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                 s.sendall(b"ruok")
                 return s.recv(8) == b"imok"
         except OSError:
