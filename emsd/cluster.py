@@ -116,18 +116,20 @@ class Cluster:
             if pending.size == 0 or time.monotonic() >= deadline:
                 return
             missed: list[np.ndarray] = []
-
-            async def one(node: str, sel: np.ndarray) -> None:
-                got = 0
-                try:
-                    got = await self._get(node, ns_name, keys.take(sel))
-                finally:
-                    missed.append(sel[got:])
-
-            jobs = [one(node, part) for node, idx in self._group(owners[pending, rank], pending).items()
+            jobs = [self._fetch_part(node, ns_name, keys, part, missed)
+                    for node, idx in self._group(owners[pending, rank], pending).items()
                     for part in self._parts(idx)]
             await self._bounded(deadline, *jobs)
             pending = np.sort(np.concatenate(missed)) if missed else pending[:0]
+
+    async def _fetch_part(self, node: str, ns_name: str, keys: KeyBatch, sel: np.ndarray,
+                          missed: list[np.ndarray]) -> None:
+        """GET ``keys[sel]`` from ``node``; what it did not deliver goes to ``missed``."""
+        got = 0
+        try:
+            got = await self._get(node, ns_name, keys.take(sel))
+        finally:
+            missed.append(sel[got:])
 
     async def push(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray,
                    deadline: float) -> np.ndarray:
