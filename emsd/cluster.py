@@ -172,6 +172,8 @@ class Cluster:
         return [p for p in np.array_split(idx, k) if p.size]
 
     async def _bounded(self, deadline: float, *jobs: object) -> None:
+        if not jobs:
+            return
         tasks = [asyncio.ensure_future(job) for job in jobs]  # type: ignore[call-overload]
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
         for task in pending:

@@ -215,3 +215,17 @@ def test_with_two_replicas_a_killed_owner_costs_nothing(cluster: Any, monkeypatc
     assert res.success == BLOCKS
     pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
     assert all(torch.equal(x, y) for x, y in pairs)
+
+
+def test_single_block_saves_and_loads_succeed_wherever_the_owner_is(cluster: Any, monkeypatch: Any) -> None:
+    a, b = cluster(2)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(kv(9))
+    one = list(range(BLOCK))
+    for key in KEYS[:12]:  # some owned by a (nothing to forward), some by b
+        assert cc.save(one, hashes=[key], offsets=[BLOCK]).success == 1
+    cc = use(b, monkeypatch)
+    cc.register_kvcache(kv(10))
+    for key in KEYS[:12]:
+        assert cc.load(one, hashes=[key], offsets=[BLOCK]).success == 1
+    assert a.alive() and b.alive()
