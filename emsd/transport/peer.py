@@ -5,11 +5,13 @@
 sides are tested on their own in tests/integration/test_peer.py.
 
 Bytes never pass through Python ``bytes`` objects: a sender hands the
-kernel memoryview slices of its pool (``loop.sock_sendall``), a receiver
-reads straight into freshly reserved slabs of its own pool
-(``loop.sock_recv_into`` on a memoryview). Control frames use the same
-codec as the local socket (``emsd.transport.frames``); a frame's ``bulk``
-field says how many raw bytes follow it.
+kernel memoryview slices of its pool (``sendall``), a receiver reads
+straight into freshly reserved slabs of its own pool (``recv_into`` with
+MSG_WAITALL on a memoryview), both as blocking calls in a worker thread
+so that a block costs one system call and no event-loop wake-ups. Control
+frames go through the event loop, with the same codec as the local socket
+(``emsd.transport.frames``); a frame's ``bulk`` field says how many raw
+bytes follow it.
 
 Connections authenticate both ways before anything else, with a shared
 cluster secret and HMAC-SHA256 over fresh nonces:
@@ -37,12 +39,15 @@ per peer for parallelism):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import socket
+import struct
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,10 +76,14 @@ AUTH_TIMEOUT = 5.0
 MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
 SOCKET_BUFFER = 4 << 20  # kernel buffers per direction: fewer wake-ups per block moved
+BULK_STALL = 30  # seconds a bulk send or receive may make no progress before the connection fails
 
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    stall = struct.pack("ll", BULK_STALL, 0)  # struct timeval: a blocked bulk call gives up after this
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
@@ -118,6 +127,67 @@ async def _recv_exact_into(loop: asyncio.AbstractEventLoop, sock: socket.socket,
         got += n
 
 
+# -- bulk bytes: blocking calls in worker threads ------------------------------
+#
+# Block bytes move with blocking ``sendall``/``recv_into(MSG_WAITALL)`` in a
+# worker thread: one system call per block, the GIL released, no event-loop
+# wake-up per few segments (which costs more CPU than the copy itself on
+# loopback). Kernel timeouts (SO_SNDTIMEO/SO_RCVTIMEO, set by ``_tune``)
+# bound a silent peer; a cancelled caller shuts the socket down and waits
+# for the thread before touching the memory it was filling.
+
+_BULK_THREADS = 16
+_bulk_pool: ThreadPoolExecutor | None = None
+
+
+def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    sock.setblocking(True)
+    try:
+        for view in views:
+            sock.sendall(view)
+    finally:
+        sock.setblocking(False)
+
+
+def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    sock.setblocking(True)
+    try:
+        for view in views:
+            got = 0
+            while got < len(view):
+                n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                if n == 0:
+                    raise PeerError("peer closed the connection")
+                got += n
+    finally:
+        sock.setblocking(False)
+
+
+async def _bulk(sock: socket.socket, move: Callable[[socket.socket, list[memoryview]], None],
+                views: list[memoryview]) -> None:
+    """Run ``move(sock, views)`` in a bulk thread; on cancellation stop it before returning."""
+    global _bulk_pool
+    if not views:
+        return
+    if _bulk_pool is None:
+        _bulk_pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="emsd-bulk")
+    fut = asyncio.get_running_loop().run_in_executor(_bulk_pool, move, sock, views)
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the thread at once
+        with contextlib.suppress(Exception):
+            await fut
+        raise
+    except OSError as exc:
+        raise PeerError(str(exc)) from None
+
+
+def _views(pool: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
+    return [pool[off : off + size] for off, size in zip(offsets.tolist(), lengths.tolist(), strict=True)]
+
+
 async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict[str, Any], bytes]:
     prefix = bytearray(PREFIX.size)
     await _recv_exact_into(loop, sock, memoryview(prefix))
@@ -128,12 +198,14 @@ async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> t
     return decode_header(bytes(body[:header_len])), bytes(body[header_len:])
 
 
-async def _discard(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int,
-                   scratch: memoryview) -> None:
+def _scratch_views(scratch: memoryview, nbytes: int) -> list[memoryview]:
+    """Views of ``scratch`` that together take ``nbytes`` off the stream (and are thrown away)."""
+    out = []
     while nbytes > 0:
         step = min(nbytes, len(scratch))
-        await _recv_exact_into(loop, sock, scratch[:step])
+        out.append(scratch[:step])
         nbytes -= step
+    return out
 
 
 def _keys_of(header: dict[str, Any], payload: bytes) -> tuple[KeyBatch, bytes]:
@@ -163,7 +235,7 @@ def _lengths(raw: bytes, n: int) -> np.ndarray:
     return lengths
 
 
-async def _receive_blocks(loop: asyncio.AbstractEventLoop, sock: socket.socket, access: PoolAccess,
+async def _receive_blocks(sock: socket.socket, access: PoolAccess,
                           ns: int, keys: KeyBatch, lengths: np.ndarray, scratch: memoryview) -> int:
     """Reserve, receive into the pool, commit; returns how many leading keys are now present.
 
@@ -174,14 +246,15 @@ async def _receive_blocks(loop: asyncio.AbstractEventLoop, sock: socket.socket, 
     store = access.store
     res = store.reserve(ns, keys, lengths)
     new = np.flatnonzero(res.status == SlotStatus.NEW)
+    views: list[memoryview] = []
+    for i, size in enumerate(lengths.tolist()):
+        if res.status[i] == SlotStatus.NEW:
+            off = int(res.offsets[i])
+            views.append(access.pool[off : off + size])
+        else:
+            views += _scratch_views(scratch, size)
     try:
-        for i in range(len(keys)):
-            size = int(lengths[i])
-            if res.status[i] == SlotStatus.NEW:
-                off = int(res.offsets[i])
-                await _recv_exact_into(loop, sock, access.pool[off : off + size])
-            else:
-                await _discard(loop, sock, size, scratch)
+        await _bulk(sock, _recv_views, views)
     except BaseException:
         store.abort(res.handles[new])
         raise
@@ -306,9 +379,7 @@ class PeerServer:
             lengths = pinned.lengths.astype("<u8")
             await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": pinned.count,
                                      "bulk": int(lengths.sum())}, lengths.tobytes())
-            pool = self.access.pool
-            for off, size in zip(pinned.offsets.tolist(), pinned.lengths.tolist(), strict=True):
-                await loop.sock_sendall(conn, pool[off : off + size])
+            await _bulk(conn, _send_views, _views(self.access.pool, pinned.offsets, pinned.lengths))
         finally:
             store.release(pinned.handles)
 
@@ -322,7 +393,7 @@ class PeerServer:
         if header.get("bulk") != int(lengths.sum()):
             raise FrameError("bulk does not match the lengths")
         ns = self.access.namespace_id(ns_name)
-        stored = await _receive_blocks(loop, conn, self.access, ns, keys, lengths, scratch)
+        stored = await _receive_blocks(conn, self.access, ns, keys, lengths, scratch)
         await _send(loop, conn, {"id": rid, "st": int(Status.OK), "stored": stored})
 
 
@@ -397,7 +468,7 @@ class PeerConnection:
                 if header.get("bulk") != int(lengths.sum()):
                     raise PeerError("GET answer's bulk does not match its lengths")
                 ns = self.access.namespace_id(ns_name)
-                return await _receive_blocks(loop, sock, self.access, ns, keys.take(slice(0, count)),
+                return await _receive_blocks(sock, self.access, ns, keys.take(slice(0, count)),
                                              lengths, self._scratch)
             except (OSError, FrameError, PeerError) as exc:
                 self.close()  # the stream is out of step
@@ -419,9 +490,7 @@ class PeerConnection:
             try:
                 await _send(loop, sock, {"id": rid, "op": OP_PUT, "ns": ns_name, "n": len(keys), "kt": kt,
                                          "bulk": int(lengths.sum())}, raw, lengths.tobytes())
-                pool = self.access.pool
-                for off, size in zip(offsets.tolist(), lengths.tolist(), strict=True):
-                    await loop.sock_sendall(sock, pool[off : off + size])
+                await _bulk(sock, _send_views, _views(self.access.pool, offsets, lengths))
                 header, _ = await _recv_frame(loop, sock)
                 _check_id(header, rid)
             except (OSError, FrameError, PeerError) as exc:

@@ -190,3 +190,54 @@ async def test_a_peer_that_dies_mid_transfer_leaves_nothing_reserved() -> None:
         assert stats.pending == 0 and stats.entries == 0
     finally:
         await server.close()
+
+
+async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_the_connection() -> None:
+    """An owner that stalls half-way: the caller's deadline ends the GET cleanly."""
+    import os
+
+    from emsd.transport.peer import OP_AUTH, OP_CHALLENGE, _mac, _recv_frame, _send
+
+    a = Node("a")
+    loop = asyncio.get_running_loop()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    stalled = asyncio.Event()
+
+    async def stalling_owner() -> None:
+        conn, _ = await loop.sock_accept(listener)
+        with conn:
+            await stall(conn)
+
+    async def stall(conn: socket.socket) -> None:
+        conn.setblocking(False)
+        nonce = os.urandom(32)
+        await _send(loop, conn, {"op": OP_CHALLENGE, "nonce": nonce})
+        auth, _ = await _recv_frame(loop, conn)
+        assert auth["op"] == OP_AUTH
+        await _send(loop, conn, {"st": 0, "node": "b", "mac": _mac(SECRET, b"s", auth["nonce"], nonce, b"b")})
+        req, _ = await _recv_frame(loop, conn)
+        lengths = np.array([1 << 20, 1 << 20], "<u8")
+        await _send(loop, conn, {"id": req["id"], "st": 0, "count": 2, "bulk": 2 << 20}, lengths.tobytes())
+        await loop.sock_sendall(conn, b"\x07" * (1 << 19))  # half a block, then silence
+        stalled.set()
+        await asyncio.sleep(30)
+
+    owner = asyncio.ensure_future(stalling_owner())
+    conn = PeerConnection(a.access, "a", SECRET)
+    try:
+        await conn.connect("127.0.0.1", listener.getsockname()[1])
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(conn.get("ns", KeyBatch.from_user([1, 2])), 1.0)
+        assert stalled.is_set()
+        stats = a.store.stats()
+        assert stats.pending == 0 and stats.entries == 0  # the half-written chunks went back
+        assert conn.sock is None  # out of step: closed, never reused
+        with pytest.raises(PeerError):
+            await conn.get("ns", KeyBatch.from_user([1]))
+    finally:
+        owner.cancel()
+        await asyncio.gather(owner, return_exceptions=True)
+        listener.close()
