@@ -12,15 +12,18 @@ into one cluster, and measures through the SDK:
   (A forwards them to B and drops its copy);
 - daemon CPU seconds per remote block (both daemons, psutil);
 
-and in the same run the references: iperf3 over loopback (one stream),
-and Redis GET of the same 2 MiB values, single and pipelined (redis-py with
-hiredis), taking the better. Needs iperf3, redis-server (Debian) and
+and in the same run, interleaved round by round with emsd's so that the
+machine's background load hits both alike, the references: iperf3 over
+loopback (one stream, 1 s a round), and Redis GET of the same 2 MiB
+values, single and pipelined (redis-py with hiredis), taking the better;
+each figure is the median over the rounds. Needs iperf3, redis-server (Debian) and
 redis[hiredis] (pip); a missing reference is reported as such.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +95,7 @@ def keys_owned_by(owner: str, n: int, start: int, namespace: str, ring: Ring) ->
     return [int(k) for k in picked]
 
 
-def bench_emsd(rounds: int) -> dict[str, float]:
+def bench_emsd(rounds: int, between: Callable[[], None]) -> dict[str, float]:
     from ems import CcConfig, CcKvOption, Ems
     from ems.namespace import namespace_name
 
@@ -134,6 +138,7 @@ def bench_emsd(rounds: int) -> dict[str, float]:
                 assert res.success == BATCH, res
                 after = sum(sum(p.cpu_times()[:2]) for p in cpu)
                 if r:  # round 0 warms up connections and pages
+                    between()  # the references, measured in the same breath
                     loads.append(t_load)
                     saves.append(t_save)
                     cpu_used += after - before
@@ -149,64 +154,77 @@ def bench_emsd(rounds: int) -> dict[str, float]:
             "daemon_cpu_ms_per_block": 1000 * cpu_used / max(blocks, 1)}
 
 
-def bench_iperf3() -> float | None:
-    if shutil.which("iperf3") is None:
-        return None
-    port = zk.free_port()
-    srv = subprocess.Popen(["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+class Iperf3:
+    """An iperf3 server on loopback; ``once()`` is one 1-second single-stream run, in GB/s."""
+
+    def __enter__(self) -> Iperf3:
+        self.port = zk.free_port()
+        self.srv = subprocess.Popen(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(self.port)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
-        out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", "3", "-J"],
+        self.runs: list[float] = []
+        return self
+
+    def once(self) -> None:
+        out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(self.port), "-t", "1", "-J"],
                              capture_output=True, text=True, timeout=30)
-        return float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]) / 8 / 1e9
-    finally:
-        srv.kill()
-        srv.wait()
+        self.runs.append(float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]) / 8 / 1e9)
+
+    def __exit__(self, *exc: object) -> None:
+        self.srv.kill()
+        self.srv.wait()
 
 
-def bench_redis(rounds: int) -> dict[str, float] | None:
-    if shutil.which("redis-server") is None:
-        return None
-    try:
+class Redis:
+    """A redis-server on loopback holding BATCH values of 2 MiB; ``once()`` GETs them all."""
+
+    def __enter__(self) -> Redis:
         import redis
-    except ImportError:
-        return None
-    port = zk.free_port()
-    srv = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                            "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(host="127.0.0.1", port=port)
+
+        self.port = zk.free_port()
+        self.srv = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                                     "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        self.client = redis.Redis(host="127.0.0.1", port=self.port)
         deadline = time.monotonic() + 10
         while True:
             try:
-                client.ping()
+                self.client.ping()
                 break
             except redis.ConnectionError:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         value = os.urandom(2 * MiB)
-        keys = [f"k{i}" for i in range(BATCH)]
-        for k in keys:
-            client.set(k, value)
-        single, piped = [], []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for k in keys:
-                client.get(k)
-            single.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            pipe = client.pipeline(transaction=False)
-            for k in keys:
-                pipe.get(k)
-            pipe.execute()
-            piped.append(time.perf_counter() - t0)
+        self.keys = [f"k{i}" for i in range(BATCH)]
+        for k in self.keys:
+            self.client.set(k, value)
+        self.single: list[float] = []
+        self.piped: list[float] = []
+        return self
+
+    def once(self) -> None:
         total = BATCH * 2 * MiB
-        return {"single_gbps": total / statistics.median(single) / 1e9,
-                "pipelined_gbps": total / statistics.median(piped) / 1e9}
-    finally:
-        srv.terminate()
-        srv.wait(10)
+        t0 = time.perf_counter()
+        for k in self.keys:
+            self.client.get(k)
+        self.single.append(total / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        pipe = self.client.pipeline(transaction=False)
+        for k in self.keys:
+            pipe.get(k)
+        pipe.execute()
+        self.piped.append(total / (time.perf_counter() - t0) / 1e9)
+
+    def __exit__(self, *exc: object) -> None:
+        self.srv.terminate()
+        self.srv.wait(10)
+
+
+def have_redis() -> bool:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("redis-server") is not None
 
 
 def main() -> None:
@@ -214,9 +232,20 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    emsd = bench_emsd(args.rounds)
-    iperf = bench_iperf3()
-    rds = bench_redis(args.rounds)
+    with contextlib.ExitStack() as stack:
+        ip = stack.enter_context(Iperf3()) if shutil.which("iperf3") else None
+        rd = stack.enter_context(Redis()) if have_redis() else None
+
+        def between() -> None:
+            for ref in (ip, rd):
+                if ref is not None:
+                    ref.once()
+
+        emsd = bench_emsd(args.rounds, between)
+    iperf = statistics.median(ip.runs) if ip else None
+    rds = None
+    if rd:
+        rds = {"single_gbps": statistics.median(rd.single), "pipelined_gbps": statistics.median(rd.piped)}
     out: dict[str, Any] = {"emsd": emsd, "iperf3_gbps": iperf, "redis": rds}
     if iperf:
         out["load_vs_iperf3"] = emsd["remote_load_gbps"] / iperf
