@@ -3,11 +3,13 @@
     python benchmarks/bench_cluster.py [--json] [--rounds N]
 
 Starts a ZooKeeper (Debian's package, as the tests do), two daemons joined
-into one cluster, and measures through the SDK:
+into one cluster, and measures:
 
-- remote load: blocks of 2 MiB owned by node B, loaded by a client of node
-  A (A fetches them from B over the peer transport into its pool, then the
-  SDK copies them into tensors);
+- remote fetch: node A pulls 32 blocks of 2 MiB owned by node B into its
+  pool (a PIN on A's control socket: daemon to daemon, no tensor copy);
+- remote load, end to end through the SDK: blocks owned by node B loaded
+  by a client of node A (A fetches them from B into its pool, then the SDK
+  copies them into tensors);
 - remote save: a client of A saves blocks owned by B with write_rcache off
   (A forwards them to B and drops its copy);
 - daemon CPU seconds per remote block (both daemons, psutil);
@@ -95,6 +97,27 @@ def keys_owned_by(owner: str, n: int, start: int, namespace: str, ring: Ring) ->
     return [int(k) for k in picked]
 
 
+def daemon_fetch(sock: Path, ns_name: str, keys: list[int]) -> float:
+    """Seconds for node A to fetch ``keys`` from their owner into its pool (a PIN, no tensor copy)."""
+    from ems.client import DaemonClient
+    from emsd.transport.frames import Op
+
+    client = DaemonClient(sock / "emsd.sock")
+    client.connect({})
+    try:
+        ns = int(client.call(Op.NAMESPACE, {"name": ns_name}, timeout=10)[0]["ns"])
+        kt, wire = KeyBatch.from_ints(np.array(keys, dtype=np.uint64)).to_wire()
+        t0 = time.perf_counter()
+        header, payload = client.call(Op.PIN, {"ns": ns, "n": len(keys), "kt": kt}, [wire], timeout=30)
+        took = time.perf_counter() - t0
+        count = int(header["count"])
+        assert count == len(keys), header
+        client.send_noreply(Op.RELEASE, {}, [payload[16 * count : 20 * count]])
+        return took
+    finally:
+        client.close()
+
+
 def bench_emsd(rounds: int, between: Callable[[], None]) -> dict[str, float]:
     from ems import CcConfig, CcKvOption, Ems
     from ems.namespace import namespace_name
@@ -117,12 +140,15 @@ def bench_emsd(rounds: int, between: Callable[[], None]) -> dict[str, float]:
             procs = [a, b]
             time.sleep(1.0)  # both views settle (membership is event-driven; this only avoids a race)
             cpu = [psutil.Process(p.pid) for p in procs]
-            loads, saves, cpu_used, blocks = [], [], 0.0, 0
+            loads, saves, fetches, cpu_used, blocks = [], [], [], 0.0, 0
             for r in range(rounds + 1):
                 keys = keys_owned_by("b", BATCH, 10_000_000 * (r + 1), ns, ring)
+                raw = keys_owned_by("b", BATCH, 10_000_000 * (r + 1) + 2_500_000, ns, ring)
                 cc = sdk(sock_b)
                 cc.register_kvcache(kv)
-                assert cc.save(slots, hashes=keys, offsets=[TOKENS] * BATCH).success == BATCH
+                for batch in (keys, raw):
+                    assert cc.save(slots, hashes=batch, offsets=[TOKENS] * BATCH).success == BATCH
+                t_fetch = daemon_fetch(sock_a, ns, raw)
                 cc = sdk(sock_a)
                 cc.register_kvcache(kv)
                 before = sum(sum(p.cpu_times()[:2]) for p in cpu)
@@ -140,6 +166,7 @@ def bench_emsd(rounds: int, between: Callable[[], None]) -> dict[str, float]:
                 if r:  # round 0 warms up connections and pages
                     between()  # the references, measured in the same breath
                     loads.append(t_load)
+                    fetches.append(t_fetch)
                     saves.append(t_save)
                     cpu_used += after - before
                     blocks += 2 * BATCH
@@ -149,7 +176,8 @@ def bench_emsd(rounds: int, between: Callable[[], None]) -> dict[str, float]:
                 p.terminate()
                 p.wait(30)
             server.stop()
-    return {"remote_load_gbps": nbytes / statistics.median(loads) / 1e9,
+    return {"remote_fetch_gbps": nbytes / statistics.median(fetches) / 1e9,
+            "remote_load_gbps": nbytes / statistics.median(loads) / 1e9,
             "remote_save_gbps": nbytes / statistics.median(saves) / 1e9,
             "daemon_cpu_ms_per_block": 1000 * cpu_used / max(blocks, 1)}
 
@@ -248,6 +276,7 @@ def main() -> None:
         rds = {"single_gbps": statistics.median(rd.single), "pipelined_gbps": statistics.median(rd.piped)}
     out: dict[str, Any] = {"emsd": emsd, "iperf3_gbps": iperf, "redis": rds}
     if iperf:
+        out["fetch_vs_iperf3"] = emsd["remote_fetch_gbps"] / iperf
         out["load_vs_iperf3"] = emsd["remote_load_gbps"] / iperf
         out["save_vs_iperf3"] = emsd["remote_save_gbps"] / iperf
     if rds:
@@ -257,6 +286,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=2))
         return
+    print(f"remote fetch, daemon to daemon    : {emsd['remote_fetch_gbps']:.2f} GB/s")
     print(f"remote load, {BATCH} x 2 MiB via SDK : {emsd['remote_load_gbps']:.2f} GB/s")
     print(f"remote save (write_rcache off)    : {emsd['remote_save_gbps']:.2f} GB/s")
     print(f"daemon CPU per remote block       : {emsd['daemon_cpu_ms_per_block']:.2f} ms")
@@ -264,7 +294,7 @@ def main() -> None:
     if rds:
         print(f"redis GET 2 MiB single/pipelined  : {rds['single_gbps']:.2f} / "
               f"{rds['pipelined_gbps']:.2f} GB/s")
-    for key in ("load_vs_iperf3", "save_vs_iperf3", "load_vs_redis", "save_vs_redis"):
+    for key in ("fetch_vs_iperf3", "load_vs_iperf3", "save_vs_iperf3", "load_vs_redis", "save_vs_redis"):
         if key in out:
             print(f"{key:34s}: {out[key]:.2f}x")
 
