@@ -4,10 +4,13 @@
 peers (``PeerServer``), registers and watches members (``ZooKeeperMembership``),
 rebuilds the placement ring whenever the view changes (kazoo's thread hands
 the view to the event loop with ``call_soon_threadsafe``), and keeps a few
-authenticated connections per peer, opened on first use.
+authenticated links per peer (``emsd.transport.link.PeerLink``; TCP
+``PeerConnection`` unless another ``Dialer`` is given), opened on first use.
 
 ``fetch`` brings blocks owned by other nodes into the local pool (they stay
-as a read cache); ``push`` sends locally committed blocks to their owners.
+as a read cache); ``push`` sends locally committed blocks to their owners
+(every owner, with ``replicas > 1``). A batch for one peer is cut into one
+part per link and the parts move in parallel.
 Both are bounded by a deadline and turn every peer failure into "not
 fetched" / "not pushed": a dead or slow peer costs misses, never a hang.
 A peer that failed is left alone for ``BACKOFF`` seconds.
@@ -27,6 +30,7 @@ from emsd.membership.base import MembershipState, NodeInfo
 from emsd.membership.zookeeper import ZooKeeperMembership
 from emsd.placement.ring import ClusterView, Member, Ring
 from emsd.pool.keys import KeyBatch
+from emsd.transport.link import Dialer, PeerLink
 from emsd.transport.peer import PEER_PROTOCOL, PeerConnection, PeerError, PeerServer, PoolAccess
 
 log = logging.getLogger("emsd.cluster")
@@ -41,8 +45,9 @@ def _split(endpoint: str) -> tuple[str, int]:
 
 class Cluster:
     def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, access: PoolAccess,
-                 secret: bytes) -> None:
+                 secret: bytes, dialer: Dialer | None = None) -> None:
         self.cfg = cfg
+        self.dial: Dialer = dialer or (lambda: PeerConnection(access, node_id, secret))
         self.node_id = node_id
         self.access = access
         self.secret = secret
@@ -51,7 +56,7 @@ class Cluster:
         self.membership = ZooKeeperMembership(cfg.zookeeper, cfg.name, self.me, cfg.session_timeout)
         self.view: tuple[NodeInfo, ...] = (self.me,)
         self.ring = Ring.build(ClusterView.of([Member(node_id, capacity)]), cfg.vnodes, cfg.replicas)
-        self._conns: dict[str, list[PeerConnection]] = {}
+        self._conns: dict[str, list[PeerLink]] = {}
         self._next: dict[str, int] = defaultdict(int)
         self._down_until: dict[str, float] = {}
         self._dialing: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -191,7 +196,7 @@ class Cluster:
         conn = await self._conn(node)
         return 0 if conn is None else await self._guard(node, conn, conn.put(ns_name, keys, offsets, lengths))
 
-    async def _guard(self, node: str, conn: PeerConnection, job: object) -> int:
+    async def _guard(self, node: str, conn: PeerLink, job: object) -> int:
         try:
             return int(await job)  # type: ignore[misc]
         except PeerError as exc:
@@ -199,7 +204,7 @@ class Cluster:
             self._drop(node, conn)
             return 0
 
-    async def _conn(self, node: str) -> PeerConnection | None:
+    async def _conn(self, node: str) -> PeerLink | None:
         """A connection to ``node`` (round robin over up to peer_connections); None if unreachable."""
         if time.monotonic() < self._down_until.get(node, 0.0):
             return None
@@ -216,8 +221,8 @@ class Cluster:
         self._next[node] += 1
         return conns[self._next[node] % len(conns)]
 
-    async def _dial(self, node: str, addr: str, conns: list[PeerConnection]) -> PeerConnection | None:
-        conn = PeerConnection(self.access, self.node_id, self.secret)
+    async def _dial(self, node: str, addr: str, conns: list[PeerLink]) -> PeerLink | None:
+        conn = self.dial()
         try:
             await conn.connect(*_split(addr))
         except PeerError as exc:
@@ -227,7 +232,7 @@ class Cluster:
         conns.append(conn)
         return conn
 
-    def _drop(self, node: str, conn: PeerConnection) -> None:
+    def _drop(self, node: str, conn: PeerLink) -> None:
         conn.close()
         conns = self._conns.get(node, [])
         if conn in conns:
