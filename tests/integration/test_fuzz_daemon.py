@@ -1,0 +1,202 @@
+"""100,000 hostile frames against a live daemon: it answers or hangs up, stays up, keeps its data.
+
+A seeded generator (the seed is printed on failure; ``EMS_FUZZ_SEED`` and
+``EMS_FUZZ_FRAMES`` override it and the count) writes frames of five kinds
+onto authenticated control connections:
+
+- well-framed requests with fuzzed headers: known and unknown ops, fields of
+  every wrong type and range, payloads of random length and content, and
+  out-of-order calls (COMMIT, RELEASE of handles never given out, RESERVE
+  without COMMIT);
+- byte-flipped copies of valid frames;
+- frames cut short, then the connection closed;
+- oversized length prefixes;
+- raw noise.
+
+After each well-framed request a PING marks the end of its answers, since
+some ops (RELEASE) never answer. Throughout, a real SDK client's blocks
+must load with identical bytes; at the end nothing stays reserved or
+pinned, and the daemon's memory has not grown beyond a small bound.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import psutil
+import pytest
+import torch
+
+from ems import CcConfig, Ems, EmsConfig
+from ems.client import DaemonClient
+from emsd.transport.frames import PROTOCOL_VERSION, Op
+
+SEED = int(os.environ.get("EMS_FUZZ_SEED", "20261123"))
+FRAMES = int(os.environ.get("EMS_FUZZ_FRAMES", "100000"))
+MARK = 0x7FFF_FFF0  # the PING's request id: the end of a fuzz frame's answers
+WEIRD: list[Any] = [0, 1, -1, 2, 7, 255, 65536, 65537, 2**31, 2**32 + 5, -(2**40), 2**63, 1.5, "x", "",
+                    b"\x00" * 3, None, True, [], [1, 2], {}, {"a": 1}, "\u2603" * 40]
+OPS = [int(op) for op in Op if op != Op.HELLO]
+FIELDS = ["ns", "n", "kt", "c", "a", "to", "lo", "wr", "name", "tenant", "bulk", "count", "op", "v", "id"]
+
+
+class Conn:
+    """A control connection past HELLO, with frame-level send and receive."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(10)
+        self.sock.connect(path)
+        head = msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": int(Op.HELLO)})
+        self.sock.sendall(struct.pack("<II", len(head), 0) + head)
+        data, fds, _, _ = socket.recv_fds(self.sock, 65536, 1)
+        for fd in fds:
+            os.close(fd)
+        assert msgpack.unpackb(data[8:])["st"] == 0
+        self.buf = b""
+
+    def frame(self) -> dict[str, Any] | None:
+        """The next answer's header; None once the daemon hung up."""
+        while True:
+            if len(self.buf) >= 8:
+                hlen, plen = struct.unpack_from("<II", self.buf)
+                if len(self.buf) >= 8 + hlen + plen:
+                    head = msgpack.unpackb(self.buf[8 : 8 + hlen])
+                    self.buf = self.buf[8 + hlen + plen :]
+                    assert isinstance(head, dict) and "st" in head, head
+                    return head
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except ConnectionResetError:
+                return None
+            if not chunk:
+                return None
+            self.buf += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
+    head = msgpack.packb(header)
+    return struct.pack("<II", len(head), len(payload)) + head + payload
+
+
+def fuzzed_request(rng: random.Random) -> bytes:
+    """A well-framed request whose header and payload are fuzzed."""
+    header: dict[Any, Any] = {"v": PROTOCOL_VERSION, "id": rng.randrange(1000),
+                              "op": rng.choice(OPS) if rng.random() < 0.85 else
+                              rng.choice(WEIRD)}
+    if header["op"] == Op.NAMESPACE and rng.random() < 0.5:
+        header["name"] = f"fuzz{rng.randrange(4)}"
+    if rng.random() < 0.7:
+        header["ns"] = rng.randrange(3)
+    if rng.random() < 0.7:
+        header["n"] = rng.randrange(6)
+        header["kt"] = rng.randrange(2)
+    for _ in range(rng.randrange(4)):
+        header[rng.choice(FIELDS)] = rng.choice(WEIRD)
+    if rng.random() < 0.05:
+        header[rng.choice([3, 1.5, None, b"k", True])] = 1  # keys that are not strings
+    payload = rng.randbytes(rng.choice([0, 4, 8, 16, 40, 48, 99, 264, 1 << rng.randrange(4, 15)]))
+    if header.get("op") == Op.RESERVE and rng.random() < 0.5:  # plausible sizes: real reservations
+        n = min(max(int(header["n"]), 0), 64) if type(header.get("n")) is int else 1
+        keys = rng.randbytes(8 * n)
+        sizes = struct.pack(f"<{n}Q", *(rng.randrange(1, 1 << 20) for _ in range(n)))
+        payload = keys + sizes
+    try:
+        return _frame(header, payload)
+    except (TypeError, ValueError):
+        return _frame({"v": PROTOCOL_VERSION, "id": 0, "op": int(Op.PING)})
+
+
+def broken_bytes(rng: random.Random, kind: int) -> bytes:
+    """Bytes after which the daemon may hang up: flipped, truncated, oversized or noise."""
+    good = _frame({"v": PROTOCOL_VERSION, "id": 3, "op": int(Op.EXISTS), "ns": 0, "n": 2, "kt": 0},
+                  b"\x01" * 16)
+    if kind == 0:
+        out = bytearray(good)
+        for _ in range(rng.randrange(1, 6)):
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        return bytes(out)
+    if kind == 1:
+        return good[: rng.randrange(1, len(good))]
+    if kind == 2:
+        return struct.pack("<II", rng.randrange(1 << 16, 1 << 32), rng.randrange(1 << 32))
+    return rng.randbytes(rng.randrange(1, 300))
+
+
+@pytest.fixture
+def victim(emsd_factory: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any, list[Any]]]:
+    d = emsd_factory(log={"level": "error"})  # the refusals would fill the log
+    monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
+    Ems._reset()
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="fuzz")))
+    cc = Ems.get_cc()
+    kv = [[torch.randn(16, 4, 8, 16, generator=torch.Generator().manual_seed(i))] for i in range(2)]
+    cc.register_kvcache(kv)
+    assert cc.save(list(range(64)), hashes=list(range(100, 116)), offsets=[4] * 16).success == 16
+    yield d, cc, kv
+    Ems._reset()
+
+
+def intact(cc: Any, kv: list[Any]) -> bool:
+    out = [[torch.zeros_like(t) for t in layer] for layer in kv]
+    cc.register_kvcache(out)
+    try:
+        ok = cc.load(list(range(64)), hashes=list(range(100, 116)), offsets=[4] * 16).success == 16
+        return ok and all(torch.equal(a, b) for la, lb in zip(kv, out, strict=True)
+                          for a, b in zip(la, lb, strict=True))
+    finally:
+        cc.register_kvcache(kv)
+
+
+def test_a_hundred_thousand_hostile_frames(victim: tuple[Any, Any, list[Any]]) -> None:
+    d, cc, kv = victim
+    rng = random.Random(SEED)
+    path = str(d.socket_dir / "emsd.sock")
+    rss = psutil.Process(d.pid)
+    ping = _frame({"v": PROTOCOL_VERSION, "id": MARK, "op": int(Op.PING)})
+    conn, hangups, baseline = Conn(path), 0, 0
+    try:
+        for i in range(FRAMES):
+            if i == FRAMES // 10:
+                baseline = rss.memory_info().rss  # after warm-up: allocator pools and caches filled
+            if i % 10_000 == 0:
+                assert d.alive() and intact(cc, kv), f"seed {SEED}, frame {i}"
+            if rng.random() < 0.96:
+                conn.sock.sendall(fuzzed_request(rng) + ping)
+                while (head := conn.frame()) is not None and head.get("id") != MARK:
+                    pass
+                if head is not None:
+                    continue
+            else:
+                try:
+                    conn.sock.sendall(broken_bytes(rng, rng.randrange(4)))
+                    conn.sock.shutdown(socket.SHUT_WR)
+                    while conn.frame() is not None:
+                        pass
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+            conn.close()
+            hangups += 1
+            conn = Conn(path)
+    finally:
+        conn.close()
+    assert d.alive() and intact(cc, kv), f"seed {SEED}"
+    assert hangups > FRAMES // 50  # the broken kinds really were sent and refused
+    client = DaemonClient(d.socket_dir / "emsd.sock")
+    client.connect({})
+    try:
+        stats, _ = client.call(Op.STATS, {}, timeout=5)
+    finally:
+        client.close()
+    assert stats["pending"] == 0 and stats["pinned"] == 0, (SEED, stats)
+    grown = rss.memory_info().rss - baseline
+    assert grown < 16 << 20, f"daemon RSS grew {grown} bytes over the run (seed {SEED})"
