@@ -222,7 +222,8 @@ class ContextCaching:
         layout, client, deadline = self.layout, self._connected(), _deadline(opt)
         ns = self._ns(client, deadline)
         kt, raw = req.keys.to_wire()
-        pin = {"ns": ns, "n": n, "kt": kt, "lo": opt.read_local_only, **_budget(deadline)}
+        pin = {"ns": ns, "n": n, "kt": kt, "lo": opt.read_local_only, "wr": opt.write_rcache,
+               **_budget(deadline)}
         header, payload = client.call(Op.PIN, pin, [raw], timeout=_remaining(deadline),
                                       late=_release_late(client))
         count = int(header["count"])

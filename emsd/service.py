@@ -39,6 +39,7 @@ from emsd.metrics import Metrics
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
+from emsd.pool.index import FIRST_ID
 from emsd.pool.keys import KeyBatch, KeyError_
 from emsd.pool.store import BlockStore
 from emsd.pool.store import Status as SlotStatus
@@ -67,6 +68,8 @@ class Session:
     namespaces: set[int] = field(default_factory=set)
     pending: set[int] = field(default_factory=set)
     pins: Counter[int] = field(default_factory=Counter)
+    fetched: set[int] = field(default_factory=set)  # copies fetched for the PIN being handled
+    transient: set[int] = field(default_factory=set)  # pinned copies to drop on release (wr off)
 
 
 Response = tuple[dict[str, Any], list[bytes]]
@@ -131,6 +134,7 @@ class Service:
             )
             self.store.release(held)
             session.pins.clear()
+        self._drop_transient(session, session.transient)
 
     # -- cluster hooks (async work around a synchronous handler) ----------------
 
@@ -153,13 +157,21 @@ class Service:
         if count == len(keys):
             return None
         deadline = time.monotonic() + _timeout(header)
-        return self._fetch(ns, keys.take(slice(count, None)), deadline)
+        keep = header.get("wr", True) is not False
+        return self._fetch(session, ns, keys.take(slice(count, None)), deadline, keep)
 
-    async def _fetch(self, ns: int, keys: KeyBatch, deadline: float) -> None:
+    async def _fetch(self, session: Session, ns: int, keys: KeyBatch, deadline: float, keep: bool) -> None:
+        """Fetch ``keys`` from their owners; copies stay as read cache, or (``keep`` off) until released."""
         assert self.cluster is not None
         name = self.namespace_name(ns)
+        before = self.store.index.find(ns, keys)
         await self.cluster.fetch(name, keys, deadline)
-        self.store.mark_cached(ns, keys.take(self._remote(name, keys)))
+        remote = self._remote(name, keys)
+        self.store.mark_cached(ns, keys.take(remote))
+        if not keep:
+            after = self.store.index.find(ns, keys)
+            new = (after != before) & (after >= FIRST_ID) & remote
+            session.fetched = set(after[new].tolist())
 
     def forward_commit(self, header: dict[str, Any], payload: bytes,
                        resp: dict[str, Any]) -> Awaitable[dict[str, Any]] | None:
@@ -269,6 +281,11 @@ class Service:
             raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
         pinned = self.store.pin(ns, keys)
         s.pins.update(pinned.handles.tolist())
+        if s.fetched:  # fetched for this PIN with write_rcache off: kept only while pinned
+            held = s.fetched & set(pinned.handles.tolist())
+            s.transient |= held
+            self._drop_transient(s, s.fetched - held)
+            s.fetched = set()
         self.metrics.looked_up("pin", pinned.count, len(keys) - pinned.count,
                                int(pinned.lengths.sum()))
         return {"count": pinned.count}, [
@@ -290,7 +307,16 @@ class Service:
             if s.pins[handle] <= 0:
                 del s.pins[handle]
         self.store.release(handles)
+        if s.transient:
+            self._drop_transient(s, {h for h in need if h not in s.pins and h in s.transient})
         return {}, []
+
+    def _drop_transient(self, s: Session, handles: set[int]) -> None:
+        """Drop copies that were fetched only for this session's reads (still safe: see discard_handles)."""
+        drop = list(handles)  # may be s.transient itself
+        if drop:
+            s.transient.difference_update(drop)
+            self.store.discard_handles(np.array(drop, dtype=np.uint32))
 
     def _exists(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         ns, keys, rest = self._keys(s, h, p)

@@ -272,6 +272,18 @@ class BlockStore:
             self._evict(ids, reason)
         return int(ids.size)
 
+    def discard_handles(self, handles: np.ndarray, reason: str = "transient") -> int:
+        """Drop the READY, unpinned entries named by ``handles``; the rest are left alone.
+
+        For copies that were wanted only while a caller held them pinned:
+        while pinned, a handle cannot be evicted and so cannot be reused.
+        """
+        ids = np.unique(self._known(handles))
+        ids = ids[(self.index.state[ids] == READY) & (self.index.pins[ids] == 0)]
+        if ids.size:
+            self._evict(ids, reason)
+        return int(ids.size)
+
     def stats(self) -> StoreStats:
         hw = self.index.high_water
         classes = [ClassStats(c.chunk_size, len(c.pages), c.chunks_used, c.chunks_free,
