@@ -495,6 +495,20 @@ def test_discard_drops_unpinned_ready_blocks_only() -> None:
     assert store.stats().evictions.get("moved") == 1
 
 
+def test_discard_handles_drops_unpinned_ready_entries_and_ignores_the_rest() -> None:
+    store = BlockStore(4 << 20, 1 << 20)
+    res = store.reserve(0, KeyBatch.from_user([1, 2, 3]), np.full(3, 4096, np.uint64))
+    store.commit(res.handles[:2])  # 3 stays PENDING
+    pinned = store.pin(0, KeyBatch.from_user([2]))
+    bogus = np.array([0, 1, 2**32 - 1], dtype=np.uint32)
+    assert store.discard_handles(np.concatenate([res.handles, res.handles, bogus])) == 1
+    assert present(store, 0, [1, 2]) == [False, True]
+    store.release(pinned.handles)
+    assert store.discard_handles(pinned.handles) == 1
+    store.abort(res.handles[2:])
+    check_invariants(store)
+
+
 def test_copies_first_takes_copies_oldest_first_then_owned() -> None:
     from emsd.pool.eviction import copies_first
 
