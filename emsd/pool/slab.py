@@ -175,6 +175,62 @@ class SlabAllocator:
         c.chunks_used -= k
         np.subtract.at(self.page_used, self.page_of(offsets), 1)
 
+    def restore(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        """Mark the chunks of blocks at byte ``offsets`` of ``sizes`` bytes in use (warm restart).
+
+        Only on a fresh allocator. Each page that holds a block goes to the
+        class of its blocks, wholly carved: its other chunks go on the
+        class's free stack. Raises ``SlabError`` (and changes nothing) if
+        the blocks do not fit this geometry: outside the region, not on a
+        chunk boundary of their class, two sizes of class on one page, two
+        blocks on one chunk, too many classes.
+        """
+        if self.classes or self.free_pages != self.pages:
+            raise SlabError("restore needs a fresh allocator")
+        offsets = np.asarray(offsets, dtype=np.uint64)
+        sizes = np.asarray(sizes, dtype=np.uint64)
+        if offsets.size == 0:
+            return
+        if int(sizes.min()) < 1 or int(sizes.max()) > self.page_size:
+            raise SlabError("a block size is outside 1..page_size")
+        chunks = (sizes + np.uint64(self.align - 1)) // np.uint64(self.align) * np.uint64(self.align)
+        pages = offsets // np.uint64(self.page_size)
+        within = offsets % np.uint64(self.page_size)
+        if int(pages.max()) >= self.pages or bool((within % chunks).any()) \
+                or bool((within + chunks > np.uint64(self.page_size)).any()):
+            raise SlabError("a block is not on a chunk of its class inside the region")
+        order = np.lexsort((offsets, pages))
+        p, c, o = pages[order], chunks[order], offsets[order]
+        if bool(((p[1:] == p[:-1]) & (c[1:] != c[:-1])).any()):
+            raise SlabError("blocks of two size classes on one page")
+        if bool((o[1:] == o[:-1]).any()):
+            raise SlabError("two blocks on one chunk")
+        if np.unique(c).size > MAX_CLASSES:
+            raise SlabError("more size classes than the allocator holds")
+        starts = np.flatnonzero(np.r_[True, p[1:] != p[:-1]])
+        ends = np.r_[starts[1:], p.size]
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            self._restore_page(int(p[a]), int(c[a]), o[a:b])
+        self._free_pages = [pg for pg in range(self.pages - 1, -1, -1) if self.page_owner[pg] < 0]
+
+    def _restore_page(self, page: int, chunk: int, used: np.ndarray) -> None:
+        cls = self.class_for(chunk)
+        assert cls is not None  # chunk <= page_size and the class count was checked
+        c = self.classes[cls]
+        base = page * self.page_size
+        every = base + np.arange(c.per_page, dtype=np.uint64) * np.uint64(chunk)
+        free = np.setdiff1d(every, used, assume_unique=True)[::-1]  # LIFO: lowest offsets first
+        self.page_owner[page] = cls
+        self.page_used[page] = used.size
+        c.pages.append(page)
+        c.chunks_used += used.size
+        if c.top + free.size > c.stack.size:
+            grown = np.zeros(max(2 * c.stack.size, c.top + free.size), dtype=np.uint64)
+            grown[: c.top] = c.stack[: c.top]
+            c.stack = grown
+        c.stack[c.top : c.top + free.size] = free
+        c.top += free.size
+
     # -- pages ----------------------------------------------------------------
 
     def page_of(self, offset: int | np.ndarray) -> np.ndarray:

@@ -55,7 +55,8 @@ import numpy as np
 from emsd.pool.eviction import copies_first, page_to_steal
 from emsd.pool.index import EMPTY, FIRST_ID, PENDING, READY, BlockIndex, first_occurrences
 from emsd.pool.keys import KeyBatch
-from emsd.pool.slab import SlabAllocator
+from emsd.pool.ledger import Ledger
+from emsd.pool.slab import SlabAllocator, SlabError
 
 CLOCK_LIMIT = (1 << 32) - 1
 LRU_QUEUE_FRACTION = 16  # a scan queues the oldest 1/16 of the eligible entries
@@ -137,6 +138,7 @@ class BlockStore:
         self._evictions = {"lru": 0, "page": 0}
         self._ns_bytes: dict[int, int] = {}
         self._queues: dict[int, _LruQueue] = {}
+        self.ledger: Ledger | None = None  # rows of committed blocks, for a warm restart
 
     # -- the contract -------------------------------------------------------------
 
@@ -200,6 +202,7 @@ class BlockStore:
         self.index.last_used[h] = self._tick()
         self._ns_add(h, 1)
         self._pending -= h.size
+        self._record(h)
         return int(h.size)
 
     def abort(self, handles: np.ndarray) -> int:
@@ -258,6 +261,8 @@ class BlockStore:
         ids = self.index.find(ns, keys)
         ids = ids[ids >= FIRST_ID]
         self.index.cached[ids] = 1
+        if self.ledger is not None:
+            self.ledger.set_cached(ids, self.index.cached[ids])
         return int(ids.size)
 
     def discard(self, ns: int, keys: KeyBatch, reason: str = "moved") -> int:
@@ -283,6 +288,51 @@ class BlockStore:
         if ids.size:
             self._evict(ids, reason)
         return int(ids.size)
+
+    # -- warm restart --------------------------------------------------------------
+
+    def attach(self, ledger: Ledger, namespaces: set[int]) -> int:
+        """Index the blocks ``ledger`` holds (of ``namespaces``) and keep the ledger current.
+
+        On a fresh store only. Returns how many blocks were restored. Raises
+        ``SlabError`` if the rows do not describe a consistent pool (blocks
+        outside it, off their chunks, overlapping, a key twice): the caller
+        then clears the ledger and starts empty.
+        """
+        if len(self.index) or self.slabs.free_pages != self.slabs.pages:
+            raise SlabError("attach needs a fresh store")
+        _, rows = ledger.committed()
+        nstag = rows["rest"][:, 6]
+        ns_of = (nstag >> 8).astype(np.int64)
+        rows = rows[np.isin(ns_of, np.fromiter(namespaces, dtype=np.int64, count=len(namespaces)))]
+        ns_of = (rows["rest"][:, 6] >> 8).astype(np.int64)
+        lengths = rows["length"].astype(np.uint64)
+        if lengths.size and (int(lengths.min()) < 1 or int(lengths.max()) > self.max_block):
+            raise SlabError("a block length is out of range")
+        self.slabs.restore(rows["offset"].astype(np.uint64) * self._unit, lengths)
+        words = np.empty((rows.size, 4), dtype=np.uint64)
+        words[:, 0] = rows["w0"]
+        words[:, 1:] = np.ascontiguousarray(rows["rest"][:, :6]).view(np.uint64)
+        tags = (rows["rest"][:, 6] & 0xFF).astype(np.uint8)
+        stamp = self._tick()
+        for ns in np.unique(ns_of).tolist():
+            sel = np.flatnonzero(ns_of == ns)
+            keys = KeyBatch(words[sel], tags[sel])
+            if not bool(first_occurrences(keys).all()):
+                raise SlabError("a key is recorded twice")
+            ids = self.index.insert_new(ns, keys, rows["offset"][sel], rows["length"][sel], READY, stamp)
+            self.index.cached[ids] = rows["cached"][sel]
+            self._ns_add(ids, 1)
+        ledger.clear()  # the ids are new: record them afresh
+        self.ledger = ledger
+        self._record(self.index.live_ids())
+        return int(rows.size)
+
+    def _record(self, ids: np.ndarray) -> None:
+        if self.ledger is not None and ids.size:
+            idx = self.index
+            self.ledger.record(ids, idx.w0[ids], idx.rest[ids], idx.offset[ids], idx.length[ids],
+                               idx.cached[ids])
 
     def stats(self) -> StoreStats:
         hw = self.index.high_water
@@ -405,6 +455,8 @@ class BlockStore:
 
     def _evict(self, ids: np.ndarray, reason: str) -> None:
         """Drop READY unpinned entries and free their chunks."""
+        if self.ledger is not None:
+            self.ledger.forget(ids)  # first: a crash from here on must not bring them back
         self._ns_add(ids, -1)
         self._free_chunks(ids)
         self.index.remove(ids)
