@@ -44,6 +44,7 @@ import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None  # daemons keep their pool files beside the socket
 sys.path.insert(0, str(ROOT / "tests"))
 import zk  # noqa: E402
 
@@ -128,7 +129,7 @@ def bench_emsd(rounds: int, between: Callable[[], None]) -> dict[str, float]:
     nbytes = BATCH * LAYERS * 2 * TOKENS * HEADS * DIM * 2
     ns = namespace_name(None, CcConfig(rank_id=0, device_id=0, model_id="bench"), "")
     ring = Ring.build(ClusterView.of([Member("a", POOL), Member("b", POOL)]))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=SHM) as tmp:  # tmpfs: the pool file lives here
         work = Path(tmp)
         server = zk.ZooKeeperServer(work / "zk").start()
         secret = work / "secret"

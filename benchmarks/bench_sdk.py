@@ -36,6 +36,7 @@ import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None  # daemons keep their pool files beside the socket
 LAYERS, BLOCK_TOKENS, HEADS, DIM = 32, 16, 8, 128
 NUM_BLOCKS, BATCH = 160, 64
 BLOCK_BYTES = LAYERS * 2 * BLOCK_TOKENS * HEADS * DIM * 2  # 2 MiB
@@ -105,7 +106,7 @@ def bench_throughput(rounds: int) -> dict[str, float]:
         ctypes.memmove(b.ctypes.data, a.ctypes.data, nbytes)
         return time.perf_counter() - t0
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=SHM) as tmp:  # tmpfs: the pool file lives here
         proc, sock_dir = start_daemon(Path(tmp), "1GiB", "64MiB")
         try:
             cc = connect(sock_dir)
@@ -145,7 +146,7 @@ def echo_p50_process(n: int) -> float:
         "c,_=s.accept()\n"
         "while (d:=c.recv(4096)): c.sendall(d)\n"
     )
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=SHM) as tmp:  # tmpfs: the pool file lives here
         path = str(Path(tmp) / "echo.sock")
         proc = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
@@ -166,7 +167,7 @@ def echo_p50_process(n: int) -> float:
 
 
 def bench_exists(n: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=SHM) as tmp:  # tmpfs: the pool file lives here
         proc, sock_dir = start_daemon(Path(tmp), "64MiB", "8MiB")
         try:
             cc = connect(sock_dir)
@@ -197,7 +198,7 @@ def bench_index_memory(entries: int) -> dict[str, float]:
     from emsd.pool.keys import KeyBatch
     from emsd.transport.frames import Op
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=SHM) as tmp:  # tmpfs: the pool file lives here
         pool = max(64 << 20, entries * 64 * 2)
         proc, sock_dir = start_daemon(Path(tmp), f"{pool >> 20}MiB", "8MiB")
         try:

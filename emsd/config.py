@@ -46,6 +46,8 @@ class PoolConfig:
     hugepages: str = "auto"
     page_size: int = 64 << 20
     prefault: bool = True
+    warm_restart: bool = True  # pool and ledger in files that outlive the process
+    state_dir: Path | None = None  # where those files live; None: node.socket_dir
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ def _node(t: dict[str, Any]) -> NodeConfig:
 
 
 def _pool(t: dict[str, Any]) -> PoolConfig:
-    _only(t, "pool", {"size", "hugepages", "page_size", "prefault"})
+    _only(t, "pool", {"size", "hugepages", "page_size", "prefault", "warm_restart", "state_dir"})
     d = PoolConfig()
     size = parse_size("pool.size", t.get("size", d.size))
     if size < MIN_POOL:
@@ -186,7 +188,14 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     prefault = t.get("prefault", d.prefault)
     if not isinstance(prefault, bool):
         raise ConfigError("pool.prefault", f"must be true or false (got {prefault!r})")
-    return PoolConfig(size=size, hugepages=huge, page_size=min(page, size), prefault=prefault)
+    warm = t.get("warm_restart", d.warm_restart)
+    if not isinstance(warm, bool):
+        raise ConfigError("pool.warm_restart", f"must be true or false (got {warm!r})")
+    state = t.get("state_dir", "")
+    if not isinstance(state, str) or (state and not state.startswith("/")):
+        raise ConfigError("pool.state_dir", f"must be an absolute path or empty (got {state!r})")
+    return PoolConfig(size=size, hugepages=huge, page_size=min(page, size), prefault=prefault,
+                      warm_restart=warm, state_dir=Path(state) if state else None)
 
 
 def _metrics(t: dict[str, Any]) -> MetricsConfig:

@@ -22,11 +22,14 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from emsd.config import Config
 from emsd.metrics import HttpEndpoint, Metrics
+from emsd.pool.ledger import Geometry, Ledger, LedgerBusy
 from emsd.pool.region import Region
+from emsd.pool.slab import SlabError
 from emsd.pool.store import BlockStore
 from emsd.service import Service
 from emsd.transport.unix import UnixControlServer
@@ -59,6 +62,8 @@ class Daemon:
         self.http = HttpEndpoint(self.metrics, is_ready=lambda: self.service is not None)
         self.cluster: Cluster | None = None
         self._pool_view: memoryview | None = None
+        self.ledger: Ledger | None = None
+        self.restart_outcome = "off"
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
@@ -92,9 +97,10 @@ class Daemon:
         loop = asyncio.get_running_loop()
         region = await loop.run_in_executor(None, self._make_region)
         self.region = region
-        store = BlockStore(region.size, min(cfg.pool.page_size, region.size))
+        store, names = await loop.run_in_executor(None, self._attach, region)
         self.metrics.watch_pool(store.stats)
         service = Service(store, cfg.node.id, region.kind, self.metrics)
+        service.restore_namespaces(names)
         if cfg.cluster.enabled:
             service.cluster = await self._join(store, region, service)
         self.service = service
@@ -133,18 +139,66 @@ class Daemon:
                  cfg.cluster.zookeeper, cluster.state.value)
         return cluster
 
+    def _state_dir(self) -> Path:
+        return self.config.pool.state_dir or self.config.node.socket_dir
+
     def _make_region(self) -> Region:
         from emsd.pool.region import RegionError
 
         cfg = self.config.pool
+        persist = self._state_dir() if cfg.warm_restart else None
         try:
-            region = Region.create(cfg.size, cfg.hugepages, name=f"emsd-{self.config.node.id}")
+            if persist is not None:
+                persist.mkdir(parents=True, exist_ok=True)
+            region = Region.create(cfg.size, cfg.hugepages, name=f"emsd-{self.config.node.id}",
+                                   persist_dir=persist)
         except RegionError as exc:
             raise StartupError(str(exc)) from None
+        except OSError as exc:
+            raise StartupError(f"pool.state_dir: cannot use {persist}: {exc.strerror or exc}") from None
         if cfg.prefault:
             method = region.prefault()
             log.info("prefaulted %d MiB with %s", region.size >> 20, method)
         return region
+
+    def _attach(self, region: Region) -> tuple[BlockStore, dict[int, str]]:
+        """The store over ``region``: with warm restart, re-indexing what the ledger holds.
+
+        Logs the outcome in one line. A ledger that does not match the pool,
+        or whose rows do not describe a consistent pool, is cleared: the
+        node starts empty rather than serve bytes it cannot vouch for.
+        """
+        page = min(self.config.pool.page_size, region.size)
+        store = BlockStore(region.size, page)
+        if region.path is None:
+            if self.config.pool.warm_restart:
+                log.info("warm restart: off for this pool (%s)", region.reason)
+            return store, {}
+        st = os.stat(region.path)
+        geometry = Geometry(region.size, store.page_size, store.slabs.align, st.st_dev, st.st_ino)
+        path = self._state_dir() / f"emsd-{self.config.node.id}.ledger"
+        try:
+            ledger, outcome = Ledger.open(path, geometry)
+        except LedgerBusy as exc:
+            raise StartupError(f"pool.state_dir: {exc}") from None
+        except OSError as exc:
+            raise StartupError(f"pool.state_dir: cannot open {path}: {exc.strerror or exc}") from None
+        if outcome == "attached" and not region.reused:
+            outcome = "rebuilt: the pool file was new"
+        names = ledger.names() if outcome == "attached" else {}
+        try:
+            restored = store.attach(ledger, set(names)) if names else 0
+        except SlabError as exc:
+            outcome, restored, names = f"rebuilt: inconsistent ledger ({exc})", 0, {}
+            store = BlockStore(region.size, page)
+        if not names:
+            ledger.clear()
+            store.ledger = ledger
+        self.ledger = ledger
+        self.restart_outcome = outcome
+        log.info("warm restart: %s; %d blocks restored (%s, ledger %s)", outcome, restored,
+                 region.path, path)
+        return store, names
 
     def stop(self) -> None:
         self._stop.set()
@@ -159,6 +213,9 @@ class Daemon:
         if self._pool_view is not None:
             self._pool_view.release()
             self._pool_view = None
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
         if self.region is not None:
             self.region.close()
             self.region = None

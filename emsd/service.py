@@ -220,11 +220,20 @@ class Service:
 
     # -- handlers -------------------------------------------------------------
 
+    def restore_namespaces(self, names: dict[int, str]) -> None:
+        """Take back the namespace ids of a warm restart (ids without a name stay unused)."""
+        top = max(names, default=-1) + 1
+        self._ns_names = [names.get(ns, f"\0unnamed-{ns}") for ns in range(top)]
+        self._ns_ids = {name: ns for ns, name in names.items()}
+
     def namespace_id(self, name: str) -> int:
         """The local id of namespace ``name``, created on first use (ids are per daemon)."""
         ns = self._ns_ids.get(name)
         if ns is None:
             ns = len(self._ns_names)
+            ledger = self.store.ledger
+            if ledger is not None and not ledger.add_namespace(ns, name):
+                log.warning("namespace %d (%d bytes of name) will not survive a restart", ns, len(name))
             self._ns_ids[name] = ns
             self._ns_names.append(name)
         return ns

@@ -10,10 +10,12 @@ exit status is checked, so a daemon that crashed during a test fails it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -136,6 +138,9 @@ class Emsd:
 def emsd_factory(tmp_path: Path) -> Iterator[Any]:
     started: list[Emsd] = []
     counter = iter(range(1000))
+    # Pool and ledger files (warm restart) in tmpfs, as in production: not on the test disk.
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    state_root = Path(tempfile.mkdtemp(prefix="emsd-test-", dir=shm))
 
     def make(start: bool = True, **overrides: dict[str, Any]) -> Emsd:
         i = next(counter)
@@ -143,7 +148,8 @@ def emsd_factory(tmp_path: Path) -> Iterator[Any]:
         workdir.mkdir()
         sections: dict[str, dict[str, Any]] = {
             "node": {"id": f"test-{i}", "socket_dir": str(workdir / "sock")},
-            "pool": {"size": "64MiB", "hugepages": "off", "page_size": "8MiB"},
+            "pool": {"size": "64MiB", "hugepages": "off", "page_size": "8MiB",
+                     "state_dir": str(state_root / str(i))},
             "metrics": {"listen": f"127.0.0.1:{free_port()}"},
             "log": {"level": "info"},
         }
@@ -160,6 +166,7 @@ def emsd_factory(tmp_path: Path) -> Iterator[Any]:
             code = d.terminate()
             if code != 0:
                 failures.append(f"emsd exited {code} on SIGTERM:\n{d.log()}")
+    shutil.rmtree(state_root, ignore_errors=True)
     assert not failures, "\n".join(failures)
 
 

@@ -9,9 +9,17 @@ pool and maps it:
 - ``"shm"``: a plain memfd (shmem, 4 KiB pages). Used when ``hugepages`` is
   ``"off"``, or ``"auto"`` and hugepages are short or fail to map.
 
-The decision (``_choose``) is apart from the mapping (``_map_memfd``): a later
-version backs the region with a file under /dev/shm or a hugetlbfs mount, so
-that a restarted daemon re-attaches to it; only ``_map_memfd`` changes then.
+With ``persist_dir`` (warm restart), the region is a file instead of a
+memfd, so that it outlives the process and a restarted daemon maps the very
+same bytes again: ``<persist_dir>/<name>.pool`` for shared memory (put
+``persist_dir`` on tmpfs, such as /dev/shm), or a file on the first
+hugetlbfs mount for hugepages. ``reused`` says whether an existing file of
+the right size was mapped (its bytes kept) rather than a new one. Without
+a hugetlbfs mount, hugepages stay a memfd and the reason says that warm
+restart is off.
+
+The decision (``_choose``) is apart from the mapping (``_map_memfd``,
+``_map_file``).
 
 ``reason`` says in one line why this kind was chosen, for the startup log.
 Clients receive ``fd`` over the Unix socket (SCM_RIGHTS) and map it
@@ -54,11 +62,14 @@ class Region:
     kind: str  # "hugetlb" or "shm"
     reason: str  # why this kind, one line for the log
     size: int  # bytes mapped
-    fd: int  # the memfd, to pass to clients with SCM_RIGHTS
+    fd: int  # the memfd or file, to pass to clients with SCM_RIGHTS
     mm: mmap.mmap  # the whole region
+    path: Path | None = None  # the file, when the region outlives the process
+    reused: bool = False  # an existing file was mapped with its bytes
 
     @classmethod
-    def create(cls, size: int, hugepages: str, name: str = "emsd-pool") -> Region:
+    def create(cls, size: int, hugepages: str, name: str = "emsd-pool",
+               persist_dir: Path | None = None) -> Region:
         """Create and map a region of at least ``size`` bytes.
 
         ``hugepages`` is ``"auto"``, ``"on"`` or ``"off"`` (see the module
@@ -73,6 +84,14 @@ class Region:
         huge_size, reason = _choose(size, hugepages, read_hugepage_info())
         if huge_size is not None:
             try:
+                mount = hugetlbfs_mount() if persist_dir is not None else None
+                if mount is not None:
+                    path = mount / f"{name}.pool"
+                    fd, mm, reused = _map_file(path, huge_size)
+                    return cls("hugetlb", reason, huge_size, fd, mm, path, reused)
+                if persist_dir is not None:
+                    reason += ("; warm restart off: no hugetlbfs mount "
+                               "(mount -t hugetlbfs none /dev/hugepages)")
                 fd, mm = _map_memfd(name, huge_size, huge=True)
                 return cls("hugetlb", reason, huge_size, fd, mm)
             except OSError as exc:
@@ -87,6 +106,10 @@ class Region:
                 )
         shm_size = _round_up(size, mmap.PAGESIZE)
         try:
+            if persist_dir is not None:
+                path = persist_dir / f"{name}.pool"
+                fd, mm, reused = _map_file(path, shm_size)
+                return cls("shm", reason, shm_size, fd, mm, path, reused)
             fd, mm = _map_memfd(name, shm_size, huge=False)
         except OSError as exc:
             raise RegionError(
@@ -194,6 +217,35 @@ def _map_memfd(name: str, size: int, huge: bool) -> tuple[int, mmap.mmap]:
         os.close(fd)
         raise
     return fd, mm
+
+
+def _map_file(path: Path, size: int) -> tuple[int, mmap.mmap, bool]:
+    """Map ``path`` shared, ``size`` bytes; (fd, map, reused). An existing file of
+    exactly ``size`` bytes keeps its bytes; any other is emptied first."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        reused = os.fstat(fd).st_size == size
+        if not reused:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mm, reused
+
+
+def hugetlbfs_mount(mounts: Path = Path("/proc/mounts")) -> Path | None:
+    """The first writable hugetlbfs mount point, or None."""
+    try:
+        lines = mounts.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3 and parts[2] == "hugetlbfs" and os.access(parts[1], os.W_OK):
+            return Path(parts[1])
+    return None
 
 
 def _round_up(n: int, unit: int) -> int:

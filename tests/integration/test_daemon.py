@@ -44,6 +44,8 @@ def run_emsd(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str
     ('[cluster]\nzookeeper = "zk"\n', "cluster.zookeeper"),
     ('[cluster]\nreplicas = 0\n', "cluster.replicas"),
     ('[cluster]\npeer_listen = "nowhere"\n', "cluster.peer_listen"),
+    ('[pool]\nwarm_restart = "yes"\n', "pool.warm_restart"),
+    ('[pool]\nstate_dir = "relative"\n', "pool.state_dir"),
 ])
 def test_bad_config_is_one_line_naming_the_key_and_exit_2(tmp_path: Path, body: str, key: str) -> None:
     cfg = tmp_path / "bad.toml"
