@@ -135,9 +135,13 @@ class DaemonClient:
         self.sock = sock
         self.broken = False
 
+    def close_socket(self) -> None:
+        """Close the connection (pending calls fail) but keep the pool mapped."""
+        self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, "client closed"))
+
     def close(self) -> None:
         """Close the socket and unmap the pool. Call only with no copy in progress."""
-        self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, "client closed"))
+        self.close_socket()
         if self.pool_addr:
             from ems.layout import unregister_pool_for_cuda
 

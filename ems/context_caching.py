@@ -62,7 +62,7 @@ class ContextCaching:
                  access_id: str | None, profiler: Profiler) -> None:
         self._client = client
         self._namespace = namespace_name(access_id, cc_config, "")
-        self._ns_for: tuple[int, int] | None = None  # (id(client), ns id)
+        self._ns_for: tuple[DaemonClient, int] | None = None  # (connection, ns id on it)
         self._layout: KvLayout | None = None
         self._profiler = profiler
         self._executor = ThreadPoolExecutor(max_workers=ASYNC_WORKERS, thread_name_prefix="ems-cc")
@@ -250,18 +250,18 @@ class ContextCaching:
     def _connected(self) -> DaemonClient:
         client = self._client()
         if client.broken:
-            raise EmsException(EmsErrorCode.EMS_IO_ERROR, "not connected to emsd; Ems.init() again")
+            raise EmsException(EmsErrorCode.EMS_IO_ERROR, "the connection to emsd was lost")
         return client
 
     def _ns(self, client: DaemonClient, deadline: float | None) -> int:
         """This namespace's id on ``client``'s connection (opened once per connection)."""
         cached = self._ns_for
-        if cached is not None and cached[0] == id(client):
+        if cached is not None and cached[0] is client:
             return cached[1]
         with self._lock:
             header, _ = client.call(Op.NAMESPACE, {"name": self._namespace},
                                     timeout=_remaining(deadline))
-            self._ns_for = (id(client), int(header["ns"]))
+            self._ns_for = (client, int(header["ns"]))
             return self._ns_for[1]
 
 

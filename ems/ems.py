@@ -13,12 +13,21 @@ one JSON line per call next to it.
 ``check_health()`` never raises and never blocks for long (a PING with a
 short deadline): a connector can poll it from a thread to decide when to
 re-init.
+
+A daemon that restarts (an upgrade, a crash; its pool survives a warm
+restart) needs nothing from the caller: the next call finds the connection
+broken and reconnects on its own, mapping the pool again, at most once per
+``RECONNECT_INTERVAL``; while the daemon is away calls fail fast with
+EMS_IO_ERROR. A replaced connection's pool mapping is kept until the next
+replacement, so that a copy still running on another thread never touches
+unmapped memory.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import ClassVar
 
 from ems.client import DaemonClient, socket_path
@@ -31,6 +40,8 @@ from emsd.transport.frames import Op
 log = logging.getLogger("ems")
 
 HEALTH_TIMEOUT = 0.5
+RECONNECT_INTERVAL = 0.2  # seconds between reconnection attempts while the daemon is away
+RECONNECT_TIMEOUT = 1.0  # seconds one attempt may take
 
 
 class Ems:
@@ -40,6 +51,8 @@ class Ems:
     _client: ClassVar[DaemonClient | None] = None
     _cc: ClassVar[ContextCaching | None] = None
     _config: ClassVar[EmsConfig | None] = None
+    _retired: ClassVar[DaemonClient | None] = None  # the connection replaced last, still mapped
+    _next_try: ClassVar[float] = 0.0
 
     @classmethod
     def init(cls, config: EmsConfig) -> None:
@@ -52,11 +65,8 @@ class Ems:
             if cls._client is not None and not cls._client.broken and cls._config is config:
                 return
             client = DaemonClient(socket_path())
-            hello = {"access_id": config.access_id or "", "access_key": config.access_key or ""}
-            client.connect(hello)
-            old, cls._client = cls._client, client
-            if old is not None:
-                old.close()
+            client.connect(_hello(config))
+            cls._replace(client)
             if cls._cc is None or cls._config is not config:
                 cls._cc = ContextCaching(cls._current_client, cc_cfg, config.access_id,
                                          Profiler.from_env())
@@ -86,7 +96,37 @@ class Ems:
         client = cls._client
         if client is None:
             raise EmsException(EmsErrorCode.EMS_IO_ERROR, "Ems.init() has not succeeded")
-        return client
+        return client if not client.broken else cls._reconnect(client)
+
+    @classmethod
+    def _reconnect(cls, broken: DaemonClient) -> DaemonClient:
+        """A new connection in place of ``broken``; raises EMS_IO_ERROR at once while emsd is away."""
+        with cls._lock:
+            current = cls._client
+            if current is not broken and current is not None and not current.broken:
+                return current  # another thread reconnected meanwhile
+            if cls._config is None:
+                raise EmsException(EmsErrorCode.EMS_IO_ERROR, "Ems.init() has not succeeded")
+            now = time.monotonic()
+            if now < cls._next_try:
+                raise EmsException(EmsErrorCode.EMS_IO_ERROR, "emsd is unreachable (restarting?)")
+            cls._next_try = now + RECONNECT_INTERVAL
+            client = DaemonClient(socket_path())
+            client.connect(_hello(cls._config), timeout=RECONNECT_TIMEOUT)  # raises EMS_IO_ERROR
+            cls._replace(client)
+            log.info("reconnected to emsd %s (%s pool, %d MiB)", client.info.get("node"),
+                     client.info.get("region"), int(client.info.get("pool_size", 0)) >> 20)
+            return client
+
+    @classmethod
+    def _replace(cls, client: DaemonClient) -> None:
+        """Make ``client`` current; the one before stays mapped until the next replacement."""
+        old, cls._client = cls._client, client
+        if old is not None:
+            if cls._retired is not None:
+                cls._retired.close()
+            old.close_socket()
+            cls._retired = old
 
     @classmethod
     def _reset(cls) -> None:
@@ -94,7 +134,13 @@ class Ems:
         with cls._lock:
             if cls._cc is not None:
                 cls._cc.close()
-            if cls._client is not None:
-                cls._client.close()
-            cls._client = cls._cc = cls._config = None
+            for client in (cls._client, cls._retired):
+                if client is not None:
+                    client.close()
+            cls._client = cls._cc = cls._config = cls._retired = None
+            cls._next_try = 0.0
         remove_log_handler()
+
+
+def _hello(config: EmsConfig) -> dict[str, str]:
+    return {"access_id": config.access_id or "", "access_key": config.access_key or ""}
