@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything emsd and its tests need on a fresh Debian machine (idempotent).
 #   scripts/setup.sh          the daemon and the SDK in .venv
-#   scripts/setup.sh --test   plus test tools, torch 2.13.0 (CPU) and Debian's zookeeper
+#   scripts/setup.sh --test   plus test tools, torch 2.13.0 (CPU), Debian's zookeeper and the
+#                             checkers of deploy/ (scripts/setup-deploy-checks.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_TEST=0
@@ -19,6 +20,7 @@ if [[ $WITH_TEST == 1 ]]; then
     .venv/bin/python -m pip install -q torch==2.13.0
     echo "[setup] emsd with test extras"
     PIP_CONSTRAINT=scripts/constraints.txt .venv/bin/python -m pip install -q -e ".[test]"
+    scripts/setup-deploy-checks.sh  # promtool, systemd-analyze, Helm (library), hadolint for tests/deploy
     if ! command -v zkServer.sh >/dev/null && [[ ! -x /usr/share/zookeeper/bin/zkServer.sh ]]; then
         echo "[setup] Debian zookeeper (for the cluster tests)"
         if [[ $(id -u) == 0 ]]; then SUDO=""; else SUDO="sudo"; fi
