@@ -72,7 +72,7 @@ def start_daemon(work: Path, name: str, zk_hosts: str, secret: Path) -> tuple[su
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
                 if r.status == 200:
                     return proc, sock
         except OSError:

@@ -57,7 +57,7 @@ def start_daemon(workdir: Path, pool: str, page: str) -> tuple[subprocess.Popen[
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
                 if r.status == 200:
                     return proc, sock_dir
         except OSError:

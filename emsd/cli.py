@@ -8,10 +8,9 @@ rule, never a traceback), 1 for an unexpected crash.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from emsd import __version__
+from emsd import __version__, logs
 from emsd.config import ConfigError, load_config
 
 
@@ -20,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, metavar="FILE", help="TOML config file")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    help="override log.level from the config")
+    p.add_argument("--log-format", choices=["text", "json"], help="override log.format from the config")
     p.add_argument("--version", action="version", version=f"emsd {__version__}")
     return p
 
@@ -31,9 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"emsd: config error: {exc}", file=sys.stderr)
         return 2
-    level = (args.log_level or config.log.level).upper()
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(args.log_level or config.log.level, args.log_format or config.log.format)
     from emsd.server import Daemon, StartupError
 
     try:

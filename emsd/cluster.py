@@ -28,6 +28,7 @@ import numpy as np
 from emsd.config import ClusterConfig
 from emsd.membership.base import MembershipState, NodeInfo
 from emsd.membership.zookeeper import ZooKeeperMembership
+from emsd.metrics import Metrics
 from emsd.placement.ring import ClusterView, Member, Ring
 from emsd.pool.keys import KeyBatch
 from emsd.transport.link import Dialer, PeerLink
@@ -45,8 +46,9 @@ def _split(endpoint: str) -> tuple[str, int]:
 
 class Cluster:
     def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, access: PoolAccess,
-                 secret: bytes, dialer: Dialer | None = None) -> None:
+                 secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.dial: Dialer = dialer or (lambda: PeerConnection(access, node_id, secret))
         self.node_id = node_id
         self.access = access
@@ -60,6 +62,8 @@ class Cluster:
         self._next: dict[str, int] = defaultdict(int)
         self._down_until: dict[str, float] = {}
         self._dialing: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.draining = False  # left the ring (emsctl drain): owns nothing, serves what it has
+        self._down: set[str] = set()  # peers last seen failing (logged once)
 
     async def start(self) -> None:
         """Listen for peers and join; raises ``DuplicateNodeError`` if the id is taken."""
@@ -87,6 +91,10 @@ class Cluster:
 
     def set_view(self, view: tuple[NodeInfo, ...]) -> None:
         """Adopt a membership view: rebuild the ring, drop connections to departed nodes."""
+        if self.draining:
+            view = tuple(n for n in view if n.node_id != self.node_id)
+        if not view:  # even a drained node needs a ring to place keys on: keep itself
+            view = (self.me,)
         self.view = view
         self.ring = Ring.build(ClusterView.of(Member(n.node_id, n.capacity) for n in view),
                                self.cfg.vnodes, self.cfg.replicas)
@@ -102,9 +110,31 @@ class Cluster:
 
     def owned_here(self, ns_name: str, keys: KeyBatch) -> np.ndarray:
         """True per key that this node owns (as primary or as a replica)."""
-        if len(self.ring.view.members) <= 1:
-            return np.ones(len(keys), dtype=bool)
-        return (self.owners(ns_name, keys) == self._my_index()).any(axis=1)
+        me = self._my_index()
+        if me < 0 or len(keys) == 0:
+            return np.full(len(keys), me >= 0 and not self.draining, dtype=bool)
+        return (self.owners(ns_name, keys) == me).any(axis=1)
+
+    def owner_ids(self, ns_name: str, keys: KeyBatch) -> list[list[str]]:
+        """The owners' node ids of each key, primary first."""
+        return self.ring.owner_ids(ns_name, keys)
+
+    def share(self) -> dict[str, float]:
+        """Each member's fraction of the hash space (as primary)."""
+        return self.ring.share()
+
+    async def leave(self) -> None:
+        """Leave the ring for good (drain): deregister, then place nothing here any more."""
+        if self.draining:
+            return
+        self.draining = True
+        await asyncio.get_running_loop().run_in_executor(None, self.membership.stop)
+        self.set_view(tuple(n for n in self.view if n.node_id != self.node_id))
+        log.info("left the ring: new saves and owned blocks go to the other %d members", len(self.view))
+
+    def _alone(self) -> bool:
+        """No other node to talk to."""
+        return all(m.node_id == self.node_id for m in self.ring.view.members)
 
     async def fetch(self, ns_name: str, keys: KeyBatch, deadline: float) -> None:
         """Bring keys owned elsewhere into the local pool: batched per owner, parts in parallel.
@@ -113,7 +143,7 @@ class Cluster:
         that joined since the save, or restarted) go to the next replica, and
         so on, all within ``deadline``.
         """
-        if len(keys) == 0 or len(self.ring.view.members) <= 1:
+        if len(keys) == 0 or self._alone():
             return
         owners, me = self.owners(ns_name, keys), self._my_index()
         pending = np.flatnonzero(~(owners == me).any(axis=1))
@@ -143,7 +173,7 @@ class Cluster:
         A key owned here counts as reached at once; replicas beyond the first
         owner to answer are best effort.
         """
-        if len(keys) == 0 or len(self.ring.view.members) <= 1:
+        if len(keys) == 0 or self._alone():
             return np.ones(len(keys), dtype=bool)
         owners, me = self.owners(ns_name, keys), self._my_index()
         reached = (owners == me).any(axis=1)
@@ -189,20 +219,42 @@ class Cluster:
 
     async def _get(self, node: str, ns_name: str, keys: KeyBatch) -> int:
         conn = await self._conn(node)
-        return 0 if conn is None else await self._guard(node, conn, conn.get(ns_name, keys))
+        return 0 if conn is None else await self._guard(node, "get", conn, conn.get(ns_name, keys))
 
     async def _put(self, node: str, ns_name: str, keys: KeyBatch, offsets: np.ndarray,
                    lengths: np.ndarray) -> int:
         conn = await self._conn(node)
-        return 0 if conn is None else await self._guard(node, conn, conn.put(ns_name, keys, offsets, lengths))
-
-    async def _guard(self, node: str, conn: PeerLink, job: object) -> int:
-        try:
-            return int(await job)  # type: ignore[misc]
-        except PeerError as exc:
-            log.warning("peer %s failed: %s", node, exc)
-            self._drop(node, conn)
+        if conn is None:
             return 0
+        stored = await self._guard(node, "put", conn, conn.put(ns_name, keys, offsets, lengths))
+        if self.metrics is not None and stored:
+            self.metrics.peer(node, "put", stored, int(lengths[:stored].sum()), True)
+        return stored
+
+    async def _guard(self, node: str, op: str, conn: PeerLink, job: object) -> int:
+        try:
+            got = int(await job)  # type: ignore[misc]
+        except PeerError as exc:
+            self._mark_down(node, str(exc))
+            self._drop(node, conn)
+            if self.metrics is not None:
+                self.metrics.peer(node, op, 0, 0, False)
+            return 0
+        self._mark_up(node)
+        if self.metrics is not None and op == "get" and got:
+            self.metrics.peer(node, op, got, int(getattr(conn, "last_bytes", 0)), True)
+        return got
+
+    def _mark_down(self, node: str, why: str) -> None:
+        """Log a peer going down once, not once per failed request."""
+        if node not in self._down:
+            self._down.add(node)
+            log.warning("peer %s down: %s", node, why)
+
+    def _mark_up(self, node: str) -> None:
+        if node in self._down:
+            self._down.discard(node)
+            log.info("peer %s up again", node)
 
     async def _conn(self, node: str) -> PeerLink | None:
         """A connection to ``node`` (round robin over up to peer_connections); None if unreachable."""
@@ -226,7 +278,7 @@ class Cluster:
         try:
             await conn.connect(*_split(addr))
         except PeerError as exc:
-            log.warning("peer %s unreachable: %s", node, exc)
+            self._mark_down(node, str(exc))
             self._down_until[node] = time.monotonic() + BACKOFF
             return None
         conns.append(conn)

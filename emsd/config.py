@@ -64,6 +64,7 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
+    format: str = "text"  # "text" or "json" (one object per line)
 
 
 @dataclass(frozen=True)
@@ -257,8 +258,11 @@ def read_secret(path: str) -> bytes:
 
 
 def _log(t: dict[str, Any]) -> LogConfig:
-    _only(t, "log", {"level"})
+    _only(t, "log", {"level", "format"})
     level = t.get("level", LogConfig().level)
     if level not in _LOG_LEVELS:
         raise ConfigError("log.level", f"must be one of {', '.join(_LOG_LEVELS)} (got {level!r})")
-    return LogConfig(level=level)
+    fmt = t.get("format", LogConfig().format)
+    if fmt not in ("text", "json"):
+        raise ConfigError("log.format", f'must be "text" or "json" (got {fmt!r})')
+    return LogConfig(level=level, format=fmt)

@@ -5,8 +5,10 @@ several daemons can live in one test process). Counters and histograms are
 updated on the request path; pool gauges are read from the store at scrape
 time by ``PoolCollector``, so the hot path pays nothing for them.
 
-``HttpEndpoint`` answers ``GET /healthz`` (200 once the pool is ready, 503
-before), ``GET /metrics`` (Prometheus text format) and 404 otherwise. It is a
+``HttpEndpoint`` answers ``GET /healthz`` (200 while the process serves:
+liveness), ``GET /readyz`` (200 once the pool is attached and the node is
+standalone or joined to its cluster, else 503 and the reason: readiness),
+``GET /metrics`` (Prometheus text format) and 404 otherwise. It is a
 deliberately tiny HTTP/1.0 server on asyncio: one request per connection, a
 bounded request line, no body.
 """
@@ -19,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("emsd.metrics")
@@ -50,7 +52,27 @@ class Metrics:
                                    registry=r)
         self.clients = Gauge("emsd_clients_connected", "SDK connections open", registry=r)
         self.ready = Gauge("emsd_ready", "1 once the pool is attached and serving", registry=r)
+        self.peer_blocks = Counter("emsd_peer_blocks", "Blocks moved with a peer, by peer and op (get/put)",
+                                   ["peer", "op"], registry=r)
+        self.peer_bytes = Counter("emsd_peer_bytes", "Block bytes moved with a peer, by peer and direction",
+                                  ["peer", "direction"], registry=r)
+        self.peer_errors = Counter("emsd_peer_errors", "Peer requests that failed, by peer and op",
+                                   ["peer", "op"], registry=r)
+        self.restart = Gauge("emsd_warm_restart_info",
+                             "How the pool was attached at start (1 = this outcome)", ["outcome"], registry=r)
+        self.restored = Gauge("emsd_warm_restart_restored_blocks", "Blocks served again after a warm restart",
+                              registry=r)
+        self.build = Gauge("emsd_build_info", "emsd version and peer transport", ["version", "transport"],
+                           registry=r)
         self._children: dict[Any, Any] = {}
+
+    def peer(self, node: str, op: str, blocks: int, nbytes: int, ok: bool) -> None:
+        """One request to peer ``node`` done: ``blocks`` of ``nbytes`` moved, or an error."""
+        if not ok:
+            self._child(self.peer_errors, node, op).inc()
+        if blocks:
+            self._child(self.peer_blocks, node, op).inc(blocks)
+            self._child(self.peer_bytes, node, "in" if op == "get" else "out").inc(nbytes)
 
     def observe_op(self, op: str, result: str, seconds: float) -> None:
         key = (op, result)
@@ -82,9 +104,13 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def watch_pool(self, stats: Callable[[], Any]) -> None:
+    def watch_pool(self, stats: Callable[[], Any], ns_name: Callable[[int], str] = str) -> None:
         """Publish the store's gauges, read from ``stats()`` at each scrape."""
-        self.registry.register(PoolCollector(stats))
+        self.registry.register(PoolCollector(stats, ns_name))
+
+    def watch_cluster(self, view: Callable[[], tuple[str, int]]) -> None:
+        """Publish the membership state and size, read from ``view()`` -> (state, members)."""
+        self.registry.register(ClusterCollector(view))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -93,13 +119,14 @@ class Metrics:
 class PoolCollector(Collector):
     """Pool gauges computed at scrape time from ``BlockStore.stats()``."""
 
-    def __init__(self, stats: Callable[[], Any]) -> None:
+    def __init__(self, stats: Callable[[], Any], ns_name: Callable[[int], str] = str) -> None:
         self._stats = stats
+        self._ns_name = ns_name
 
     def describe(self) -> list[Any]:
         return []
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         st = self._stats()
         pool = GaugeMetricFamily("emsd_pool_bytes", "Pool bytes by state", labels=["state"])
         pool.add_metric(["capacity"], st.capacity)
@@ -113,21 +140,45 @@ class PoolCollector(Collector):
                                 value=st.pinned)
         yield GaugeMetricFamily("emsd_pool_cached_blocks",
                                 "Read-cache copies of blocks owned by other nodes", value=st.cached)
-        ev = GaugeMetricFamily("emsd_pool_evictions", "Blocks evicted since start, by reason",
-                               labels=["reason"])
+        ev = CounterMetricFamily("emsd_pool_evictions", "Blocks evicted since start, by reason",
+                                 labels=["reason"])
         for reason, n in sorted(st.evictions.items()):
             ev.add_metric([reason], n)
         yield ev
-        ns = GaugeMetricFamily("emsd_pool_namespace_bytes", "Committed bytes by namespace id",
+        ns = GaugeMetricFamily("emsd_pool_namespace_bytes", "Committed bytes by namespace",
                                labels=["namespace"])
         for ns_id, n in sorted(st.ns_bytes.items()):
-            ns.add_metric([str(ns_id)], n)
+            ns.add_metric([self._ns_name(ns_id)], n)
         yield ns
-        cls = GaugeMetricFamily("emsd_pool_class_bytes", "Bytes in slab pages by size class",
-                                labels=["chunk_size"])
+        cls = GaugeMetricFamily("emsd_pool_class_bytes", "Bytes of slab pages by size class and state",
+                                labels=["chunk_size", "state"])
         for c in st.classes:
-            cls.add_metric([str(c.chunk_size)], c.pages * _page_bytes(st, c))
+            cls.add_metric([str(c.chunk_size), "pages"], c.pages * _page_bytes(st, c))
+            cls.add_metric([str(c.chunk_size), "used"], c.chunks_used * c.chunk_size)
+            cls.add_metric([str(c.chunk_size), "free"], c.chunks_free * c.chunk_size)
         yield cls
+
+
+class ClusterCollector(Collector):
+    """Membership gauges computed at scrape time."""
+
+    STATES = ("standalone", "connecting", "joined", "suspended", "lost")
+
+    def __init__(self, view: Callable[[], tuple[str, int]]) -> None:
+        self._view = view
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state, members = self._view()
+        yield GaugeMetricFamily("emsd_cluster_members", "Nodes in this node's view of the ring",
+                                value=members)
+        fam = GaugeMetricFamily("emsd_cluster_membership_state",
+                                "ZooKeeper membership state (1 = current)", labels=["state"])
+        for name in self.STATES:
+            fam.add_metric([name], 1.0 if name == state else 0.0)
+        yield fam
 
 
 def _page_bytes(st: Any, c: Any) -> int:
@@ -137,9 +188,9 @@ def _page_bytes(st: Any, c: Any) -> int:
 class HttpEndpoint:
     """``/healthz`` and ``/metrics`` over a minimal asyncio HTTP/1.0 server."""
 
-    def __init__(self, metrics: Metrics, is_ready: Callable[[], bool]) -> None:
+    def __init__(self, metrics: Metrics, readiness: Callable[[], str | None]) -> None:
         self.metrics = metrics
-        self.is_ready = is_ready
+        self.readiness = readiness  # None: ready; else the reason it is not
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -164,10 +215,12 @@ class HttpEndpoint:
             path = parts[1].split("?")[0] if len(parts) >= 2 else ""
             if len(parts) < 2 or parts[0] != "GET":
                 status, ctype, body = "405 Method Not Allowed", "text/plain", b"only GET\n"
-            elif path == "/healthz":
-                ok = self.is_ready()
-                status = "200 OK" if ok else "503 Service Unavailable"
-                ctype, body = "text/plain", b"ok\n" if ok else b"starting\n"
+            elif path == "/healthz":  # the process is alive and its event loop turns
+                status, ctype, body = "200 OK", "text/plain", b"ok\n"
+            elif path == "/readyz":
+                why = self.readiness()
+                status = "200 OK" if why is None else "503 Service Unavailable"
+                ctype, body = "text/plain", b"ready\n" if why is None else why.encode() + b"\n"
             elif path == "/metrics":
                 status, body = "200 OK", self.metrics.render()
                 ctype = "text/plain; version=0.0.4; charset=utf-8"

@@ -25,6 +25,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from emsd import __version__
 from emsd.config import Config
 from emsd.metrics import HttpEndpoint, Metrics
 from emsd.pool.ledger import Geometry, Ledger, LedgerBusy
@@ -59,11 +60,12 @@ class Daemon:
             service=lambda: self.service,
             on_count=self.metrics.clients.set,
         )
-        self.http = HttpEndpoint(self.metrics, is_ready=lambda: self.service is not None)
+        self.http = HttpEndpoint(self.metrics, readiness=self.readiness)
         self.cluster: Cluster | None = None
         self._pool_view: memoryview | None = None
         self.ledger: Ledger | None = None
         self.restart_outcome = "off"
+        self.restored = 0
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
@@ -98,16 +100,29 @@ class Daemon:
         region = await loop.run_in_executor(None, self._make_region)
         self.region = region
         store, names = await loop.run_in_executor(None, self._attach, region)
-        self.metrics.watch_pool(store.stats)
         service = Service(store, cfg.node.id, region.kind, self.metrics)
         service.restore_namespaces(names)
+        self.metrics.watch_pool(store.stats, service.namespace_name)
+        self.metrics.restart.labels(self.restart_outcome.split(":")[0]).set(1)
+        self.metrics.restored.set(self.restored)
+        self.metrics.build.labels(__version__, "tcp" if cfg.cluster.enabled else "none").set(1)
+        service.info.update(version=__version__, pid=os.getpid(), metrics=cfg.metrics.listen,
+                            restart=self.restart_outcome, restored=self.restored,
+                            socket=str(cfg.socket_path))
         if cfg.cluster.enabled:
             service.cluster = await self._join(store, region, service)
+        self.metrics.watch_cluster(self._membership)
         self.service = service
         self.metrics.ready.set(1)
-        log.info("ready: pool %d MiB (%s: %s), slab page %d MiB, pid %d",
-                 region.size >> 20, region.kind, region.reason,
-                 min(cfg.pool.page_size, region.size) >> 20, os.getpid())
+        c = self.cluster
+        membership = "standalone" if c is None else (
+            f"cluster {cfg.cluster.name}, {c.state.value}, {len(c.view)} members")
+        log.info("ready: emsd %s node %s; pool %d MiB %s (%s), slab page %d MiB; warm restart %s, "
+                 "%d blocks; %s; transport %s; socket %s; metrics %s; pid %d",
+                 __version__, cfg.node.id, region.size >> 20, region.kind, region.reason,
+                 min(cfg.pool.page_size, region.size) >> 20, self.restart_outcome, self.restored,
+                 membership, "tcp" if self.cluster is not None else "none", cfg.socket_path,
+                 cfg.metrics.listen or "off", os.getpid())
 
     async def _join(self, store: BlockStore, region: Region, service: Service) -> Cluster:
         """Serve peers and join the cluster; raises ``StartupError`` for a bad secret or a taken id."""
@@ -123,7 +138,7 @@ class Daemon:
             raise StartupError(str(exc)) from None
         self._pool_view = memoryview(region.mm)
         access = PoolAccess(store, self._pool_view, service.namespace_id)
-        cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret)
+        cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret, metrics=self.metrics)
         try:
             await cluster.start()
         except DuplicateNodeError as exc:
@@ -195,10 +210,23 @@ class Daemon:
             ledger.clear()
             store.ledger = ledger
         self.ledger = ledger
-        self.restart_outcome = outcome
+        self.restart_outcome, self.restored = outcome, restored
         log.info("warm restart: %s; %d blocks restored (%s, ledger %s)", outcome, restored,
                  region.path, path)
         return store, names
+
+    def readiness(self) -> str | None:
+        """None when ready to serve (pool attached; standalone, or joined to the cluster), else why not."""
+        if self.service is None:
+            return "the pool is not attached yet"
+        if self.cluster is not None and self.cluster.state.value != "joined" and not self.cluster.draining:
+            return f"cluster membership is {self.cluster.state.value}"
+        return None
+
+    def _membership(self) -> tuple[str, int]:
+        if self.cluster is None:
+            return "standalone", 1
+        return self.cluster.state.value, len(self.cluster.view)
 
     def stop(self) -> None:
         self._stop.set()

@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from emsd.logs import Once
 from emsd.metrics import Metrics
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
-from emsd.pool.index import FIRST_ID
+from emsd.pool.index import FIRST_ID, READY
 from emsd.pool.keys import KeyBatch, KeyError_
 from emsd.pool.store import BlockStore
 from emsd.pool.store import Status as SlotStatus
@@ -49,6 +50,7 @@ log = logging.getLogger("emsd.service")
 
 MAX_NAMESPACE_LEN = 4096
 MAX_NAMESPACES_PER_SESSION = 1024
+DRAIN_BATCH = 256  # blocks pushed per step of a drain
 
 
 class RequestError(Exception):
@@ -87,6 +89,8 @@ class Service:
         self._ns_names: list[str] = []
         self.started = time.time()
         self.cluster: Cluster | None = None  # set when the node runs in a cluster
+        self.info: dict[str, Any] = {}  # start-up facts STATS reports (restart outcome, metrics address)
+        self._pressure = Once(60.0)  # "evicting under pressure", at most once a minute
 
     # -- entry points ---------------------------------------------------------
 
@@ -173,6 +177,51 @@ class Service:
             new = (after != before) & (after >= FIRST_ID) & remote
             session.fetched = set(after[new].tolist())
 
+    def follow_up(self, header: dict[str, Any], payload: bytes,
+                  resp: dict[str, Any]) -> Awaitable[dict[str, Any]] | None:
+        """Asynchronous work that completes a handled request before it is answered, or None.
+
+        COMMIT in a cluster: forward the blocks to their owners. DRAIN: leave
+        the ring and move a batch of owned blocks.
+        """
+        if header.get("op") == Op.DRAIN and self.cluster is not None and not resp.get("st"):
+            return self._drain_batch(time.monotonic() + _timeout(header), resp)
+        return self.forward_commit(header, payload, resp)
+
+    async def _drain_batch(self, deadline: float, resp: dict[str, Any]) -> dict[str, Any]:
+        """Leave the ring, then push owned blocks (oldest namespaces first) until the deadline.
+
+        Each pushed block becomes a read-cache copy here; ``remaining`` counts
+        the owned blocks still to move, ``moved`` those that reached an owner
+        in this call, ``failed`` those no owner took.
+        """
+        assert self.cluster is not None
+        await self.cluster.leave()
+        moved = failed = 0
+        idx = self.store.index
+        while time.monotonic() < deadline:
+            hw = idx.high_water
+            owned = np.flatnonzero((idx.state[:hw] == READY) & (idx.cached[:hw] == 0)).astype(np.uint32)
+            if owned.size == 0:
+                break
+            ns = int(idx.nstag[owned[0]] >> 8)
+            batch = owned[(idx.nstag[owned] >> 8) == ns][:DRAIN_BATCH]
+            keys = idx.keys_of(batch)
+            pinned = self.store.pin(ns, keys)
+            try:
+                got = await self.cluster.push(self.namespace_name(ns), keys.take(slice(0, pinned.count)),
+                                              pinned.offsets, pinned.lengths, deadline)
+            finally:
+                self.store.release(pinned.handles)
+            self.store.mark_cached(ns, keys)  # moved or not: this node owns nothing now
+            moved += int(np.count_nonzero(got))
+            failed += len(keys) - int(np.count_nonzero(got))
+        hw = idx.high_water
+        remaining = int(np.count_nonzero((idx.state[:hw] == READY) & (idx.cached[:hw] == 0)))
+        resp.update(moved=moved, failed=failed, remaining=remaining)
+        log.info("drain: %d blocks moved, %d not taken, %d to go", moved, failed, remaining)
+        return resp
+
     def forward_commit(self, header: dict[str, Any], payload: bytes,
                        resp: dict[str, Any]) -> Awaitable[dict[str, Any]] | None:
         """For a COMMIT in a cluster: send the committed blocks to their owners.
@@ -257,7 +306,12 @@ class Service:
         if len(rest) != 8 * n:
             raise RequestError(Status.INVALID_ARGUMENT, f"sizes: expected {8 * n} bytes, got {len(rest)}")
         sizes = np.frombuffer(rest, dtype="<u8").astype(np.uint64)
+        evicted = self.store.evicted_total
         res = self.store.reserve(ns, keys, sizes)
+        if self.store.evicted_total > evicted and self._pressure.due():
+            st = self.store.stats()
+            log.info("evicting under pressure: %s blocks evicted since start (%d MiB used of %d)",
+                     dict(st.evictions), st.bytes_used >> 20, st.capacity >> 20)
         new = res.status == SlotStatus.NEW
         s.pending.update(res.handles[new].tolist())
         self.metrics.reserved(int(new.sum()), int(sizes[new].sum()),
@@ -352,7 +406,41 @@ class Service:
             "uptime_s": time.time() - self.started,
             "membership": "standalone" if self.cluster is None else self.cluster.state.value,
             "members": [self.node_id] if self.cluster is None else [n.node_id for n in self.cluster.view],
+            **self.info,
+            **self._cluster_stats(),
         }, []
+
+    def _cluster_stats(self) -> dict[str, Any]:
+        if self.cluster is None:
+            return {"transport": "none", "share": {self.node_id: 1.0},
+                    "view": [{"id": self.node_id, "capacity": self.store.capacity, "peer": ""}]}
+        c = self.cluster
+        return {"transport": "tcp", "share": c.share(), "draining": c.draining,
+                "replicas": c.cfg.replicas,
+                "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in c.view]}
+
+    def _owner(self, _s: Session, h: dict[str, Any], p: bytes) -> Response:
+        name = h.get("ns")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAMESPACE_LEN:
+            raise RequestError(Status.INVALID_ARGUMENT, "ns must be a namespace name")
+        n, kt = h.get("n"), h.get("kt")
+        if type(n) is not int or not 0 < n <= 1024 or kt not in (0, 1):
+            raise RequestError(Status.INVALID_ARGUMENT, "n must be 1..1024 and kt 0 or 1")
+        width = 8 if kt == 0 else 33
+        if len(p) != width * n:
+            raise RequestError(Status.INVALID_ARGUMENT, f"keys: expected {width * n} bytes, got {len(p)}")
+        try:
+            keys = KeyBatch.from_wire(int(kt), p, n)  # type: ignore[arg-type]
+        except KeyError_ as exc:
+            raise RequestError(Status.INVALID_ARGUMENT, f"keys: {exc}") from None
+        if self.cluster is None:
+            return {"owners": [[self.node_id]] * n}, []
+        return {"owners": self.cluster.owner_ids(name, keys)}, []
+
+    def _drain(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
+        if self.cluster is None:
+            raise RequestError(Status.INVALID_ARGUMENT, "a standalone node has no ring to leave")
+        return {}, []  # the work follows (follow_up)
 
     def _ping(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         return {}, []
@@ -386,6 +474,8 @@ class Service:
         Op.EXISTS: _exists,
         Op.STATS: _stats,
         Op.PING: _ping,
+        Op.OWNER: _owner,
+        Op.DRAIN: _drain,
     }
 
 

@@ -2,7 +2,7 @@
 
 ``emsd_factory(**overrides)`` writes a TOML config under the test's tmp
 directory, starts ``python -m emsd --config FILE``, and waits until the
-daemon's ``/healthz`` answers 200 (never a fixed sleep). Every daemon is
+daemon's ``/readyz`` answers 200 (never a fixed sleep). Every daemon is
 stopped at the end of the test (SIGTERM, then SIGKILL if it hangs) and its
 exit status is checked, so a daemon that crashed during a test fails it.
 """
@@ -81,7 +81,7 @@ class Emsd:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"emsd exited with {self.proc.returncode}:\n{self.log()}")
-            if self.http("/healthz")[0] == 200:
+            if self.http("/readyz")[0] == 200:
                 return
             time.sleep(0.02)
         raise TimeoutError(f"emsd not ready after {timeout}s:\n{self.log()}")

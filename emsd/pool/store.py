@@ -334,6 +334,11 @@ class BlockStore:
             self.ledger.record(ids, idx.w0[ids], idx.rest[ids], idx.offset[ids], idx.length[ids],
                                idx.cached[ids])
 
+    @property
+    def evicted_total(self) -> int:
+        """Blocks evicted for room since start (LRU and page steals; not discards)."""
+        return self._evictions["lru"] + self._evictions["page"]
+
     def stats(self) -> StoreStats:
         hw = self.index.high_water
         classes = [ClassStats(c.chunk_size, len(c.pages), c.chunks_used, c.chunks_free,

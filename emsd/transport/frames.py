@@ -48,6 +48,8 @@ class Op(IntEnum):
     EXISTS = 7  # count the leading present blocks; no pin, no LRU touch
     STATS = 8  # node and pool statistics
     PING = 9  # liveness
+    OWNER = 10  # which nodes own these keys (operators: emsctl owner)
+    DRAIN = 11  # leave the ring and move owned blocks to their new owners, a batch per call
 
 
 class Status(IntEnum):

@@ -412,6 +412,7 @@ class PeerConnection:
         self._ids = 0
         self._lock = asyncio.Lock()
         self._scratch = memoryview(bytearray(SCRATCH))
+        self.last_bytes = 0  # block bytes the last GET answered with
 
     async def connect(self, host: str, port: int, timeout: float = 5.0) -> None:
         """Connect and authenticate both ways; raises ``PeerError``."""
@@ -468,6 +469,7 @@ class PeerConnection:
                 if header.get("bulk") != int(lengths.sum()):
                     raise PeerError("GET answer's bulk does not match its lengths")
                 ns = self.access.namespace_id(ns_name)
+                self.last_bytes = int(lengths.sum())
                 return await _receive_blocks(sock, self.access, ns, keys.take(slice(0, count)),
                                              lengths, self._scratch)
             except (OSError, FrameError, PeerError) as exc:

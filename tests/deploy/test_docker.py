@@ -115,7 +115,7 @@ def test_image_config_loads_and_serves_the_exposed_port() -> None:
     config = load_config(DOCKER / "emsd.toml")
     host, port = config.metrics.address() or ("", 0)
     assert host == "0.0.0.0" and port == 9400, "metrics must be reachable from outside the container"
-    assert final_env()["EMSD_HEALTH_URL"] == f"http://127.0.0.1:{port}/healthz"
+    assert final_env()["EMSD_HEALTH_URL"] == f"http://127.0.0.1:{port}/readyz"
     assert str(config.node.socket_dir) == "/dev/shm/ems"
 
 
@@ -123,10 +123,10 @@ def test_healthcheck_command_against_a_real_daemon(emsd: Any) -> None:
     argv = health_argv()
     assert argv[0] == "python"
     cmd = [sys.executable, *argv[1:]]
-    ok = subprocess.run(cmd, env={"EMSD_HEALTH_URL": f"http://127.0.0.1:{emsd.metrics_port}/healthz"},
+    ok = subprocess.run(cmd, env={"EMSD_HEALTH_URL": f"http://127.0.0.1:{emsd.metrics_port}/readyz"},
                         capture_output=True, timeout=30)
     assert ok.returncode == 0, ok.stderr
-    down = subprocess.run(cmd, env={"EMSD_HEALTH_URL": f"http://127.0.0.1:{free_port()}/healthz"},
+    down = subprocess.run(cmd, env={"EMSD_HEALTH_URL": f"http://127.0.0.1:{free_port()}/readyz"},
                           capture_output=True, timeout=30)
     assert down.returncode == 1
     missing = subprocess.run(cmd, env={"EMSD_HEALTH_URL": f"http://127.0.0.1:{emsd.metrics_port}/nope"},

@@ -127,8 +127,9 @@ def test_probes_annotations_and_ports(case: tuple[str, list[Doc]]) -> None:
     port = int(config["metrics"]["listen"].rsplit(":", 1)[1])
     ports = {p["name"]: p["containerPort"] for p in emsd["ports"]}
     assert ports["metrics"] == port
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert emsd[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
+    for probe, path in (("startupProbe", "/readyz"), ("livenessProbe", "/healthz"),
+                        ("readinessProbe", "/readyz")):
+        assert emsd[probe]["httpGet"] == {"path": path, "port": "metrics"}, probe
     annotations = only(docs, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == str(port)

@@ -108,6 +108,14 @@ def test_saved_on_one_node_loads_on_another_with_identical_bytes(cluster: Any, m
     sa, sb = stats(a), stats(b)
     assert sa["cached"] > 0 and sb["cached"] > 0
     assert sa["cached"] + sb["cached"] == BLOCKS  # each block is a copy on exactly one of the two
+    # What an operator sees: membership, transport, and the blocks that crossed, per peer.
+    assert b.http("/readyz") == (200, b"ready\n")
+    assert b.metric("emsd_cluster_members") == 2
+    assert b.metric("emsd_cluster_membership_state", 'state="joined"') == 1
+    assert b.metric("emsd_peer_blocks_total", f'op="get",peer="{a.sections["node"]["id"]}"') == sb["cached"]
+    assert a.metric("emsd_peer_blocks_total", f'op="put",peer="{b.sections["node"]["id"]}"') > 0
+    assert b.metric("emsd_peer_bytes_total", f'direction="in",peer="{a.sections["node"]["id"]}"') > 0
+    assert sa["transport"] == "tcp" and set(sa["share"]) == {a.sections["node"]["id"], b.sections["node"]["id"]}
 
 
 def test_each_node_holds_its_share_and_read_local_only_stays_home(cluster: Any, monkeypatch: Any) -> None:

@@ -46,6 +46,7 @@ def run_emsd(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str
     ('[cluster]\npeer_listen = "nowhere"\n', "cluster.peer_listen"),
     ('[pool]\nwarm_restart = "yes"\n', "pool.warm_restart"),
     ('[pool]\nstate_dir = "relative"\n', "pool.state_dir"),
+    ('[log]\nformat = "xml"\n', "log.format"),
 ])
 def test_bad_config_is_one_line_naming_the_key_and_exit_2(tmp_path: Path, body: str, key: str) -> None:
     cfg = tmp_path / "bad.toml"
@@ -74,6 +75,12 @@ def test_hugepages_on_without_hugepages_fails_clearly(emsd_factory: Any) -> None
     assert "pool.hugepages" in d.log()
 
 
+def ns_name() -> str:
+    from ems.namespace import namespace_name
+
+    return namespace_name(None, CcConfig(rank_id=0, device_id=0, model_id="m"), "")
+
+
 def test_healthz_and_metrics_after_a_workload(emsd: Any, monkeypatch: Any) -> None:
     monkeypatch.setenv("EMS_SOCKET_DIR", str(emsd.socket_dir))
     Ems._reset()
@@ -88,7 +95,16 @@ def test_healthz_and_metrics_after_a_workload(emsd: Any, monkeypatch: Any) -> No
     finally:
         Ems._reset()
     assert emsd.http("/healthz") == (200, b"ok\n")
+    assert emsd.http("/readyz") == (200, b"ready\n")
     assert emsd.http("/nope")[0] == 404
+    assert emsd.metric("emsd_warm_restart_info", 'outcome="new"') == 1
+    assert emsd.metric("emsd_cluster_membership_state", 'state="standalone"') == 1
+    assert emsd.metric("emsd_cluster_members") == 1
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(emsd.http("/metrics")[1].decode())}
+    by_ns = {s.labels["namespace"]: s.value for s in fams["emsd_pool_namespace_bytes"].samples}
+    assert by_ns[ns_name()] > 0  # labelled by the namespace's name, not a daemon-local id
     assert emsd.metric("emsd_ops_total", 'op="reserve",result="ok"') == 1
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') == 2
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="miss"') == 1
@@ -311,3 +327,16 @@ def test_full_pool_of_pinned_blocks_shows_in_success_not_an_exception(emsd_facto
         assert cc.exists(list(range(100, 108))).success == 8
     finally:
         Ems._reset()
+
+
+def test_json_logs_are_one_object_per_line_with_a_startup_summary(emsd_factory: Any) -> None:
+    import json
+
+    d = emsd_factory(log={"level": "info", "format": "json"})
+    assert d.terminate() == 0
+    lines = [json.loads(line) for line in d.log().splitlines() if line.strip()]
+    assert lines and all({"ts", "level", "logger", "msg"} <= set(rec) for rec in lines)
+    ready = [rec["msg"] for rec in lines if rec["msg"].startswith("ready: ")]
+    assert len(ready) == 1
+    for fact in ("pool 64 MiB shm", "warm restart new", "standalone", "transport none", "metrics 127.0.0.1:"):
+        assert fact in ready[0], ready[0]
