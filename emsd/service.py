@@ -403,6 +403,7 @@ class Service:
             "cached": st.cached,
             "evictions": dict(st.evictions),
             "namespaces": len(self._ns_names),
+            "namespace_names": [n for n in self._ns_names[:100] if not n.startswith("\0")],
             "uptime_s": time.time() - self.started,
             "membership": "standalone" if self.cluster is None else self.cluster.state.value,
             "members": [self.node_id] if self.cluster is None else [n.node_id for n in self.cluster.view],

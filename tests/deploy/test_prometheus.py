@@ -92,3 +92,72 @@ def test_scrape_config_matches_the_rules_and_the_daemons_default() -> None:
     assert config["rule_files"] == ["emsd-rules.yml"]
     jobs = {j for r in rules() for j in re.findall(r'job="([^"]+)"', str(r["expr"]))}
     assert jobs == {job["job_name"]}
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (Debian's prometheus package)")
+def test_a_real_prometheus_scrapes_emsd_with_the_shipped_config(emsd: Any, monkeypatch: Any,
+                                                                tmp_path: Path) -> None:
+    """The shipped scrape config, pointed at a test daemon, run by a real Prometheus server."""
+    import json
+    import shutil as sh
+    import time
+    import urllib.parse
+    import urllib.request
+
+    import torch
+
+    from ems import CcConfig, Ems, EmsConfig
+
+    assert PROMETHEUS is not None
+    cfg = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    cfg["global"]["scrape_interval"] = cfg["global"]["evaluation_interval"] = "1s"
+    cfg["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{emsd.metrics_port}"]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    sh.copy(PROM / "emsd-rules.yml", tmp_path / "emsd-rules.yml")
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - the child keeps it
+    server = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp_path / 'data'}",
+                               f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log)
+    log.close()
+
+    def query(expr: str) -> list[Any]:
+        url = f"http://127.0.0.1:{port}/api/v1/query?query={urllib.parse.quote(expr)}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return list(json.load(resp)["data"]["result"])
+        except OSError:
+            return []
+
+    try:
+        monkeypatch.setenv("EMS_SOCKET_DIR", str(emsd.socket_dir))
+        Ems._reset()
+        Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+        cc = Ems.get_cc()
+        cc.register_kvcache([[torch.ones(8, 4, 16) for _ in range(2)]])
+        assert cc.save(list(range(8)), hashes=[1, 2], offsets=[4, 4]).success == 2
+        assert cc.load(list(range(12)), hashes=[1, 2, 3], offsets=[4, 4, 4]).success == 2
+        deadline = time.monotonic() + 60
+        while True:
+            up = query('up{job="emsd"}')
+            hits = query('emsd_lookup_keys_total{op="pin",result="hit"}')
+            if up and hits:
+                break
+            assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-2000:]
+            time.sleep(0.5)
+        assert up[0]["value"][1] == "1"
+        assert float(hits[0]["value"][1]) == 2
+        assert float(query("emsd_pool_entries")[0]["value"][1]) == 2
+        assert query('emsd_cluster_membership_state{state="standalone"} == 1')
+        assert query("histogram_quantile(0.99, sum by (le) (emsd_op_duration_seconds_bucket))")
+        rules = query("ALERTS")  # the shipped rules load and evaluate (none fires on a healthy node)
+        assert all(r["metric"].get("alertstate") != "firing" for r in rules)
+    finally:
+        Ems._reset()
+        server.terminate()
+        server.wait(20)

@@ -1,0 +1,289 @@
+"""``emsctl``: the operator's command line for the local emsd.
+
+    emsctl [--socket-dir DIR] [--json] status
+    emsctl [--socket-dir DIR] [--json] stats [--interval SECONDS]
+    emsctl [--socket-dir DIR] [--json] owner --namespace NAME KEY [KEY ...]
+    emsctl [--socket-dir DIR] [--json] drain [--timeout SECONDS]
+    emsctl [--json] config check FILE
+
+It talks to the daemon over its Unix socket (``--socket-dir``, else
+``$EMS_SOCKET_DIR``, else /dev/shm/ems) and, for ``stats``, reads the
+daemon's ``/metrics`` twice, ``--interval`` apart. It never writes to
+ZooKeeper: ``drain`` asks the daemon to leave the ring itself. Tables by
+default, ``--json`` for scripts. Exit status: 0 done, 1 the daemon could
+not be reached or refused, 2 a bad command line or config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from emsd.config import ConfigError, load_config
+from emsd.pool.keys import KeyBatch, KeyError_
+from emsd.transport.frames import PROTOCOL_VERSION, SOCKET_NAME, FrameDecoder, Op, encode_parts
+
+DEFAULT_SOCKET_DIR = "/dev/shm/ems"
+
+
+class CtlError(Exception):
+    """A failure to report in one line; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Control:
+    """A control connection without the pool mapping (the HELLO's descriptor is closed at once)."""
+
+    def __init__(self, socket_dir: Path, timeout: float = 10.0) -> None:
+        self.path = socket_dir / SOCKET_NAME
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(timeout)
+        self.decoder = FrameDecoder()
+        self.ids = 0
+        try:
+            self.sock.connect(str(self.path))
+            self._send(Op.HELLO, {"pid": os.getpid()})
+            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
+            for fd in fds:
+                os.close(fd)
+            frames = self.decoder.feed(data)
+        except OSError as exc:
+            self.sock.close()
+            raise CtlError(f"cannot reach emsd at {self.path}: {exc}") from None
+        if not frames or frames[0].header.get("st") != 0:
+            why = frames[0].header.get("msg") if frames else "no answer"
+            raise CtlError(f"emsd refused the connection: {why}")
+
+    def call(self, op: Op, fields: dict[str, Any], payload: bytes = b"",
+             timeout: float = 10.0) -> dict[str, Any]:
+        rid = self._send(op, fields, payload)
+        self.sock.settimeout(timeout)
+        while True:
+            try:
+                data = self.sock.recv(1 << 20)
+            except OSError as exc:
+                raise CtlError(f"emsd did not answer: {exc}") from None
+            if not data:
+                raise CtlError("emsd closed the connection")
+            for frame in self.decoder.feed(data):
+                if frame.header.get("id") == rid:
+                    if frame.header.get("st"):
+                        raise CtlError(f"emsd refused: {frame.header.get('msg')}")
+                    return frame.header
+
+    def _send(self, op: Op, fields: dict[str, Any], payload: bytes = b"") -> int:
+        self.ids += 1
+        header = {"v": PROTOCOL_VERSION, "id": self.ids, "op": int(op), **fields}
+        self.sock.sendall(b"".join(encode_parts(header, payload) if payload else encode_parts(header)))
+        return self.ids
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def status(ctl: Control) -> dict[str, Any]:
+    return ctl.call(Op.STATS, {})
+
+
+def show_status(st: dict[str, Any]) -> str:
+    gib = 1 << 30
+    lines = [
+        f"node        {st['node']}   emsd {st.get('version', '?')}   pid {st.get('pid', '?')}",
+        f"pool        {st['capacity'] / gib:.2f} GiB {st['region']}   used {st['bytes_used'] / gib:.2f} GiB"
+        f"   free {st['bytes_free'] / gib:.2f} GiB",
+        f"blocks      {st['entries']} (read-cache copies {st['cached']}, pinned {st['pinned']},"
+        f" pending {st['pending']})   namespaces {st['namespaces']}",
+        f"evictions   {', '.join(f'{k} {v}' for k, v in sorted(st['evictions'].items())) or 'none'}",
+        f"restart     {st.get('restart', '?')} ({st.get('restored', 0)} blocks restored)",
+        f"membership  {st['membership']}{'  (draining)' if st.get('draining') else ''}"
+        f"   transport {st.get('transport', '?')}",
+        "",
+        table(["member", "capacity GiB", "share", "peer"],
+              [[m["id"], f"{m['capacity'] / gib:.2f}", f"{st['share'].get(m['id'], 0.0):.1%}", m["peer"]]
+               for m in st.get("view", [])]),
+    ]
+    return "\n".join(lines)
+
+
+def stats(ctl: Control, interval: float) -> dict[str, Any]:
+    st = ctl.call(Op.STATS, {})
+    url = st.get("metrics")
+    if not url:
+        raise CtlError("this daemon serves no metrics (metrics.listen is off)")
+    before = _scrape(url)
+    time.sleep(interval)
+    after = _scrape(url)
+    rates = {k: (after[k] - before.get(k, 0.0)) / interval for k in after if k[0].endswith("_total")}
+    ops: dict[str, float] = {}
+    keys: dict[tuple[str, str], float] = {}
+    for (name, labels), rate in rates.items():
+        lab = dict(labels)
+        if name == "emsd_ops_total":
+            ops[lab["op"]] = ops.get(lab["op"], 0.0) + rate
+        elif name == "emsd_lookup_keys_total":
+            keys[(lab["op"], lab["result"])] = rate
+    hits, misses = keys.get(("pin", "hit"), 0.0), keys.get(("pin", "miss"), 0.0)
+    total = {k: v for k, v in after.items() if k[0] == "emsd_lookup_keys_total"}
+    all_hits = sum(v for k, v in total.items() if dict(k[1]) == {"op": "pin", "result": "hit"})
+    all_keys = sum(v for k, v in total.items() if dict(k[1]).get("op") == "pin")
+    return {"interval_s": interval, "ops_per_s": ops,
+            "load_hit_ratio": hits / (hits + misses) if hits + misses else None,
+            "load_hit_ratio_since_start": all_hits / all_keys if all_keys else None,
+            "peer_bytes_per_s": {dict(k[1]).get("peer", "") + "/" + dict(k[1]).get("direction", ""): v
+                                 for k, v in rates.items() if k[0] == "emsd_peer_bytes_total"}}
+
+
+def show_stats(s: dict[str, Any]) -> str:
+    ratio = s["load_hit_ratio"]
+    since = s["load_hit_ratio_since_start"]
+    lines = [table(["op", "per second"], [[op, f"{r:.1f}"] for op, r in sorted(s["ops_per_s"].items())]),
+             "",
+             f"load hit ratio  {'-' if ratio is None else f'{ratio:.1%}'} over {s['interval_s']:g} s,"
+             f" {'-' if since is None else f'{since:.1%}'} since start"]
+    if s["peer_bytes_per_s"]:
+        lines += ["", table(["peer/direction", "MB/s"],
+                            [[k, f"{v / 1e6:.1f}"] for k, v in sorted(s["peer_bytes_per_s"].items())])]
+    return "\n".join(lines)
+
+
+def owner(ctl: Control, namespace: str, raw_keys: list[str]) -> dict[str, Any]:
+    keys = [_key(k) for k in raw_keys]
+    try:
+        batch = KeyBatch.from_user(keys)
+    except KeyError_ as exc:
+        raise CtlError(f"KEY: {exc}", 2) from None
+    kt, wire = batch.to_wire()
+    answer = ctl.call(Op.OWNER, {"ns": namespace, "n": len(keys), "kt": kt}, wire)
+    return {"namespace": namespace, "owners": dict(zip(raw_keys, answer["owners"], strict=True))}
+
+
+def show_owner(o: dict[str, Any]) -> str:
+    return table(["key", "owners (primary first)"], [[k, ", ".join(v)] for k, v in o["owners"].items()])
+
+
+def drain(ctl: Control, timeout: float, progress: bool) -> dict[str, Any]:
+    """Leave the ring and move owned blocks, a step at a time, printing progress."""
+    deadline = time.monotonic() + timeout
+    moved = failed = 0
+    while True:
+        step = ctl.call(Op.DRAIN, {"to": 2000}, timeout=30)
+        moved, failed = moved + step["moved"], failed + step["failed"]
+        if progress:
+            print(f"drain: {moved} blocks moved, {failed} not taken, {step['remaining']} to go",
+                  file=sys.stderr, flush=True)
+        if step["remaining"] == 0:
+            return {"moved": moved, "failed": failed, "remaining": 0}
+        if time.monotonic() > deadline:
+            raise CtlError(f"drain: {step['remaining']} blocks still to move after {timeout:g} s")
+
+
+def config_check(path: str) -> dict[str, Any]:
+    try:
+        cfg = load_config(path)
+    except ConfigError as exc:
+        raise CtlError(f"{path}: {exc}", 2) from None
+    return {"file": path, "ok": True, "node": cfg.node.id, "pool_bytes": cfg.pool.size,
+            "cluster": cfg.cluster.name if cfg.cluster.enabled else None}
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows, strict=False)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*r).rstrip() for r in [head, *rows])
+
+
+def _key(text: str) -> int | bytes:
+    """An int key, or bytes given as 0x-prefixed hex."""
+    try:
+        return bytes.fromhex(text[2:]) if text.lower().startswith("0x") else int(text)
+    except ValueError:
+        raise CtlError(f"KEY {text!r}: give an integer or 0x-prefixed hex bytes", 2) from None
+
+
+def _scrape(listen: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    host, _, port = listen.rpartition(":")
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else host.strip("[]")
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError as exc:
+        raise CtlError(f"cannot read metrics from {listen}: {exc}") from None
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="emsctl", description="operate the local emsd")
+    p.add_argument("--socket-dir", default=os.environ.get("EMS_SOCKET_DIR", DEFAULT_SOCKET_DIR),
+                   help="the daemon's node.socket_dir (default $EMS_SOCKET_DIR or /dev/shm/ems)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("status", help="this node and the cluster view")
+    st = sub.add_parser("stats", help="request rates and hit ratio")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between the two samples")
+    ow = sub.add_parser("owner", help="which nodes own keys")
+    ow.add_argument("--namespace", required=True,
+                    help="the namespace name the keys live in (emsctl --json status lists them)")
+    ow.add_argument("keys", nargs="+", metavar="KEY", help="an integer, or 0x-prefixed hex bytes")
+    dr = sub.add_parser("drain", help="leave the ring and move owned blocks away")
+    dr.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    cf = sub.add_parser("config", help="config files")
+    cf_sub = cf.add_subparsers(dest="config_cmd", required=True)
+    check = cf_sub.add_parser("check", help="validate a config file")
+    check.add_argument("file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.cmd == "config":
+            out, text = config_check(args.file), None
+            text = f"{args.file}: ok (node {out['node']}, cluster {out['cluster'] or 'none'})"
+        else:
+            ctl = Control(Path(args.socket_dir))
+            try:
+                if args.cmd == "status":
+                    out = status(ctl)
+                    text = show_status(out)
+                elif args.cmd == "stats":
+                    out = stats(ctl, args.interval)
+                    text = show_stats(out)
+                elif args.cmd == "owner":
+                    out = owner(ctl, args.namespace, args.keys)
+                    text = show_owner(out)
+                else:
+                    out = drain(ctl, args.timeout, progress=not args.json)
+                    text = f"drained: {out['moved']} blocks moved, {out['failed']} not taken"
+            finally:
+                ctl.close()
+    except CtlError as exc:
+        print(f"emsctl: {exc}", file=sys.stderr)
+        return exc.code
+    print(json.dumps(out, indent=2, default=str) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""emsctl against real daemons: status, stats, owner, drain and config check, as tables and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import zk  # noqa: E402
+from test_cluster import BLOCK, BLOCKS, KEYS, SLOTS, kv, stats, use, wait_for  # noqa: E402
+
+from ems import CcConfig, CcKvOption, Ems  # noqa: E402
+from ems.namespace import namespace_name  # noqa: E402
+
+NS = namespace_name(None, CcConfig(rank_id=0, device_id=0, model_id="m"), "")
+
+
+def emsctl(*args: str, socket_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    where = ["--socket-dir", str(socket_dir)] if socket_dir is not None else []
+    return subprocess.run([sys.executable, "-m", "emsd.ctl", *where, *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(autouse=True)
+def _reset_sdk() -> Iterator[None]:
+    yield
+    Ems._reset()
+
+
+def test_status_stats_owner_and_config_check_on_a_standalone_node(emsd: Any, monkeypatch: Any,
+                                                                   tmp_path: Path) -> None:
+    cc = use(emsd, monkeypatch)
+    cc.register_kvcache(kv(1))
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+
+    out = emsctl("status", socket_dir=emsd.socket_dir)
+    assert out.returncode == 0, out.stderr
+    assert "test-0" in out.stdout and "standalone" in out.stdout and "100.0%" in out.stdout
+    st = json.loads(emsctl("--json", "status", socket_dir=emsd.socket_dir).stdout)
+    assert st["entries"] == BLOCKS and st["restart"] == "new" and NS in st["namespace_names"]
+
+    stop = threading.Event()
+
+    def load_loop() -> None:
+        while not stop.is_set():
+            cc.load(SLOTS, hashes=KEYS[:-1] + [1], offsets=[BLOCK] * BLOCKS)
+
+    loader = threading.Thread(target=load_loop)
+    loader.start()
+    try:
+        rates = json.loads(emsctl("--json", "stats", "--interval", "0.5", socket_dir=emsd.socket_dir).stdout)
+    finally:
+        stop.set()
+        loader.join()
+    assert rates["ops_per_s"]["pin"] > 0
+    assert 0.9 < rates["load_hit_ratio"] < 1.0  # 47 hits and one miss a call
+    table = emsctl("stats", "--interval", "0.2", socket_dir=emsd.socket_dir)
+    assert table.returncode == 0 and "load hit ratio" in table.stdout
+
+    owners = json.loads(emsctl("--json", "owner", "--namespace", NS, "1", "0xabcd",
+                               socket_dir=emsd.socket_dir).stdout)
+    assert owners["owners"] == {"1": ["test-0"], "0xabcd": ["test-0"]}
+    bad_key = emsctl("owner", "--namespace", NS, "x1", socket_dir=emsd.socket_dir)
+    assert bad_key.returncode == 2 and "KEY" in bad_key.stderr
+
+    good = emsd.config_path
+    assert emsctl("config", "check", str(good)).returncode == 0
+    broken = tmp_path / "bad.toml"
+    broken.write_text('[pool]\nsize = "lots"\n')
+    res = emsctl("config", "check", str(broken))
+    assert res.returncode == 2 and "pool.size" in res.stderr and len(res.stderr.splitlines()) == 1
+
+    gone = emsctl("status", socket_dir=tmp_path)
+    assert gone.returncode == 1 and "cannot reach emsd" in gone.stderr
+    assert emsd.alive()
+
+
+@pytest.mark.skipif(zk.available() is not None, reason=str(zk.available()))
+def test_drain_moves_a_nodes_share_to_the_others_before_it_stops(emsd_factory: Any, tmp_path: Path,
+                                                                 monkeypatch: Any) -> None:
+    server = zk.ZooKeeperServer(tmp_path / "zk").start()
+    try:
+        secret = tmp_path / "secret"
+        secret.write_text("drain-test-cluster-secret\n")
+        secret.chmod(0o600)
+        a, b = (emsd_factory(cluster={"name": "d", "zookeeper": server.hosts, "secret_file": str(secret),
+                                      "peer_listen": f"127.0.0.1:{zk.free_port()}", "session_timeout": 4})
+                for _ in range(2))
+        wait_for(lambda: all(len(stats(d)["members"]) == 2 for d in (a, b)))
+        src = kv(2)
+        cc = use(a, monkeypatch)
+        cc.register_kvcache(src)
+        assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
+                       option=CcKvOption(write_rcache=False)).success == BLOCKS
+        held_a = stats(a)["entries"]
+        assert 0 < held_a < BLOCKS
+        owners = json.loads(emsctl("--json", "owner", "--namespace", NS, *map(str, KEYS),
+                                   socket_dir=a.socket_dir).stdout)["owners"]
+        assert sum(v == ["test-0"] for v in owners.values()) == held_a
+
+        out = emsctl("drain", socket_dir=a.socket_dir)
+        assert out.returncode == 0, out.stderr
+        assert f"drained: {held_a} blocks moved" in out.stdout and "to go" in out.stderr  # progress lines
+        wait_for(lambda: stats(b)["members"] == ["test-1"])
+        assert stats(b)["entries"] == BLOCKS  # b now holds the whole share
+        Ems._reset()
+        assert a.terminate() == 0
+        cc = use(b, monkeypatch)
+        dst = [[torch.zeros_like(t) for t in layer] for layer in src]
+        cc.register_kvcache(dst)
+        assert cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+        pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
+        assert all(torch.equal(x, y) for x, y in pairs)
+    finally:
+        server.stop()
