@@ -107,7 +107,7 @@ def show_status(st: dict[str, Any]) -> str:
         f"pool        {st['capacity'] / gib:.2f} GiB {st['region']}   used {st['bytes_used'] / gib:.2f} GiB"
         f"   free {st['bytes_free'] / gib:.2f} GiB",
         f"blocks      {st['entries']} (read-cache copies {st['cached']}, pinned {st['pinned']},"
-        f" pending {st['pending']})   namespaces {st['namespaces']}",
+        f" pending {st['pending']})   namespaces {st['namespaces']}   clients {st.get('clients', '?')}",
         f"evictions   {', '.join(f'{k} {v}' for k, v in sorted(st['evictions'].items())) or 'none'}",
         f"restart     {st.get('restart', '?')} ({st.get('restored', 0)} blocks restored)",
         f"membership  {st['membership']}{'  (draining)' if st.get('draining') else ''}"

@@ -20,7 +20,14 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -37,6 +44,7 @@ class Metrics:
     """The daemon's metrics; every method is cheap enough for the request path."""
 
     def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series: they double the output and nobody graphs them
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ops = Counter("emsd_ops", "Requests handled, by op and result", ["op", "result"],

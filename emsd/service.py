@@ -90,6 +90,7 @@ class Service:
         self.started = time.time()
         self.cluster: Cluster | None = None  # set when the node runs in a cluster
         self.info: dict[str, Any] = {}  # start-up facts STATS reports (restart outcome, metrics address)
+        self.sessions = 0  # connections past HELLO
         self._pressure = Once(60.0)  # "evicting under pressure", at most once a minute
 
     # -- entry points ---------------------------------------------------------
@@ -101,6 +102,7 @@ class Service:
         pid = header.get("pid", 0)
         session.peer_pid = pid if type(pid) is int else 0
         session.authenticated = True
+        self.sessions += 1
         return {"node": self.node_id, "pool_size": self.store.stats().capacity,
                 "region": self.region_kind, "server_pid": os.getpid()}
 
@@ -128,6 +130,9 @@ class Service:
 
     def close(self, session: Session) -> None:
         """Release everything a closed connection held."""
+        if session.authenticated:
+            session.authenticated = False
+            self.sessions -= 1
         if session.pending:
             self.store.abort(np.fromiter(session.pending, dtype=np.uint32))
             session.pending.clear()
@@ -402,6 +407,7 @@ class Service:
             "pinned": st.pinned,
             "cached": st.cached,
             "evictions": dict(st.evictions),
+            "clients": self.sessions,
             "namespaces": len(self._ns_names),
             "namespace_names": [n for n in self._ns_names[:100] if not n.startswith("\0")],
             "uptime_s": time.time() - self.started,

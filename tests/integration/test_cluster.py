@@ -115,7 +115,8 @@ def test_saved_on_one_node_loads_on_another_with_identical_bytes(cluster: Any, m
     assert b.metric("emsd_peer_blocks_total", f'op="get",peer="{a.sections["node"]["id"]}"') == sb["cached"]
     assert a.metric("emsd_peer_blocks_total", f'op="put",peer="{b.sections["node"]["id"]}"') > 0
     assert b.metric("emsd_peer_bytes_total", f'direction="in",peer="{a.sections["node"]["id"]}"') > 0
-    assert sa["transport"] == "tcp" and set(sa["share"]) == {a.sections["node"]["id"], b.sections["node"]["id"]}
+    ids = {a.sections["node"]["id"], b.sections["node"]["id"]}
+    assert sa["transport"] == "tcp" and set(sa["share"]) == ids
 
 
 def test_each_node_holds_its_share_and_read_local_only_stays_home(cluster: Any, monkeypatch: Any) -> None:

@@ -46,6 +46,7 @@ def test_status_stats_owner_and_config_check_on_a_standalone_node(emsd: Any, mon
     assert "test-0" in out.stdout and "standalone" in out.stdout and "100.0%" in out.stdout
     st = json.loads(emsctl("--json", "status", socket_dir=emsd.socket_dir).stdout)
     assert st["entries"] == BLOCKS and st["restart"] == "new" and NS in st["namespace_names"]
+    assert st["clients"] == 2  # the SDK and emsctl itself
 
     stop = threading.Event()
 
