@@ -8,10 +8,12 @@ rule, never a traceback), 1 for an unexpected crash.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from emsd import __version__, logs
 from emsd.config import ConfigError, load_config
+from emsd.faults import Faults
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = load_config(args.config)
-    except ConfigError as exc:
+        Faults.parse(os.environ.get("EMSD_FAULTS", ""))  # tests only; a bad spec is a start-up error
+    except (ConfigError, ValueError) as exc:
         print(f"emsd: config error: {exc}", file=sys.stderr)
         return 2
     logs.setup(args.log_level or config.log.level, args.log_format or config.log.format)

@@ -22,10 +22,13 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Coroutine
+from typing import Any
 
 import numpy as np
 
 from emsd.config import ClusterConfig
+from emsd.faults import FAULTS
 from emsd.membership.base import MembershipState, NodeInfo
 from emsd.membership.zookeeper import ZooKeeperMembership
 from emsd.metrics import Metrics
@@ -35,6 +38,19 @@ from emsd.transport.link import Dialer, PeerLink
 from emsd.transport.peer import PEER_PROTOCOL, PeerConnection, PeerError, PeerServer, PoolAccess
 
 log = logging.getLogger("emsd.cluster")
+
+
+async def _inject(site: str, conn: PeerLink) -> None:
+    """Apply an injected fault at ``site`` (tests only: ``emsd.faults``)."""
+    rule = FAULTS.at(site) if FAULTS is not None else None
+    if rule is None:
+        return
+    if rule.action == "delay":
+        await asyncio.sleep(rule.seconds)
+        return
+    if rule.action == "drop":
+        conn.close()
+    raise PeerError(f"injected fault at {site}: {rule.action}")
 
 BACKOFF = 1.0
 
@@ -55,7 +71,10 @@ class Cluster:
         self.secret = secret
         self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL)
         self.server = PeerServer(access, node_id, secret)
-        self.membership = ZooKeeperMembership(cfg.zookeeper, cfg.name, self.me, cfg.session_timeout)
+        # start() binds peer_listen before joining: a registration with our advertised endpoint
+        # that is still alive can only be our own previous process.
+        self.membership = ZooKeeperMembership(cfg.zookeeper, cfg.name, self.me, cfg.session_timeout,
+                                              endpoint_is_mine=True)
         self.view: tuple[NodeInfo, ...] = (self.me,)
         self.ring = Ring.build(ClusterView.of([Member(node_id, capacity)]), cfg.vnodes, cfg.replicas)
         self._conns: dict[str, list[PeerLink]] = {}
@@ -231,15 +250,19 @@ class Cluster:
             self.metrics.peer(node, "put", stored, int(lengths[:stored].sum()), True)
         return stored
 
-    async def _guard(self, node: str, op: str, conn: PeerLink, job: object) -> int:
+    async def _guard(self, node: str, op: str, conn: PeerLink, job: Coroutine[Any, Any, int]) -> int:
         try:
-            got = int(await job)  # type: ignore[misc]
+            if FAULTS is not None:
+                await _inject(f"peer.{op}", conn)
+            got = int(await job)
         except PeerError as exc:
             self._mark_down(node, str(exc))
             self._drop(node, conn)
             if self.metrics is not None:
                 self.metrics.peer(node, op, 0, 0, False)
             return 0
+        finally:
+            job.close()  # never started when an injected fault or a cancel came first
         self._mark_up(node)
         if self.metrics is not None and op == "get" and got:
             self.metrics.peer(node, op, got, int(getattr(conn, "last_bytes", 0)), True)

@@ -36,9 +36,21 @@ from emsd.membership.base import DuplicateNodeError, MembershipState, NodeInfo, 
 log = logging.getLogger("emsd.membership")
 
 
+def _endpoint(data: bytes) -> str | None:
+    try:
+        return NodeInfo.decode(data).peer_addr
+    except ValueError:
+        return None
+
+
 class ZooKeeperMembership:
-    def __init__(self, hosts: str, cluster: str, me: NodeInfo, session_timeout: float = 10.0) -> None:
+    def __init__(self, hosts: str, cluster: str, me: NodeInfo, session_timeout: float = 10.0,
+                 endpoint_is_mine: bool = False) -> None:
+        """``endpoint_is_mine``: the caller holds ``me.peer_addr`` (it bound that port), so a live
+        registration of this node id with that very endpoint can only be this node's previous
+        process, killed before its session expired: it is replaced, not refused."""
         self.me = me
+        self.endpoint_is_mine = endpoint_is_mine
         self.dir = f"/emsd/{cluster}/nodes"
         self.path = f"{self.dir}/{me.node_id}"
         self.state = MembershipState.CONNECTING
@@ -142,13 +154,20 @@ class ZooKeeperMembership:
         try:
             self._zk.create(self.path, data, ephemeral=True)
         except NodeExistsError:
-            _, stat = self._zk.get(self.path)
-            if stat.ephemeralOwner != self._zk.client_id[0]:
+            old, stat = self._zk.get(self.path)
+            if stat.ephemeralOwner == self._zk.client_id[0]:
+                self._zk.set(self.path, data)
+            elif self.endpoint_is_mine and _endpoint(old) == self.me.peer_addr:
+                log.warning("replacing the registration of this node's previous process (session %#x, "
+                            "same endpoint %s): it died before its session expired",
+                            stat.ephemeralOwner, self.me.peer_addr)
+                self._zk.delete(self.path, version=stat.version)
+                self._zk.create(self.path, data, ephemeral=True)
+            else:
                 raise DuplicateNodeError(
                     f"node id {self.me.node_id!r} is already registered by another live emsd "
                     f"(ZooKeeper session {stat.ephemeralOwner:#x}); give each node a unique node.id"
                 ) from None
-            self._zk.set(self.path, data)
         self._need_register = False
         if not self._watching:
             self._zk.ChildrenWatch(self.dir, self._on_children)

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from emsd.faults import FAULTS
 from emsd.pool.keys import KeyBatch, KeyError_
 from emsd.pool.store import BlockStore
 from emsd.pool.store import Status as SlotStatus
@@ -221,6 +222,19 @@ def _keys_of(header: dict[str, Any], payload: bytes) -> tuple[KeyBatch, bytes]:
         raise FrameError(f"keys: {exc}") from None
 
 
+async def _inject_serving() -> None:
+    """An injected fault while answering a peer (tests only: ``emsd.faults``)."""
+    rule = FAULTS.at("peer.serve") if FAULTS is not None else None
+    if rule is None:
+        return
+    if rule.action == "delay":
+        await asyncio.sleep(rule.seconds)
+    elif rule.action == "drop":
+        raise ConnectionError("injected fault at peer.serve: drop")
+    else:
+        raise FrameError("injected fault at peer.serve: error")
+
+
 def _check_id(header: dict[str, Any], rid: int) -> None:
     if header.get("id") != rid:
         raise PeerError(f"answer {header.get('id')!r} does not match request {rid}")
@@ -332,6 +346,8 @@ class PeerServer:
                 header, payload = await _recv_frame(loop, conn)
                 rid = header["id"]
                 try:
+                    if FAULTS is not None:
+                        await _inject_serving()
                     if header.get("op") == OP_GET:
                         await self._get(loop, conn, rid, header, payload)
                     elif header.get("op") == OP_PUT:

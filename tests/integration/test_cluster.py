@@ -279,3 +279,34 @@ def test_a_load_with_write_rcache_off_keeps_no_copy(cluster: Any, monkeypatch: A
     assert st["entries"] == held_b and st["pinned"] == 0  # ...and the copies went with the release
     assert cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS  # default: kept
     assert stats(b)["entries"] == BLOCKS
+
+
+def test_injected_peer_and_pool_faults_cost_hits_never_bytes(cluster: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("EMSD_FAULTS", "peer.get=error:0.3,peer.put=drop:0.2,peer.serve=delay:0.3:0.05,"
+                                      "pool.reserve=error:0.1,seed=11")
+    a, b = cluster(2)
+    src = kv(13)
+    saved = []
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(src)
+    for r in range(12):
+        keys = [70_000 + 100 * r + i for i in range(BLOCKS)]
+        if cc.save(SLOTS, hashes=keys, offsets=[BLOCK] * BLOCKS,
+                   option=CcKvOption(write_rcache=False, timeout=2000)).success == BLOCKS:
+            saved.append(keys)
+    cc = use(b, monkeypatch)
+    hits = 0
+    for keys in saved:
+        dst = [[torch.zeros_like(t) for t in layer] for layer in src]
+        cc.register_kvcache(dst)
+        res = cc.load(SLOTS, hashes=keys, offsets=[BLOCK] * BLOCKS,
+                      option=CcKvOption(write_rcache=False, timeout=2000))
+        hits += res.success
+        for la, lb in zip(src, dst, strict=True):  # what loads is exactly what was saved
+            for x, y in zip(la, lb, strict=True):
+                assert torch.equal(x[: res.success], y[: res.success])
+    assert 0 < len(saved) < 12  # the injected pool faults failed some saves...
+    assert 0 < hits < len(saved) * BLOCKS  # ...and the peer faults cost some hits
+    assert a.metric("emsd_peer_errors_total", f'op="put",peer="{b.sections["node"]["id"]}"') > 0
+    assert a.alive() and b.alive()
+    assert "fault injection ON" in a.log()

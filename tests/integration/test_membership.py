@@ -83,6 +83,28 @@ def test_a_duplicate_node_id_is_refused(members: Callable[..., ZooKeeperMembersh
         twin.start()
 
 
+def test_a_restarted_node_replaces_its_dead_predecessors_registration(
+        zookeeper: zk.ZooKeeperServer) -> None:
+    old = ZooKeeperMembership(zookeeper.hosts, "test", info("a"), session_timeout=30)
+    old.start()  # "killed": its session lives on for 30 s
+    try:
+        other_endpoint = NodeInfo("a", "127.0.0.1:4242", 4 << 30, 1)
+        stranger = ZooKeeperMembership(zookeeper.hosts, "test", other_endpoint, session_timeout=SESSION,
+                                       endpoint_is_mine=True)
+        with pytest.raises(DuplicateNodeError):
+            stranger.start()  # another endpoint: a different live daemon, refused
+        stranger.stop()
+        again = ZooKeeperMembership(zookeeper.hosts, "test", info("a"), session_timeout=SESSION,
+                                    endpoint_is_mine=True)
+        again.start()  # same endpoint, which the caller has bound: the old process is dead
+        try:
+            assert again.state is MembershipState.JOINED and ids(again) == ["a"]
+        finally:
+            again.stop()
+    finally:
+        old.stop()
+
+
 def test_zookeeper_down_keeps_the_view_and_rejoin_follows(
         zookeeper: zk.ZooKeeperServer, members: Callable[..., ZooKeeperMembership]) -> None:
     a, b = members("a"), members("b")
