@@ -38,6 +38,8 @@ class NodeConfig:
     id: str = field(default_factory=socket.gethostname)
     socket_dir: Path = Path("/dev/shm/ems")
     socket_mode: int = 0o660  # who may connect (and so map the pool): owner and group
+    allowed_uids: tuple[int, ...] = ()  # with allowed_gids: peers (SO_PEERCRED) let in; () both: anyone
+    allowed_gids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,12 +93,19 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class TenantsConfig:
+    file: Path | None = None  # None: one default tenant for everyone
+    allow_default: bool = False  # with a file: also serve clients that give no access_id
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -134,13 +143,31 @@ def load_config(path: str | Path) -> Config:
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Build and check a ``Config`` from parsed TOML."""
-    _only(raw, "", {"node", "pool", "metrics", "log", "cluster"})
+    _only(raw, "", {"node", "pool", "metrics", "log", "cluster", "tenants"})
     node = _node(_table(raw, "node"))
     pool = _pool(_table(raw, "pool"))
     metrics = _metrics(_table(raw, "metrics"))
     log = _log(_table(raw, "log"))
     cluster = _cluster(_table(raw, "cluster"))
-    return Config(node=node, pool=pool, metrics=metrics, log=log, cluster=cluster)
+    tenants = _tenants(_table(raw, "tenants"))
+    return Config(node=node, pool=pool, metrics=metrics, log=log, cluster=cluster, tenants=tenants)
+
+
+def _tenants(t: dict[str, Any]) -> TenantsConfig:
+    _only(t, "tenants", {"file", "allow_default"})
+    file = t.get("file", "")
+    if not isinstance(file, str) or (file and not file.startswith("/")):
+        raise ConfigError("tenants.file", f"must be an absolute path or empty (got {file!r})")
+    allow = t.get("allow_default", False)
+    if not isinstance(allow, bool):
+        raise ConfigError("tenants.allow_default", f"must be true or false (got {allow!r})")
+    return TenantsConfig(file=Path(file) if file else None, allow_default=allow)
+
+
+def _ids(key: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(v) is int and 0 <= v < 2**32 for v in value):
+        raise ConfigError(key, f"must be a list of numeric ids (got {value!r})")
+    return tuple(value)
 
 
 def _table(raw: dict[str, Any], name: str) -> dict[str, Any]:
@@ -158,7 +185,7 @@ def _only(table: dict[str, Any], prefix: str, allowed: set[str]) -> None:
 
 
 def _node(t: dict[str, Any]) -> NodeConfig:
-    _only(t, "node", {"id", "socket_dir", "socket_mode"})
+    _only(t, "node", {"id", "socket_dir", "socket_mode", "allowed_uids", "allowed_gids"})
     d = NodeConfig()
     node_id = t.get("id", d.id)
     if not isinstance(node_id, str) or not _NODE_ID.match(node_id):
@@ -171,7 +198,9 @@ def _node(t: dict[str, Any]) -> NodeConfig:
     mode = t.get("socket_mode", f"{d.socket_mode:04o}")
     if not isinstance(mode, str) or not re.fullmatch(r"0?[0-7]{3}", mode):
         raise ConfigError("node.socket_mode", f'must be an octal mode string like "0660" (got {mode!r})')
-    return NodeConfig(id=node_id, socket_dir=Path(sock_dir), socket_mode=int(mode, 8))
+    return NodeConfig(id=node_id, socket_dir=Path(sock_dir), socket_mode=int(mode, 8),
+                      allowed_uids=_ids("node.allowed_uids", t.get("allowed_uids", [])),
+                      allowed_gids=_ids("node.allowed_gids", t.get("allowed_gids", [])))
 
 
 def _pool(t: dict[str, Any]) -> PoolConfig:

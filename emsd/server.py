@@ -26,13 +26,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from emsd import __version__
-from emsd.config import Config
+from emsd.config import Config, ConfigError
 from emsd.metrics import HttpEndpoint, Metrics
 from emsd.pool.ledger import Geometry, Ledger, LedgerBusy
 from emsd.pool.region import Region
 from emsd.pool.slab import SlabError
 from emsd.pool.store import BlockStore
 from emsd.service import Service
+from emsd.tenants import Tenants
+from emsd.tenants import load as load_tenants
 from emsd.transport.unix import UnixControlServer
 
 if TYPE_CHECKING:
@@ -58,6 +60,7 @@ class Daemon:
             config.node.socket_mode,
             pool_fd=lambda: self.region.fd if self.region and self.service else None,
             service=lambda: self.service,
+            allowed=(config.node.allowed_uids, config.node.allowed_gids),
             on_count=self.metrics.clients.set,
         )
         self.http = HttpEndpoint(self.metrics, readiness=self.readiness)
@@ -100,7 +103,7 @@ class Daemon:
         region = await loop.run_in_executor(None, self._make_region)
         self.region = region
         store, names = await loop.run_in_executor(None, self._attach, region)
-        service = Service(store, cfg.node.id, region.kind, self.metrics)
+        service = Service(store, cfg.node.id, region.kind, self.metrics, self._tenants())
         service.restore_namespaces(names)
         self.metrics.watch_pool(store.stats, service.namespace_name)
         self.metrics.restart.labels(self.restart_outcome.split(":")[0]).set(1)
@@ -214,6 +217,19 @@ class Daemon:
         log.info("warm restart: %s; %d blocks restored (%s, ledger %s)", outcome, restored,
                  region.path, path)
         return store, names
+
+    def _tenants(self) -> Tenants:
+        """The configured tenants (none: one default tenant); raises ``StartupError`` for a bad file."""
+        cfg = self.config.tenants
+        if cfg.file is None:
+            return Tenants([])
+        try:
+            tenants = load_tenants(cfg.file, cfg.allow_default)
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
+        log.info("tenants: %d from %s%s", len(tenants.by_id), cfg.file,
+                 ", and the default tenant" if cfg.allow_default else "")
+        return tenants
 
     def readiness(self) -> str | None:
         """None when ready to serve (pool attached; standalone, or joined to the cluster), else why not."""

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from emsd.faults import FAULTS
 from emsd.logs import Once
 from emsd.metrics import Metrics
 
@@ -42,8 +43,11 @@ if TYPE_CHECKING:
     from emsd.cluster import Cluster
 from emsd.pool.index import FIRST_ID, READY
 from emsd.pool.keys import KeyBatch, KeyError_
-from emsd.pool.store import BlockStore
+from emsd.pool.store import BlockStore, Reservation
 from emsd.pool.store import Status as SlotStatus
+from emsd.tenants import DEFAULT as DEFAULT_TENANT
+from emsd.tenants import PREFIX as TENANT_PREFIX
+from emsd.tenants import Tenants
 from emsd.transport.frames import MAX_BATCH_KEYS, PROTOCOL_VERSION, Op, Status
 
 log = logging.getLogger("emsd.service")
@@ -70,6 +74,7 @@ class Session:
     namespaces: set[int] = field(default_factory=set)
     pending: set[int] = field(default_factory=set)
     pins: Counter[int] = field(default_factory=Counter)
+    tenant: str = DEFAULT_TENANT  # who the HELLO proved to be
     fetched: set[int] = field(default_factory=set)  # copies fetched for the PIN being handled
     transient: set[int] = field(default_factory=set)  # pinned copies to drop on release (wr off)
 
@@ -80,8 +85,11 @@ Response = tuple[dict[str, Any], list[bytes]]
 class Service:
     """The daemon's request handlers over one ``BlockStore``."""
 
-    def __init__(self, store: BlockStore, node_id: str, region_kind: str, metrics: Metrics) -> None:
+    def __init__(self, store: BlockStore, node_id: str, region_kind: str, metrics: Metrics,
+                 tenants: Tenants | None = None) -> None:
         self.store = store
+        self.tenants = tenants or Tenants([])
+        self._tenant_ns: dict[str, set[int]] = {}  # namespaces of each tenant (for quotas)
         self.node_id = node_id
         self.region_kind = region_kind
         self.metrics = metrics
@@ -101,6 +109,12 @@ class Service:
             raise RequestError(Status.INVALID_ARGUMENT, "the first request must be HELLO")
         pid = header.get("pid", 0)
         session.peer_pid = pid if type(pid) is int else 0
+        tenant = self.tenants.authenticate(header.get("access_id"), header.get("access_key"))
+        if tenant is None:
+            log.warning("refused client pid %s: unknown tenant %r or wrong access key",
+                        session.peer_pid, str(header.get("access_id"))[:64])
+            raise RequestError(Status.INVALID_ARGUMENT, "unknown tenant or wrong access key")
+        session.tenant = tenant
         session.authenticated = True
         self.sessions += 1
         return {"node": self.node_id, "pool_size": self.store.stats().capacity,
@@ -279,6 +293,8 @@ class Service:
         top = max(names, default=-1) + 1
         self._ns_names = [names.get(ns, f"\0unnamed-{ns}") for ns in range(top)]
         self._ns_ids = {name: ns for ns, name in names.items()}
+        for ns, name in names.items():
+            self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
 
     def namespace_id(self, name: str) -> int:
         """The local id of namespace ``name``, created on first use (ids are per daemon)."""
@@ -290,6 +306,7 @@ class Service:
                 log.warning("namespace %d (%d bytes of name) will not survive a restart", ns, len(name))
             self._ns_ids[name] = ns
             self._ns_names.append(name)
+            self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
         return ns
 
     def namespace_name(self, ns: int) -> str:
@@ -299,7 +316,10 @@ class Service:
         name = h.get("name")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAMESPACE_LEN:
             raise RequestError(Status.INVALID_ARGUMENT, "namespace name must be 1-4096 characters")
-        ns = self.namespace_id(name)
+        if s.tenant == DEFAULT_TENANT and name.startswith(TENANT_PREFIX):
+            raise RequestError(Status.INVALID_ARGUMENT,
+                               f"namespace names starting {TENANT_PREFIX!r} are reserved")
+        ns = self.namespace_id(Tenants.qualify(s.tenant, name))
         if ns not in s.namespaces and len(s.namespaces) >= MAX_NAMESPACES_PER_SESSION:
             raise RequestError(Status.INVALID_ARGUMENT, "too many namespaces on one connection")
         s.namespaces.add(ns)
@@ -311,8 +331,14 @@ class Service:
         if len(rest) != 8 * n:
             raise RequestError(Status.INVALID_ARGUMENT, f"sizes: expected {8 * n} bytes, got {len(rest)}")
         sizes = np.frombuffer(rest, dtype="<u8").astype(np.uint64)
+        quota = self.tenants.quota(s.tenant)
+        fit = n if quota is None else self._fit_quota(s.tenant, quota, ns, keys, sizes)
+        if FAULTS is not None and FAULTS.at("pool.reserve") is not None:
+            fit = 0  # injected: as if the pool were full of pinned blocks
         evicted = self.store.evicted_total
-        res = self.store.reserve(ns, keys, sizes)
+        res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit])
+        if fit < n:  # over the tenant's quota even after evicting its own blocks: the rest fail
+            res = _pad_failed(res, n)
         if self.store.evicted_total > evicted and self._pressure.due():
             st = self.store.stats()
             log.info("evicting under pressure: %s blocks evicted since start (%d MiB used of %d)",
@@ -326,6 +352,17 @@ class Service:
             res.handles.astype("<u4").tobytes(),
             res.status.astype(np.uint8).tobytes(),
         ]
+
+    def _fit_quota(self, tenant: str, quota: int, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
+        """How many leading keys of a save fit the tenant's quota, after evicting its own LRU blocks."""
+        mine = np.fromiter(self._tenant_ns.get(tenant, ()), dtype=np.int64)
+        held = sum(self.store.ns_bytes(int(x)) for x in mine.tolist())
+        want = int(sizes.sum())
+        if held + want > quota:
+            present = self.store.index.find(ns, keys)
+            held -= self.store.evict_within(mine, held + want - quota, present[present >= FIRST_ID])
+        room = np.cumsum(sizes.astype(np.int64)) <= quota - held
+        return int(room.argmin()) if not room.all() else len(keys)
 
     def _commit(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         nc, na = h.get("c", 0), h.get("a", 0)
@@ -508,3 +545,13 @@ def _op_name(op: object) -> str:
         return Op(op).name.lower()  # type: ignore[arg-type]
     except ValueError:
         return "unknown"
+
+
+def _pad_failed(res: Reservation, n: int) -> Reservation:
+    """``res`` for the first keys of a batch of ``n``, the others FAILED."""
+    k = res.status.size
+    status = np.full(n, int(SlotStatus.FAILED), dtype=np.uint8)
+    handles = np.zeros(n, dtype=np.uint32)
+    offsets = np.zeros(n, dtype=np.uint64)
+    status[:k], handles[:k], offsets[:k] = res.status, res.handles, res.offsets
+    return Reservation(status, handles, offsets)

@@ -289,6 +289,25 @@ class BlockStore:
             self._evict(ids, reason)
         return int(ids.size)
 
+    def evict_within(self, namespaces: np.ndarray, nbytes: int, keep: np.ndarray) -> int:
+        """Evict the least recently used READY unpinned entries of ``namespaces`` (never the ids
+        in ``keep``) until at least ``nbytes`` of block lengths are freed, or none is left.
+
+        For a tenant over its quota: only its own blocks go. Returns the bytes freed.
+        """
+        idx = self.index
+        hw = idx.high_water
+        ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
+        ids = ids[np.isin(idx.ns_of(ids), namespaces) & ~np.isin(ids, keep)]
+        if ids.size == 0 or nbytes <= 0:
+            return 0
+        ids = ids[np.argsort(idx.last_used[ids], kind="stable")]
+        freed = np.cumsum(idx.length[ids].astype(np.int64))
+        victims = ids[: int(np.searchsorted(freed, nbytes)) + 1]
+        total = int(idx.length[victims].astype(np.int64).sum())
+        self._evict(victims, "quota")
+        return total
+
     # -- warm restart --------------------------------------------------------------
 
     def attach(self, ledger: Ledger, namespaces: set[int]) -> int:
@@ -333,6 +352,10 @@ class BlockStore:
             idx = self.index
             self.ledger.record(ids, idx.w0[ids], idx.rest[ids], idx.offset[ids], idx.length[ids],
                                idx.cached[ids])
+
+    def ns_bytes(self, ns: int) -> int:
+        """Committed bytes of namespace ``ns``."""
+        return self._ns_bytes.get(ns, 0)
 
     @property
     def evicted_total(self) -> int:

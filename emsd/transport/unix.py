@@ -140,9 +140,11 @@ class UnixControlServer:
     """Accepts SDK connections on ``path``; hands each to a ``ControlProtocol``."""
 
     def __init__(self, path: Path, mode: int, pool_fd: Callable[[], int | None],
-                 service: Callable[[], Service | None], on_count: Callable[[int], None]) -> None:
+                 service: Callable[[], Service | None], on_count: Callable[[int], None],
+                 allowed: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> None:
         self.path = path
         self.mode = mode
+        self.allowed_uids, self.allowed_gids = allowed  # both empty: whoever can open the socket
         self._pool_fd = pool_fd
         self._service = service
         self._on_count = on_count
@@ -195,8 +197,13 @@ class UnixControlServer:
         conn.setblocking(False)
         session = Session()
         try:
-            session.peer_pid = peer_credentials(conn)[0]
+            pid, uid, gid = peer_credentials(conn)
+            session.peer_pid = pid
             header = await asyncio.wait_for(self._read_hello(loop, conn), HANDSHAKE_TIMEOUT)
+            if not self.admits(uid, gid):  # after the HELLO, so that the client reads the refusal
+                log.warning("refused pid %d: uid %d / gid %d not in node.allowed_uids/gids", pid, uid, gid)
+                raise RequestError(Status.INVALID_ARGUMENT,
+                                   f"uid {uid} / gid {gid} may not use this emsd (node.allowed_uids/gids)")
             service, fd = self._service(), self._pool_fd()
             if service is None or fd is None:
                 self._send(conn, {"id": header["id"], "st": int(Status.RECOVERING),
@@ -219,6 +226,12 @@ class UnixControlServer:
             lambda: ControlProtocol(service, session, self._closed), conn)
         self._conns.add(proto)
         self._on_count(len(self._conns))
+
+    def admits(self, uid: int, gid: int) -> bool:
+        """Whether a peer with these credentials may connect (SO_PEERCRED)."""
+        if not self.allowed_uids and not self.allowed_gids:
+            return True
+        return uid in self.allowed_uids or gid in self.allowed_gids
 
     async def _read_hello(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> dict[str, Any]:
         prefix = await _recv_exact(loop, conn, PREFIX.size)
