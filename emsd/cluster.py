@@ -229,9 +229,14 @@ class Cluster:
         if not jobs:
             return
         tasks = [asyncio.ensure_future(job) for job in jobs]  # type: ignore[call-overload]
-        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
-        for task in pending:
-            task.cancel()
+        try:
+            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        finally:  # deadline or our own cancellation: stop the rest, and wait until they have
+            pending = [task for task in tasks if not task.done()]
+            for task in pending:
+                task.cancel()
+            if pending:  # a cancelled PUT reads blocks the caller has pinned until its bulk thread
+                await asyncio.wait(pending)  # stops, which is at once (the socket is shut down)
         for task in tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 log.debug("peer job failed: %s", task.exception())

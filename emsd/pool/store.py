@@ -131,6 +131,7 @@ class BlockStore:
         self.page_size = self.slabs.page_size
         self.max_block = min(self.page_size, 0xFFFFFFFF)  # lengths are 32-bit
         self.clock_limit = CLOCK_LIMIT
+        self.lru_queue_fraction = LRU_QUEUE_FRACTION
         self._unit = np.uint64(self.slabs.align)
         self._units_per_page = self.page_size // self.slabs.align
         self._clock = 0
@@ -447,7 +448,9 @@ class BlockStore:
             if q is None or q.pos >= q.ids.size:
                 if scanned:
                     break
-                q = self._scan(cls, k - got)
+                # the old queue's ids taken above are still READY: the scan must skip them,
+                # or they would be evicted (and their chunks freed) twice
+                q = self._scan(cls, k - got, np.concatenate(out) if out else _NO_U4)
                 scanned = True
             ids = q.ids[q.pos : q.pos + k - got]
             stamps = q.stamps[q.pos : q.pos + k - got]
@@ -458,12 +461,15 @@ class BlockStore:
             got += int(np.count_nonzero(ok))
         return np.concatenate(out) if out else _NO_U4
 
-    def _scan(self, cls: int, need: int) -> _LruQueue:
+    def _scan(self, cls: int, need: int, taken: np.ndarray) -> _LruQueue:
+        """A fresh queue of the oldest eligible entries of ``cls``, none of ``taken``."""
         idx = self.index
         hw = idx.high_water
         ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
         ids = ids[self._class_of(ids) == cls]
-        victims = copies_first(idx.last_used, idx.cached, ids, max(need, ids.size // LRU_QUEUE_FRACTION))
+        if taken.size:
+            ids = ids[~np.isin(ids, taken)]
+        victims = copies_first(idx.last_used, idx.cached, ids, max(need, ids.size // self.lru_queue_fraction))
         q = _LruQueue(victims, idx.last_used[victims].copy())
         self._queues[cls] = q
         return q
@@ -482,7 +488,7 @@ class BlockStore:
         return True
 
     def _evict(self, ids: np.ndarray, reason: str) -> None:
-        """Drop READY unpinned entries and free their chunks."""
+        """Drop READY unpinned entries (distinct ids: a repeat would free a chunk twice)."""
         if self.ledger is not None:
             self.ledger.forget(ids)  # first: a crash from here on must not bring them back
         self._ns_add(ids, -1)

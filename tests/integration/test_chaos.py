@@ -74,6 +74,9 @@ WORKER = textwrap.dedent("""
                 for i, key in enumerate(keys_of(old)[: res.success]):
                     if not all(bool((t[i] == value(key)).all()) for t in kv[0]):
                         out["wrong"] += 1
+                        seen = sorted({float(v) for t in kv[0] for v in t[i].flatten().tolist()})
+                        out.setdefault("detail", []).append(
+                            {"key": key, "want": value(key), "seen": seen[:8], "at": i, "of": res.success})
         except EmsException:
             out["errors"] += 1
             time.sleep(0.05)

@@ -16,6 +16,7 @@ from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore, Status
 
 PAGE = 4096
+MODEL_KEYS = 40  # enough distinct keys to keep the model's pool under eviction pressure
 NEW, PRESENT, FAILED = int(Status.NEW), int(Status.PRESENT), int(Status.FAILED)
 
 
@@ -55,6 +56,9 @@ def check_invariants(store: BlockStore) -> None:
     assert (lengths <= chunk).all() and (lengths > 0).all()
     assert (offs % slabs.page_size + chunk <= slabs.page_size).all()
     assert int(sum(chunk)) == slabs.bytes_used()
+    free = np.concatenate([c.stack[: c.top] for c in slabs.classes] or [np.zeros(0, np.uint64)])
+    assert np.unique(free).size == free.size, "a chunk is on a free stack twice"
+    assert not np.isin(free, offs.astype(np.uint64)).any(), "a live block's chunk is on a free stack"
     st = store.stats()
     slack = sum(c.pages * c.page_size - (c.chunks_used + c.chunks_free) * c.chunk_size
                 for c in st.classes)
@@ -349,8 +353,9 @@ class StoreModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.store = BlockStore(3 * PAGE + 500, PAGE)
+        self.store = BlockStore(6 * PAGE + 500, PAGE)
         self.store.clock_limit = 64  # rebase the clock now and then
+        self.store.lru_queue_fraction = 2  # queues outlive the call that built them
         self.pending: dict[tuple[int, int], int] = {}  # key -> handle
         self.ready: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (handle, size)
         self.pins: Counter[int] = Counter()  # handle -> pins we hold
@@ -358,7 +363,7 @@ class StoreModel(RuleBasedStateMachine):
     def pinned(self, key: tuple[int, int]) -> bool:
         return key in self.ready and self.pins[self.ready[key][0]] > 0
 
-    @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, 12), min_size=1, max_size=8),
+    @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, MODEL_KEYS), min_size=1, max_size=8),
           data=st.data())
     def reserve(self, ns: int, keys: list[int], data: st.DataObject) -> None:
         one = st.sampled_from([1, 100, 1000, 2000, 4000, 0, PAGE + 1])
@@ -418,7 +423,7 @@ class StoreModel(RuleBasedStateMachine):
             assert not self.pinned(key), "a pinned block went missing"
             self.ready.pop(key, None)  # committed but evicted
 
-    @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, 12), min_size=1, max_size=8))
+    @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, MODEL_KEYS), min_size=1, max_size=8))
     def pin(self, ns: int, keys: list[int]) -> None:
         p = self.store.pin(ns, kb(*keys))
         self.check_prefix(ns, keys, p.count)
@@ -440,7 +445,7 @@ class StoreModel(RuleBasedStateMachine):
         assert self.store.release(np.array(handles, dtype=np.uint32)) == sum(done.values())
         self.pins.subtract(done)
 
-    @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, 12), min_size=1, max_size=8))
+    @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, MODEL_KEYS), min_size=1, max_size=8))
     def exists(self, ns: int, keys: list[int]) -> None:
         self.check_prefix(ns, keys, self.store.exists(ns, kb(*keys)))
 
@@ -518,3 +523,17 @@ def test_copies_first_takes_copies_oldest_first_then_owned() -> None:
     assert copies_first(last_used, cached, ids, 1).tolist() == [3]
     assert copies_first(last_used, cached, ids, 4).tolist() == [3, 4, 5, 6]
     assert copies_first(last_used, cached, ids, 9).tolist() == [3, 4, 5, 6, 2]
+
+
+def test_an_eviction_that_outruns_the_lru_queue_frees_each_chunk_once() -> None:
+    # 64 blocks fill the pool; the first eviction queues the oldest 64/16 = 4 and takes 1.
+    # The next needs 6: the 3 left in the queue, then a fresh scan, which must not hand
+    # out those 3 again (a chunk freed twice is later given to two blocks at once).
+    store = BlockStore(16 * PAGE, PAGE)
+    save(store, 0, list(range(64)))
+    save(store, 0, [100])
+    save(store, 0, list(range(200, 206)))
+    check_invariants(store)
+    save(store, 0, list(range(300, 340)))
+    check_invariants(store)
+    assert store.exists(0, kb(*range(300, 340))) == 40
