@@ -50,6 +50,7 @@ class PoolConfig:
     prefault: bool = True
     warm_restart: bool = True  # pool and ledger in files that outlive the process
     state_dir: Path | None = None  # where those files live; None: node.socket_dir
+    checksum: bool = False  # xxh3 digest per block, checked on every read (emsd.pool.checksum)
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,8 @@ def _node(t: dict[str, Any]) -> NodeConfig:
 
 
 def _pool(t: dict[str, Any]) -> PoolConfig:
-    _only(t, "pool", {"size", "hugepages", "page_size", "prefault", "warm_restart", "state_dir"})
+    _only(t, "pool", {"size", "hugepages", "page_size", "prefault", "warm_restart", "state_dir",
+                      "checksum"})
     d = PoolConfig()
     size = parse_size("pool.size", t.get("size", d.size))
     if size < MIN_POOL:
@@ -224,8 +226,11 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     state = t.get("state_dir", "")
     if not isinstance(state, str) or (state and not state.startswith("/")):
         raise ConfigError("pool.state_dir", f"must be an absolute path or empty (got {state!r})")
+    checksum = t.get("checksum", d.checksum)
+    if not isinstance(checksum, bool):
+        raise ConfigError("pool.checksum", f"must be true or false (got {checksum!r})")
     return PoolConfig(size=size, hugepages=huge, page_size=min(page, size), prefault=prefault,
-                      warm_restart=warm, state_dir=Path(state) if state else None)
+                      warm_restart=warm, state_dir=Path(state) if state else None, checksum=checksum)
 
 
 def _metrics(t: dict[str, Any]) -> MetricsConfig:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from emsd import __version__
 from emsd.config import Config, ConfigError
 from emsd.metrics import HttpEndpoint, Metrics
+from emsd.pool.checksum import Checksums
 from emsd.pool.ledger import Geometry, Ledger, LedgerBusy
 from emsd.pool.region import Region
 from emsd.pool.slab import SlabError
@@ -103,7 +104,10 @@ class Daemon:
         region = await loop.run_in_executor(None, self._make_region)
         self.region = region
         store, names = await loop.run_in_executor(None, self._attach, region)
+        self._pool_view = memoryview(region.mm)
         service = Service(store, cfg.node.id, region.kind, self.metrics, self._tenants())
+        if cfg.pool.checksum:
+            service.checksums = Checksums(store, self._pool_view)
         service.restore_namespaces(names)
         self.metrics.watch_pool(store.stats, service.namespace_name)
         self.metrics.restart.labels(self.restart_outcome.split(":")[0]).set(1)
@@ -139,8 +143,8 @@ class Daemon:
             secret = read_secret(cfg.cluster.secret_file)
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
-        self._pool_view = memoryview(region.mm)
-        access = PoolAccess(store, self._pool_view, service.namespace_id)
+        assert self._pool_view is not None
+        access = PoolAccess(store, self._pool_view, service.namespace_id, service.checksums)
         cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret, metrics=self.metrics)
         try:
             await cluster.start()
@@ -179,6 +183,12 @@ class Daemon:
             log.info("prefaulted %d MiB with %s", region.size >> 20, method)
         return region
 
+    def _store(self, size: int, page: int) -> BlockStore:
+        store = BlockStore(size, page)
+        if self.config.pool.checksum:
+            store.enable_checksums()  # before a warm restart's attach: it restores the digests
+        return store
+
     def _attach(self, region: Region) -> tuple[BlockStore, dict[int, str]]:
         """The store over ``region``: with warm restart, re-indexing what the ledger holds.
 
@@ -187,7 +197,7 @@ class Daemon:
         node starts empty rather than serve bytes it cannot vouch for.
         """
         page = min(self.config.pool.page_size, region.size)
-        store = BlockStore(region.size, page)
+        store = self._store(region.size, page)
         if region.path is None:
             if self.config.pool.warm_restart:
                 log.info("warm restart: off for this pool (%s)", region.reason)
@@ -208,7 +218,7 @@ class Daemon:
             restored = store.attach(ledger, set(names)) if names else 0
         except SlabError as exc:
             outcome, restored, names = f"rebuilt: inconsistent ledger ({exc})", 0, {}
-            store = BlockStore(region.size, page)
+            store = self._store(region.size, page)
         if not names:
             ledger.clear()
             store.ledger = ledger

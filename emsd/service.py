@@ -41,9 +41,10 @@ from emsd.metrics import Metrics
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
+from emsd.pool.checksum import Checksums
 from emsd.pool.index import FIRST_ID, READY
 from emsd.pool.keys import KeyBatch, KeyError_
-from emsd.pool.store import BlockStore, Reservation
+from emsd.pool.store import BlockStore, Pinned, Reservation
 from emsd.pool.store import Status as SlotStatus
 from emsd.tenants import DEFAULT as DEFAULT_TENANT
 from emsd.tenants import PREFIX as TENANT_PREFIX
@@ -88,6 +89,7 @@ class Service:
     def __init__(self, store: BlockStore, node_id: str, region_kind: str, metrics: Metrics,
                  tenants: Tenants | None = None) -> None:
         self.store = store
+        self.checksums: Checksums | None = None  # set when pool.checksum is on
         self.tenants = tenants or Tenants([])
         self._tenant_ns: dict[str, set[int]] = {}  # namespaces of each tenant (for quotas)
         self.node_id = node_id
@@ -226,7 +228,7 @@ class Service:
             ns = int(idx.nstag[owned[0]] >> 8)
             batch = owned[(idx.nstag[owned] >> 8) == ns][:DRAIN_BATCH]
             keys = idx.keys_of(batch)
-            pinned = self.store.pin(ns, keys)
+            pinned = self.pin_checked(ns, keys)
             try:
                 got = await self.cluster.push(self.namespace_name(ns), keys.take(slice(0, pinned.count)),
                                               pinned.offsets, pinned.lengths, deadline)
@@ -265,7 +267,7 @@ class Service:
         for ns in np.unique(nss).tolist():
             sel = np.flatnonzero(nss == ns)
             keys = self.store.index.keys_of(handles[sel])
-            pinned = self.store.pin(ns, keys)  # hold them while they are sent
+            pinned = self.pin_checked(ns, keys)  # hold them while they are sent
             try:
                 got = await self.cluster.push(self.namespace_name(ns), keys.take(slice(0, pinned.count)),
                                               pinned.offsets, pinned.lengths, deadline)
@@ -375,6 +377,8 @@ class Service:
         _own(s.pending, commit, "commit")
         _own(s.pending, abort, "abort")
         s.pending.difference_update(handles.tolist())
+        if nc and self.checksums is not None:
+            self.checksums.seal(commit)  # the client has written them: digest before they are READY
         done = self.store.commit(commit) if nc else 0
         if na:
             self.store.abort(abort)
@@ -384,7 +388,7 @@ class Service:
         ns, keys, rest = self._keys(s, h, p)
         if rest:
             raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
-        pinned = self.store.pin(ns, keys)
+        pinned = self.pin_checked(ns, keys)
         s.pins.update(pinned.handles.tolist())
         if s.fetched:  # fetched for this PIN with write_rcache off: kept only while pinned
             held = s.fetched & set(pinned.handles.tolist())
@@ -398,6 +402,11 @@ class Service:
             pinned.lengths.astype("<u8").tobytes(),
             pinned.handles.astype("<u4").tobytes(),
         ]
+
+    def pin_checked(self, ns: int, keys: KeyBatch) -> Pinned:
+        """``store.pin``, cut before the first block whose checksum fails (``pool.checksum``)."""
+        pinned = self.store.pin(ns, keys)
+        return pinned if self.checksums is None else self.checksums.verified(pinned)
 
     def _release(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         if len(p) % 4:

@@ -11,9 +11,10 @@ header     4 KiB: magic, format version, the pool's geometry (size, page
 names      ``NS_SLOTS`` slots of ``NS_SLOT`` bytes: namespace id -> name
            (u16 length + UTF-8); longer names are not kept, and their
            blocks are not restored
-records    one 48-byte row per index entry id: the key (``w0`` and the
+records    one 56-byte row per index entry id: the key (``w0`` and the
            ``rest`` row of ``emsd.pool.index``), chunk offset in ``align``
-           units, length, the read-cache flag, and ``state`` (1 = committed)
+           units, length, the read-cache flag, ``state`` (1 = committed)
+           and the block's checksum (0: none; ``emsd.pool.checksum``)
 =========  =============================================================
 
 Crash consistency without fsync (the files are in tmpfs or hugetlbfs, and
@@ -41,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"EMSDLEDG"
-FORMAT = 1
+FORMAT = 2  # 2: rows carry a checksum
 HEADER = 4096
 _HEAD = struct.Struct("<8sIIQQQQQQ")  # magic, format, unused, pool size, page, align, dev, ino, capacity
 NS_SLOTS = 4096
@@ -49,7 +50,7 @@ NS_SLOT = 256
 _NAMES = NS_SLOTS * NS_SLOT
 RECORDS = HEADER + _NAMES
 ROW = np.dtype([("w0", "<u8"), ("rest", "<u4", (7,)), ("offset", "<u4"), ("length", "<u4"),
-                ("cached", "u1"), ("state", "u1"), ("pad", "u1", (2,))])
+                ("cached", "u1"), ("state", "u1"), ("pad", "u1", (2,)), ("sum", "<u8")])
 COMMITTED = 1
 _MIN_CAPACITY = 1024
 
@@ -135,7 +136,7 @@ class Ledger:
     # -- records ------------------------------------------------------------------------
 
     def record(self, ids: np.ndarray, w0: np.ndarray, rest: np.ndarray, offset: np.ndarray,
-               length: np.ndarray, cached: np.ndarray) -> None:
+               length: np.ndarray, cached: np.ndarray, sums: np.ndarray | int = 0) -> None:
         """Rows for committed entries ``ids`` (fields given per id): body first, then ``state``."""
         if ids.size == 0:
             return
@@ -147,6 +148,7 @@ class Ledger:
         rows["offset"][ids] = offset
         rows["length"][ids] = length
         rows["cached"][ids] = cached
+        rows["sum"][ids] = sums
         rows["state"][ids] = COMMITTED
 
     def set_cached(self, ids: np.ndarray, cached: np.ndarray) -> None:

@@ -64,6 +64,7 @@ _READY = np.uint8(READY)  # numpy scalars: with them numpy skips a slow conversi
 _ONE = np.uint32(1)
 _NO_U4 = np.zeros(0, dtype=np.uint32)
 _NO_U8 = np.zeros(0, dtype=np.uint64)
+_NO_SUM = np.uint64(0)
 
 
 class Status(IntEnum):
@@ -138,6 +139,7 @@ class BlockStore:
         self._pending = 0
         self._evictions = {"lru": 0, "page": 0}
         self._ns_bytes: dict[int, int] = {}
+        self.sums: np.ndarray | None = None  # per entry id: checksum (emsd.pool.checksum), 0 none
         self._queues: dict[int, _LruQueue] = {}
         self.ledger: Ledger | None = None  # rows of committed blocks, for a warm restart
 
@@ -205,6 +207,46 @@ class BlockStore:
         self._pending -= h.size
         self._record(h)
         return int(h.size)
+
+    # -- checksums (kept here, computed by emsd.pool.checksum) --------------------
+
+    def enable_checksums(self) -> None:
+        """Keep a checksum per entry (0 until ``seal``ed); recorded in the ledger."""
+        if self.sums is None:
+            self.sums = np.zeros(max(1024, self.index.high_water), dtype=np.uint64)
+
+    def places(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(byte offsets, lengths) of entries ``handles`` (uint64 each)."""
+        h = np.asarray(handles, dtype=np.uint32)
+        return (self.index.offset[h].astype(np.uint64) * self._unit,
+                self.index.length[h].astype(np.uint64))
+
+    def seal(self, handles: np.ndarray, sums: np.ndarray) -> None:
+        """Set the checksums of PENDING entries ``handles`` (others are left alone)."""
+        if self.sums is None:
+            return
+        h = np.asarray(handles, dtype=np.uint32)
+        ok = (h >= FIRST_ID) & (h < self.index.high_water)
+        ok[ok] = self.index.state[h[ok]] == PENDING
+        self._set_sums(h[ok], np.asarray(sums, dtype=np.uint64)[ok])
+
+    def sums_of(self, handles: np.ndarray) -> np.ndarray:
+        """Checksums of entries ``handles`` (0: none)."""
+        h = np.asarray(handles, dtype=np.uint32)
+        if self.sums is None or h.size == 0:
+            return np.zeros(h.size, dtype=np.uint64)
+        out = np.zeros(h.size, dtype=np.uint64)
+        inside = h < self.sums.size
+        out[inside] = self.sums[h[inside]]
+        return out
+
+    def _set_sums(self, ids: np.ndarray, sums: np.ndarray | np.uint64) -> None:
+        assert self.sums is not None
+        if ids.size and int(ids.max()) >= self.sums.size:
+            grown = np.zeros(max(2 * self.sums.size, int(ids.max()) + 1), dtype=np.uint64)
+            grown[: self.sums.size] = self.sums
+            self.sums = grown
+        self.sums[ids] = sums
 
     def abort(self, handles: np.ndarray) -> int:
         """PENDING -> freed (chunk and entry). Handles not PENDING are ignored;
@@ -342,6 +384,8 @@ class BlockStore:
                 raise SlabError("a key is recorded twice")
             ids = self.index.insert_new(ns, keys, rows["offset"][sel], rows["length"][sel], READY, stamp)
             self.index.cached[ids] = rows["cached"][sel]
+            if self.sums is not None:
+                self._set_sums(ids, rows["sum"][sel])
             self._ns_add(ids, 1)
         ledger.clear()  # the ids are new: record them afresh
         self.ledger = ledger
@@ -352,7 +396,7 @@ class BlockStore:
         if self.ledger is not None and ids.size:
             idx = self.index
             self.ledger.record(ids, idx.w0[ids], idx.rest[ids], idx.offset[ids], idx.length[ids],
-                               idx.cached[ids])
+                               idx.cached[ids], self.sums_of(ids))
 
     def ns_bytes(self, ns: int) -> int:
         """Committed bytes of namespace ``ns``."""
@@ -402,6 +446,8 @@ class BlockStore:
                 handles[sel] = self.index.insert_new(
                     ns, keys.take(sel), (got // self._unit).astype(np.uint32),
                     sizes[sel].astype(np.uint32), PENDING, stamp)
+                if self.sums is not None:
+                    self._set_sums(handles[sel], _NO_SUM)
                 offsets[sel] = got
                 self._pending += got.size
             if got.size < b - a:

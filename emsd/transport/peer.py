@@ -54,8 +54,9 @@ from typing import Any
 import numpy as np
 
 from emsd.faults import FAULTS
+from emsd.pool.checksum import Checksums
 from emsd.pool.keys import KeyBatch, KeyError_
-from emsd.pool.store import BlockStore
+from emsd.pool.store import BlockStore, Pinned
 from emsd.pool.store import Status as SlotStatus
 from emsd.transport.frames import (
     MAX_BATCH_KEYS,
@@ -107,6 +108,12 @@ class PoolAccess:
     store: BlockStore
     pool: memoryview  # the whole region, writable
     namespace_id: Callable[[str], int]  # name -> local id (created on first use)
+    checksums: Checksums | None = None  # pool.checksum: seal what arrives, check what leaves
+
+    def pin(self, ns: int, keys: KeyBatch) -> Pinned:
+        """``store.pin``, cut before the first block whose checksum fails."""
+        pinned = self.store.pin(ns, keys)
+        return pinned if self.checksums is None else self.checksums.verified(pinned)
 
 
 # -- framing over a raw non-blocking socket ------------------------------------
@@ -272,6 +279,8 @@ async def _receive_blocks(sock: socket.socket, access: PoolAccess,
     except BaseException:
         store.abort(res.handles[new])
         raise
+    if access.checksums is not None:
+        access.checksums.seal(res.handles[new])
     store.commit(res.handles[new])
     failed = np.flatnonzero(res.status == SlotStatus.FAILED)
     return int(failed[0]) if failed.size else len(keys)
@@ -390,7 +399,7 @@ class PeerServer:
         if rest:
             raise FrameError("unexpected bytes after the keys")
         store = self.access.store
-        pinned = store.pin(self.access.namespace_id(ns_name), keys)
+        pinned = self.access.pin(self.access.namespace_id(ns_name), keys)
         try:
             lengths = pinned.lengths.astype("<u8")
             await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": pinned.count,
