@@ -146,8 +146,8 @@ class ContextCaching:
         client = self._connected()
         deadline = _deadline(opt)
         ns = self._ns(client, deadline)
-        header, _ = client.call(Op.EXISTS, {"ns": ns, "n": n, "kt": kt}, [raw],
-                                timeout=_remaining(deadline))
+        query = {"ns": ns, "n": n, "kt": kt, "lo": opt.read_local_only, **_budget(deadline)}
+        header, _ = client.call(Op.EXISTS, query, [raw], timeout=_remaining(deadline))
         result = CcResult(int(header["count"]), n)
         self._profiler.record("exists", start, result)
         return result

@@ -55,6 +55,12 @@ async def _inject(site: str, conn: PeerLink) -> None:
 BACKOFF = 1.0
 
 
+def _leading_true(mask: np.ndarray) -> int:
+    """Length of the run of True at the start of ``mask``."""
+    off = np.flatnonzero(~mask)
+    return int(off[0]) if off.size else int(mask.size)
+
+
 def _split(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     return host.strip("[]"), int(port)
@@ -184,6 +190,46 @@ class Cluster:
             got = await self._get(node, ns_name, keys.take(sel))
         finally:
             missed.append(sel[got:])
+
+    async def exists(self, ns_name: str, keys: KeyBatch, here: np.ndarray, deadline: float) -> int:
+        """How many leading ``keys`` are held, here (``here``: per key, READY locally) or by their
+        owners; no bytes move.
+
+        A key neither here nor owned by another node is absent. The others go
+        to their owners, batched per owner, primaries first and then the next
+        replica for what a primary lacked, within ``deadline``. An owner that
+        does not answer in time counts as not having its keys.
+        """
+        n = len(keys)
+        present = np.asarray(here, dtype=bool).copy()
+        if n == 0 or present.all() or self._alone():
+            return _leading_true(present)
+        owners, me = self.owners(ns_name, keys), self._my_index()
+        elsewhere = ~present & ~(owners == me).any(axis=1)
+        stop = np.flatnonzero(~present & ~elsewhere)  # owned here and not here: the answer ends there
+        limit = int(stop[0]) if stop.size else n
+        pending = np.flatnonzero(elsewhere[:limit])
+        for rank in range(owners.shape[1]):
+            if pending.size == 0 or time.monotonic() >= deadline:
+                break
+            answers: list[tuple[np.ndarray, int]] = []
+            jobs = [self._has_part(node, ns_name, keys, idx, answers)
+                    for node, idx in self._group(owners[pending, rank], pending).items()]
+            await self._bounded(deadline, *jobs)
+            for sel, got in answers:
+                present[sel[:got]] = True
+            pending = pending[~present[pending]]
+        return _leading_true(present[:limit])
+
+    async def _has_part(self, node: str, ns_name: str, keys: KeyBatch, sel: np.ndarray,
+                        answers: list[tuple[np.ndarray, int]]) -> None:
+        got = 0
+        try:
+            conn = await self._conn(node)
+            if conn is not None:
+                got = await self._guard(node, "exists", conn, conn.exists(ns_name, keys.take(sel)))
+        finally:
+            answers.append((sel, got))
 
     async def push(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray,
                    deadline: float) -> np.ndarray:

@@ -20,7 +20,8 @@ Payload layouts (little-endian, n keys; see ``emsd.pool.keys`` for keys):
 - PIN      request: keys. response header ``count``; payload offsets u64,
            lengths u64, handles u32, each x count.
 - RELEASE  request: handles u32 x n.
-- EXISTS   request: keys. response header ``count``.
+- EXISTS   request: keys (``lo``: this node only; ``to``: ms). response header ``count``: leading
+           keys held here or, in a cluster, by their owners (asked after the local look).
 """
 
 from __future__ import annotations
@@ -198,16 +199,31 @@ class Service:
             new = (after != before) & (after >= FIRST_ID) & remote
             session.fetched = set(after[new].tolist())
 
-    def follow_up(self, header: dict[str, Any], payload: bytes,
+    def follow_up(self, session: Session, header: dict[str, Any], payload: bytes,
                   resp: dict[str, Any]) -> Awaitable[dict[str, Any]] | None:
         """Asynchronous work that completes a handled request before it is answered, or None.
 
-        COMMIT in a cluster: forward the blocks to their owners. DRAIN: leave
+        COMMIT in a cluster: forward the blocks to their owners. EXISTS that
+        did not find every key here: ask the owners of the rest. DRAIN: leave
         the ring and move a batch of owned blocks.
         """
-        if header.get("op") == Op.DRAIN and self.cluster is not None and not resp.get("st"):
+        if self.cluster is None or resp.get("st"):
+            return None
+        op = header.get("op")
+        if op == Op.DRAIN:
             return self._drain_batch(time.monotonic() + _timeout(header), resp)
+        if op == Op.EXISTS and not header.get("lo") and resp.get("count", 0) < header.get("n", 0):
+            return self._exists_remote(session, header, payload, resp)
         return self.forward_commit(header, payload, resp)
+
+    async def _exists_remote(self, session: Session, header: dict[str, Any], payload: bytes,
+                             resp: dict[str, Any]) -> dict[str, Any]:
+        """Extend an EXISTS answer with the keys other nodes hold (nothing moves, nothing pinned)."""
+        assert self.cluster is not None
+        ns, keys, _ = self._keys(session, header, payload)
+        resp["count"] = await self.cluster.exists(self.namespace_name(ns), keys, self.store.present(ns, keys),
+                                                  time.monotonic() + _timeout(header))
+        return resp
 
     async def _drain_batch(self, deadline: float, resp: dict[str, Any]) -> dict[str, Any]:
         """Leave the ring, then push owned blocks (oldest namespaces first) until the deadline.

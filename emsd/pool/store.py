@@ -298,6 +298,10 @@ class BlockStore:
         ids = self.index.find(ns, keys, prefix=True)
         return _leading(self.index.state.take(ids) == _READY)
 
+    def present(self, ns: int, keys: KeyBatch) -> np.ndarray:
+        """Per key: READY here (bool); touches nothing."""
+        return self.index.state.take(self.index.find(ns, keys)) == _READY
+
     def mark_cached(self, ns: int, keys: KeyBatch) -> int:
         """Flag the present ``keys`` as read-cache copies of blocks owned elsewhere
         (eviction takes them before owned blocks); returns how many were flagged."""

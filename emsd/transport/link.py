@@ -3,7 +3,7 @@
 ``emsd.cluster`` only talks to peers through ``PeerLink`` objects made by a
 ``Dialer``. The TCP transport (``emsd.transport.peer.PeerConnection``)
 is the one implementation today; an RDMA transport slots in by providing
-the same four calls. Every failure surfaces as ``PeerError`` (the cluster
+the same five calls. Every failure surfaces as ``PeerError`` (the cluster
 then treats the peer as down for a moment); a cancelled call must leave
 nothing reserved in the local pool and the link closed.
 """
@@ -29,6 +29,9 @@ class PeerLink(Protocol):
 
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
         """Send local blocks (pool offsets/lengths, pinned by the caller); the peer's leading stored count."""
+
+    async def exists(self, ns_name: str, keys: KeyBatch) -> int:
+        """How many leading ``keys`` the peer holds (READY); nothing moves, nothing is pinned."""
 
     def close(self) -> None:
         """Drop the link; later calls raise ``PeerError``."""

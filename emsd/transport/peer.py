@@ -72,7 +72,7 @@ from emsd.transport.frames import (
 log = logging.getLogger("emsd.peer")
 
 PEER_PROTOCOL = 1
-OP_CHALLENGE, OP_AUTH, OP_GET, OP_PUT = 101, 102, 103, 104
+OP_CHALLENGE, OP_AUTH, OP_GET, OP_PUT, OP_HAS = 101, 102, 103, 104, 105
 NONCE_BYTES = 32
 AUTH_TIMEOUT = 5.0
 MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
@@ -361,6 +361,8 @@ class PeerServer:
                         await self._get(loop, conn, rid, header, payload)
                     elif header.get("op") == OP_PUT:
                         await self._put(loop, conn, rid, header, payload, scratch)
+                    elif header.get("op") == OP_HAS:
+                        await self._has(loop, conn, rid, header, payload)
                     else:
                         raise FrameError(f"unknown peer op {header.get('op')!r}")
                 except FrameError as exc:
@@ -407,6 +409,17 @@ class PeerServer:
             await _bulk(conn, _send_views, _views(self.access.pool, pinned.offsets, pinned.lengths))
         finally:
             store.release(pinned.handles)
+
+    async def _has(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
+                   header: dict[str, Any], payload: bytes) -> None:
+        ns_name = header.get("ns")
+        if not isinstance(ns_name, str):
+            raise FrameError("ns must be a namespace name")
+        keys, rest = _keys_of(header, payload)
+        if rest:
+            raise FrameError("unexpected bytes after the keys")
+        count = self.access.store.exists(self.access.namespace_id(ns_name), keys)
+        await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": count})
 
     async def _put(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
                    header: dict[str, Any], payload: bytes, scratch: memoryview) -> None:
@@ -529,6 +542,28 @@ class PeerConnection:
             if header.get("st") != Status.OK or type(header.get("stored")) is not int:
                 raise PeerError(f"PUT refused: {header.get('msg')}")
             return int(header["stored"])
+
+    async def exists(self, ns_name: str, keys: KeyBatch) -> int:
+        """How many leading ``keys`` the peer holds; no bytes move."""
+        async with self._lock:
+            loop, sock = self._ready()
+            rid = self._next_id()
+            kt, raw = keys.to_wire()
+            try:
+                await _send(loop, sock, {"id": rid, "op": OP_HAS, "ns": ns_name, "n": len(keys), "kt": kt},
+                            raw)
+                header, _ = await _recv_frame(loop, sock)
+                _check_id(header, rid)
+            except (OSError, FrameError, PeerError) as exc:
+                self.close()
+                raise PeerError(f"EXISTS at {self.peer_id} failed: {exc}") from None
+            except asyncio.CancelledError:
+                self.close()
+                raise
+            count = header.get("count")
+            if header.get("st") != Status.OK or type(count) is not int or not 0 <= count <= len(keys):
+                raise PeerError(f"EXISTS refused or malformed: {header.get('msg')}")
+            return count
 
     def _ready(self) -> tuple[asyncio.AbstractEventLoop, socket.socket]:
         if self.sock is None:

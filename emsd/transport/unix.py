@@ -83,7 +83,7 @@ class ControlProtocol(asyncio.Protocol):
                 self._spawn(self._pin_after(fetch, frame))
                 continue
             resp, parts = self.service.handle(self.session, frame.header, frame.payload)
-            push = self.service.follow_up(frame.header, frame.payload, resp)
+            push = self.service.follow_up(self.session, frame.header, frame.payload, resp)
             if push is not None:
                 self._spawn(self._answer_after(push, parts, resp))
                 continue

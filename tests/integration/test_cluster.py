@@ -131,9 +131,13 @@ def test_each_node_holds_its_share_and_read_local_only_stays_home(cluster: Any, 
 
     cc = use(b, monkeypatch)
     cc.register_kvcache(kv(3))
-    only_b = cc.exists(KEYS).success
+    only_b = cc.exists(KEYS, option=CcKvOption(read_local_only=True)).success
     local = cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(read_local_only=True))
     assert local.success == only_b < BLOCKS
+    # Without read_local_only, exists asks the owners (a scheduler's lookup sees the whole
+    # cluster), and moves nothing.
+    assert cc.exists(KEYS).success == BLOCKS
+    assert cc.exists([*KEYS[:3], 999_999, *KEYS[3:]]).success == 3  # leading hits only
     assert stats(b)["entries"] == held_b  # nothing was fetched
 
 
