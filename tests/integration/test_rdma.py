@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -129,6 +130,10 @@ def test_auto_without_a_device_moves_blocks_over_tcp_and_says_why(
     assert "transport: TCP only (" in log and f"peer {peer_id(a)}: transport tcp (" in log
     assert log.count(f"peer {peer_id(a)}: transport tcp") == 1  # once, not per request
     assert "transport tcp (" in log.split("ready:")[1].splitlines()[0]  # the start-up summary
+    out = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(b.socket_dir), "status"],
+                         capture_output=True, text=True, timeout=120).stdout
+    row = next(line for line in out.splitlines() if line.startswith(peer_id(a) + " "))
+    assert row.endswith(f"tcp ({NO_DEVICE_WHY})")
 
 
 def test_tcp_mode_never_counts_a_fallback(emsd_factory: Any, zookeeper: zk.ZooKeeperServer, secret: Path,
