@@ -72,7 +72,8 @@ class Cluster:
         self.cfg = cfg
         self.metrics = metrics
         self.rdma = rdma
-        self.transports = PeerTransports(cfg.transport, "" if rdma is not None else rdma_reason)
+        self.transports = PeerTransports(cfg.transport, "" if rdma is not None
+                                         else rdma_reason or "no RDMA endpoint was opened")
         self.dial: Dialer = dialer or (lambda: SelectingLink(PeerConnection(access, node_id, secret), rdma,
                                                              self.transports, self._advert, self._report))
         self.node_id = node_id
