@@ -69,3 +69,18 @@ def test_snapshot_and_forget() -> None:
 def test_an_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="ib"):
         PeerTransports("ib", "")
+
+
+def test_metrics_show_the_current_transport_and_count_fallbacks_but_not_configured_tcp() -> None:
+    from emsd.metrics import Metrics
+
+    m = Metrics()
+    m.transport("b", "rdma", "")
+    m.transport("b", "tcp", "transfer")
+    m.transport("c", "tcp", "config")
+    text = m.render().decode()
+    assert 'emsd_peer_transport{peer="b",transport="tcp"} 1.0' in text
+    assert 'emsd_peer_transport{peer="b",transport="rdma"} 0.0' in text
+    assert 'emsd_peer_transport_fallbacks_total{peer="b",reason="transfer"} 1.0' in text
+    assert 'emsd_peer_transport{peer="c",transport="tcp"} 1.0' in text
+    assert 'peer="c",reason=' not in text
