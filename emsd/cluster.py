@@ -4,8 +4,9 @@
 peers (``PeerServer``), registers and watches members (``ZooKeeperMembership``),
 rebuilds the placement ring whenever the view changes (kazoo's thread hands
 the view to the event loop with ``call_soon_threadsafe``), and keeps a few
-authenticated links per peer (``emsd.transport.link.PeerLink``; TCP
-``PeerConnection`` unless another ``Dialer`` is given), opened on first use.
+authenticated links per peer (``emsd.transport.link.PeerLink``; a
+``SelectingLink`` that moves data over RDMA or TCP per ``cluster.transport``,
+see docs/transports.md, unless another ``Dialer`` is given), opened on first use.
 
 ``fetch`` brings blocks owned by other nodes into the local pool (they stay
 as a read cache); ``push`` sends locally committed blocks to their owners
@@ -36,6 +37,9 @@ from emsd.placement.ring import ClusterView, Member, Ring
 from emsd.pool.keys import KeyBatch
 from emsd.transport.link import Dialer, PeerLink
 from emsd.transport.peer import PEER_PROTOCOL, PeerConnection, PeerError, PeerServer, PoolAccess
+from emsd.transport.rdma import RdmaEndpoint, SelectingLink
+from emsd.transport.rdma_desc import EXTRA_KEY, DescriptorError, RdmaDescriptor
+from emsd.transport.selection import PeerPath, PeerTransports
 
 log = logging.getLogger("emsd.cluster")
 
@@ -68,15 +72,23 @@ def _split(endpoint: str) -> tuple[str, int]:
 
 class Cluster:
     def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, access: PoolAccess,
-                 secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None) -> None:
+                 secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None,
+                 rdma: RdmaEndpoint | None = None, rdma_reason: str = "") -> None:
+        """``rdma``: this node's registered RDMA endpoint (owned from now on), or None and why not."""
         self.cfg = cfg
         self.metrics = metrics
-        self.dial: Dialer = dialer or (lambda: PeerConnection(access, node_id, secret))
+        self.rdma = rdma
+        self.transports = PeerTransports(cfg.transport, "" if rdma is not None
+                                         else rdma_reason or "no RDMA endpoint was opened")
+        self.dial: Dialer = dialer or (lambda: SelectingLink(PeerConnection(access, node_id, secret), rdma,
+                                                             self.transports, self._advert, self._report))
         self.node_id = node_id
         self.access = access
         self.secret = secret
-        self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL)
-        self.server = PeerServer(access, node_id, secret)
+        extra = {} if rdma is None else {EXTRA_KEY: rdma.descriptor.to_extra()}
+        self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL, extra)
+        control = None if rdma is None else (lambda: rdma.serving(access))
+        self.server = PeerServer(access, node_id, secret, control)
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
         self.membership = ZooKeeperMembership(cfg.zookeeper, cfg.name, self.me, cfg.session_timeout,
@@ -109,6 +121,9 @@ class Cluster:
                 conn.close()
         self._conns.clear()
         await self.server.close()
+        if self.rdma is not None:  # after every QP is gone: deregisters the pool
+            self.rdma.close()
+            self.rdma = None
 
     @property
     def state(self) -> MembershipState:
@@ -127,6 +142,7 @@ class Cluster:
         for gone in set(self._conns) - present:
             for conn in self._conns.pop(gone):
                 conn.close()
+            self.transports.forget(gone)
         log.info("placement ring: %d members (%s)", len(view), ", ".join(sorted(present)))
 
     def owners(self, ns_name: str, keys: KeyBatch) -> np.ndarray:
@@ -318,6 +334,33 @@ class Cluster:
         if self.metrics is not None and op == "get" and got:
             self.metrics.peer(node, op, got, int(getattr(conn, "last_bytes", 0)), True)
         return got
+
+    @property
+    def transport_name(self) -> str:
+        """"rdma" when this node serves RDMA (peers may still be on TCP), else "tcp"."""
+        return "rdma" if self.rdma is not None else "tcp"
+
+    def _advert(self, node: str) -> tuple[RdmaDescriptor | None, str]:
+        """``node``'s RDMA descriptor from the view, or (None, why it was rejected)."""
+        info = next((n for n in self.view if n.node_id == node), None)
+        if info is None:
+            return None, ""
+        try:
+            return RdmaDescriptor.from_extra(info.extra, info.capacity), ""
+        except DescriptorError as exc:
+            return None, str(exc)
+
+    def _report(self, node: str) -> None:
+        """``node``'s transport changed: log it once and count it."""
+        st = self.transports.state(node)
+        if st.path is PeerPath.RDMA:
+            log.info("peer %s: transport rdma", node)
+        elif st.kind in ("config", "no_local_device", "no_advert") and self.cfg.transport != "rdma":
+            log.info("peer %s: transport tcp (%s)", node, st.reason)
+        else:
+            log.warning("peer %s: transport tcp (%s)", node, st.reason)
+        if self.metrics is not None:
+            self.metrics.transport(node, st.transport, st.kind)
 
     def _mark_down(self, node: str, why: str) -> None:
         """Log a peer going down once, not once per failed request."""

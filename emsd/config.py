@@ -83,6 +83,7 @@ class ClusterConfig:
     vnodes: int = 160
     peer_connections: int = 2
     secret_file: str = ""  # file holding the cluster secret; required with zookeeper
+    transport: str = "auto"  # peer data path: "auto" (RDMA where both ends can), "rdma" or "tcp"
 
     @property
     def enabled(self) -> bool:
@@ -272,12 +273,15 @@ def _cluster(t: dict[str, Any]) -> ClusterConfig:
     secret = t.get("secret_file", d.secret_file)
     if not isinstance(secret, str) or (secret and not secret.startswith("/")):
         raise ConfigError("cluster.secret_file", f"must be an absolute path (got {secret!r})")
+    transport = t.get("transport", d.transport)
+    if transport not in ("auto", "rdma", "tcp"):
+        raise ConfigError("cluster.transport", f'must be "auto", "rdma" or "tcp" (got {transport!r})')
     if zk and not secret:
         raise ConfigError("cluster.secret_file", "is required when cluster.zookeeper is set "
                           "(peers authenticate with the secret it holds)")
     return ClusterConfig(name=name, zookeeper=zk, peer_listen=t.get("peer_listen", d.peer_listen),
                          advertise=t.get("advertise", d.advertise), session_timeout=float(timeout),
-                         secret_file=secret, **ints)
+                         secret_file=secret, transport=transport, **ints)
 
 
 def read_secret(path: str) -> bytes:

@@ -113,11 +113,20 @@ def show_status(st: dict[str, Any]) -> str:
         f"membership  {st['membership']}{'  (draining)' if st.get('draining') else ''}"
         f"   transport {st.get('transport', '?')}",
         "",
-        table(["member", "capacity GiB", "share", "peer"],
-              [[m["id"], f"{m['capacity'] / gib:.2f}", f"{st['share'].get(m['id'], 0.0):.1%}", m["peer"]]
+        table(["member", "capacity GiB", "share", "peer", "via"],
+              [[m["id"], f"{m['capacity'] / gib:.2f}", f"{st['share'].get(m['id'], 0.0):.1%}", m["peer"],
+                _via(st.get("peer_transports", {}).get(m["id"]))]
                for m in st.get("view", [])]),
     ]
     return "\n".join(lines)
+
+
+def _via(path: dict[str, str] | None) -> str:
+    """How blocks move with a member: "rdma", "tcp (why not RDMA)", or "-" (not dialed yet, or this node)."""
+    if not path:
+        return "-"
+    why = path["reason"] if path["transport"] == "tcp" else ""
+    return f"{path['transport']} ({why})" if why else path["transport"]
 
 
 def stats(ctl: Control, interval: float) -> dict[str, Any]:

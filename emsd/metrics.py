@@ -66,6 +66,11 @@ class Metrics:
                                   ["peer", "direction"], registry=r)
         self.peer_errors = Counter("emsd_peer_errors", "Peer requests that failed, by peer and op",
                                    ["peer", "op"], registry=r)
+        self.peer_transport = Gauge("emsd_peer_transport", "Transport in use with a peer (1 = current)",
+                                    ["peer", "transport"], registry=r)
+        self.peer_fallbacks = Counter("emsd_peer_transport_fallbacks",
+                                      "Times a peer was put on TCP although RDMA was allowed, by reason",
+                                      ["peer", "reason"], registry=r)
         self.restart = Gauge("emsd_warm_restart_info",
                              "How the pool was attached at start (1 = this outcome)", ["outcome"], registry=r)
         self.restored = Gauge("emsd_warm_restart_restored_blocks", "Blocks served again after a warm restart",
@@ -81,6 +86,14 @@ class Metrics:
         if blocks:
             self._child(self.peer_blocks, node, op).inc(blocks)
             self._child(self.peer_bytes, node, "in" if op == "get" else "out").inc(nbytes)
+
+    def transport(self, node: str, transport: str, reason: str) -> None:
+        """Peer ``node`` now uses ``transport`` ("rdma"/"tcp"); a TCP ``reason`` other than "config" counts
+        as a fallback (reasons: ``emsd.transport.selection.KINDS``)."""
+        for name in ("rdma", "tcp"):
+            self._child(self.peer_transport, node, name).set(1 if name == transport else 0)
+        if transport == "tcp" and reason != "config":
+            self._child(self.peer_fallbacks, node, reason).inc()
 
     def observe_op(self, op: str, result: str, seconds: float) -> None:
         key = (op, result)

@@ -23,7 +23,7 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from emsd import __version__
 from emsd.config import Config, ConfigError
@@ -112,13 +112,14 @@ class Daemon:
         self.metrics.watch_pool(store.stats, service.namespace_name)
         self.metrics.restart.labels(self.restart_outcome.split(":")[0]).set(1)
         self.metrics.restored.set(self.restored)
-        self.metrics.build.labels(__version__, "tcp" if cfg.cluster.enabled else "none").set(1)
         service.info.update(version=__version__, pid=os.getpid(), metrics=cfg.metrics.listen,
                             restart=self.restart_outcome, restored=self.restored,
                             socket=str(cfg.socket_path))
         if cfg.cluster.enabled:
             service.cluster = await self._join(store, region, service)
         self.metrics.watch_cluster(self._membership)
+        transport = "none" if self.cluster is None else self.cluster.transport_name
+        self.metrics.build.labels(__version__, transport).set(1)
         self.service = service
         self.metrics.ready.set(1)
         c = self.cluster
@@ -128,7 +129,7 @@ class Daemon:
                  "%d blocks; %s; transport %s; socket %s; metrics %s; pid %d",
                  __version__, cfg.node.id, region.size >> 20, region.kind, region.reason,
                  min(cfg.pool.page_size, region.size) >> 20, self.restart_outcome, self.restored,
-                 membership, "tcp" if self.cluster is not None else "none", cfg.socket_path,
+                 membership, self._transport(), cfg.socket_path,
                  cfg.metrics.listen or "off", os.getpid())
 
     async def _join(self, store: BlockStore, region: Region, service: Service) -> Cluster:
@@ -145,7 +146,9 @@ class Daemon:
             raise StartupError(str(exc)) from None
         assert self._pool_view is not None
         access = PoolAccess(store, self._pool_view, service.namespace_id, service.checksums)
-        cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret, metrics=self.metrics)
+        rdma, why = await asyncio.get_running_loop().run_in_executor(None, self._open_rdma, self._pool_view)
+        cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret, metrics=self.metrics,
+                          rdma=rdma, rdma_reason=why)
         try:
             await cluster.start()
         except DuplicateNodeError as exc:
@@ -160,6 +163,32 @@ class Daemon:
                  cfg.cluster.name, cfg.cluster.peer_listen, cfg.cluster.advertised,
                  cfg.cluster.zookeeper, cluster.state.value)
         return cluster
+
+    def _open_rdma(self, pool: memoryview) -> tuple[Any, str]:
+        """(RdmaEndpoint or None, why not) per ``cluster.transport``; raises ``StartupError`` for
+        "rdma" without a usable device."""
+        mode = self.config.cluster.transport
+        if mode == "tcp":
+            return None, 'cluster.transport is "tcp"'
+        from emsd.transport.rdma import open_endpoint
+
+        endpoint, why = open_endpoint(pool)
+        if endpoint is None:
+            if mode == "rdma":
+                raise StartupError(f'cluster.transport: "rdma" needs an RDMA device, but: {why} '
+                                   '(use "auto" to fall back to TCP)')
+            log.info("transport: TCP only (%s)", why)
+        else:
+            info = endpoint.descriptor.port
+            log.info("transport: RDMA on %s port %d (gid %s), %d MiB registered in %d regions",
+                     info.device, info.port, info.gid, endpoint.size >> 20, len(endpoint.local))
+        return endpoint, why
+
+    def _transport(self) -> str:
+        if self.cluster is None:
+            return "none"
+        return self.cluster.transport_name + (f" ({self.cluster.transports.local_reason})"
+                                              if self.cluster.rdma is None else "")
 
     def _state_dir(self) -> Path:
         return self.config.pool.state_dir or self.config.node.socket_dir

@@ -484,7 +484,8 @@ class Service:
             return {"transport": "none", "share": {self.node_id: 1.0},
                     "view": [{"id": self.node_id, "capacity": self.store.capacity, "peer": ""}]}
         c = self.cluster
-        return {"transport": "tcp", "share": c.share(), "draining": c.draining,
+        return {"transport": c.transport_name, "peer_transports": c.transports.snapshot(),
+                "share": c.share(), "draining": c.draining,
                 "replicas": c.cfg.replicas,
                 "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in c.view]}
 

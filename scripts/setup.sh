@@ -21,11 +21,14 @@ if [[ $WITH_TEST == 1 ]]; then
     echo "[setup] emsd with test extras"
     PIP_CONSTRAINT=scripts/constraints.txt .venv/bin/python -m pip install -q -e ".[test]"
     scripts/setup-deploy-checks.sh  # promtool, systemd-analyze, Helm (library), hadolint for tests/deploy
-    if ! command -v zkServer.sh >/dev/null && [[ ! -x /usr/share/zookeeper/bin/zkServer.sh ]]; then
-        echo "[setup] Debian zookeeper (for the cluster tests)"
+    if ! command -v zkServer.sh >/dev/null && [[ ! -x /usr/share/zookeeper/bin/zkServer.sh ]] \
+            || [[ ! -d /usr/lib/python3/dist-packages/pyverbs ]]; then
+        # zookeeper for the cluster tests; python3-pyverbs for the RDMA transport (emsd loads it
+        # from Debian's dist-packages by itself; PyPI's pyverbs does not build here)
+        echo "[setup] Debian zookeeper and python3-pyverbs"
         if [[ $(id -u) == 0 ]]; then SUDO=""; else SUDO="sudo"; fi
-        $SUDO apt-get install -y -q zookeeper >/dev/null 2>&1 || {
-            $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q zookeeper >/dev/null; }
+        $SUDO apt-get install -y -q zookeeper python3-pyverbs >/dev/null 2>&1 || {
+            $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q zookeeper python3-pyverbs >/dev/null; }
     fi
 else
     echo "[setup] emsd"

@@ -49,7 +49,7 @@ import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -72,7 +72,11 @@ from emsd.transport.frames import (
 log = logging.getLogger("emsd.peer")
 
 PEER_PROTOCOL = 1
-OP_CHALLENGE, OP_AUTH, OP_GET, OP_PUT, OP_HAS = 101, 102, 103, 104, 105
+OP_CHALLENGE, OP_AUTH, OP_GET, OP_PUT = 101, 102, 103, 104
+# RDMA control messages (emsd.transport.rdma): the bytes move by RDMA, these only set it up.
+OP_RDMA_QP, OP_RDMA_PIN, OP_RDMA_UNPIN, OP_RDMA_RESERVE, OP_RDMA_COMMIT = 105, 106, 107, 108, 109
+RDMA_OPS = frozenset((OP_RDMA_QP, OP_RDMA_PIN, OP_RDMA_UNPIN, OP_RDMA_RESERVE, OP_RDMA_COMMIT))
+OP_HAS = 110  # how many leading keys the peer holds (a cluster-wide exists)
 NONCE_BYTES = 32
 AUTH_TIMEOUT = 5.0
 MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
@@ -97,6 +101,21 @@ class PeerError(Exception):
     """A peer broke the protocol, refused us, or went away."""
 
 
+class PeerRefused(PeerError):
+    """The peer answered a request with an error status; the connection is still in step."""
+
+
+class ControlHandler(Protocol):
+    """Serves the RDMA control messages of one connection (``emsd.transport.rdma.RdmaServing``)."""
+
+    def handle(self, op: int, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+        """The answer's fields and payload; raises ``FrameError`` (the connection ends) or
+        ``PeerRefused`` (an error answer, the connection stays)."""
+
+    def close(self) -> None:
+        """The connection ended: release everything it still holds."""
+
+
 def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"\0".join(parts), hashlib.sha256).digest()
 
@@ -114,6 +133,12 @@ class PoolAccess:
         """``store.pin``, cut before the first block whose checksum fails."""
         pinned = self.store.pin(ns, keys)
         return pinned if self.checksums is None else self.checksums.verified(pinned)
+
+    def commit(self, handles: np.ndarray) -> int:
+        """``store.commit`` of blocks written into the pool, sealed first (checksums on)."""
+        if self.checksums is not None:
+            self.checksums.seal(handles)
+        return self.store.commit(handles)
 
 
 # -- framing over a raw non-blocking socket ------------------------------------
@@ -279,9 +304,7 @@ async def _receive_blocks(sock: socket.socket, access: PoolAccess,
     except BaseException:
         store.abort(res.handles[new])
         raise
-    if access.checksums is not None:
-        access.checksums.seal(res.handles[new])
-    store.commit(res.handles[new])
+    access.commit(res.handles[new])
     failed = np.flatnonzero(res.status == SlotStatus.FAILED)
     return int(failed[0]) if failed.size else len(keys)
 
@@ -292,10 +315,12 @@ async def _receive_blocks(sock: socket.socket, access: PoolAccess,
 class PeerServer:
     """Serves this daemon's pool to authenticated peers over TCP."""
 
-    def __init__(self, access: PoolAccess, node_id: str, secret: bytes) -> None:
+    def __init__(self, access: PoolAccess, node_id: str, secret: bytes,
+                 control: Callable[[], ControlHandler] | None = None) -> None:
         self.access = access
         self.node_id = node_id
         self.secret = secret
+        self.control = control  # RDMA control messages; None: refused (this node serves TCP only)
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[socket.socket] = set()
@@ -348,6 +373,7 @@ class PeerServer:
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         peer = "?"
+        handler: ControlHandler | None = None
         try:
             peer = await asyncio.wait_for(self._authenticate(loop, conn), AUTH_TIMEOUT)
             scratch = memoryview(bytearray(SCRATCH))
@@ -363,6 +389,10 @@ class PeerServer:
                         await self._put(loop, conn, rid, header, payload, scratch)
                     elif header.get("op") == OP_HAS:
                         await self._has(loop, conn, rid, header, payload)
+                    elif header.get("op") in RDMA_OPS:
+                        if handler is None and self.control is not None:
+                            handler = self.control()
+                        await self._control(loop, conn, rid, handler, header, payload)
                     else:
                         raise FrameError(f"unknown peer op {header.get('op')!r}")
                 except FrameError as exc:
@@ -372,8 +402,23 @@ class PeerServer:
         except (PeerError, FrameError, ConnectionError, TimeoutError, OSError) as exc:
             log.debug("peer %s: connection ends: %s", peer, exc)
         finally:
+            if handler is not None:
+                handler.close()  # its pins and reservations go with the connection
             self._conns.discard(conn)
             conn.close()
+
+    async def _control(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
+                       handler: ControlHandler | None, header: dict[str, Any], payload: bytes) -> None:
+        if handler is None:
+            answer: dict[str, Any] = {"st": int(Status.INVALID_ARGUMENT), "msg": "this node serves TCP only"}
+            body = b""
+        else:
+            try:
+                fields, body = handler.handle(int(header["op"]), header, payload)
+                answer = {"st": int(Status.OK), **fields}
+            except PeerRefused as exc:
+                answer, body = {"st": int(Status.INVALID_ARGUMENT), "msg": str(exc)}, b""
+        await _send(loop, conn, {"id": rid, **answer}, body)
 
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> str:
         nonce = os.urandom(NONCE_BYTES)
@@ -545,25 +590,35 @@ class PeerConnection:
 
     async def exists(self, ns_name: str, keys: KeyBatch) -> int:
         """How many leading ``keys`` the peer holds; no bytes move."""
+        kt, raw = keys.to_wire()
+        try:
+            header, _ = await self.call(OP_HAS, {"ns": ns_name, "n": len(keys), "kt": kt}, raw)
+        except PeerRefused as exc:
+            raise PeerError(str(exc)) from None
+        count = header.get("count")
+        if type(count) is not int or not 0 <= count <= len(keys):
+            raise PeerError(f"EXISTS answer from {self.peer_id} has a bad count")
+        return count
+
+    async def call(self, op: int, fields: dict[str, Any], *payload: bytes) -> tuple[dict[str, Any], bytes]:
+        """One control request and its answer (RDMA set-up); raises ``PeerRefused`` for an error
+        answer (the connection stays usable) and ``PeerError`` otherwise (the connection is closed)."""
         async with self._lock:
             loop, sock = self._ready()
             rid = self._next_id()
-            kt, raw = keys.to_wire()
             try:
-                await _send(loop, sock, {"id": rid, "op": OP_HAS, "ns": ns_name, "n": len(keys), "kt": kt},
-                            raw)
-                header, _ = await _recv_frame(loop, sock)
+                await _send(loop, sock, {"id": rid, "op": op, **fields}, *payload)
+                header, body = await _recv_frame(loop, sock)
                 _check_id(header, rid)
             except (OSError, FrameError, PeerError) as exc:
                 self.close()
-                raise PeerError(f"EXISTS at {self.peer_id} failed: {exc}") from None
+                raise PeerError(f"request {op} to {self.peer_id} failed: {exc}") from None
             except asyncio.CancelledError:
                 self.close()
                 raise
-            count = header.get("count")
-            if header.get("st") != Status.OK or type(count) is not int or not 0 <= count <= len(keys):
-                raise PeerError(f"EXISTS refused or malformed: {header.get('msg')}")
-            return count
+        if header.get("st") != Status.OK:
+            raise PeerRefused(f"{self.peer_id} refused request {op}: {header.get('msg', 'no reason')}")
+        return header, body
 
     def _ready(self) -> tuple[asyncio.AbstractEventLoop, socket.socket]:
         if self.sock is None:

@@ -1,0 +1,461 @@
+"""The RDMA peer transport: one-sided READ and WRITE between pools, TCP for control.
+
+Pieces, each behind the ``PeerLink`` interface the cluster already uses:
+
+- ``RdmaEndpoint``: this daemon's RDMA side. At start it registers the whole
+  pool as memory regions (``rdma_plan.chunk_region``; chunks registered in
+  parallel threads) and builds the descriptor it advertises through
+  membership (``rdma_desc``).
+- ``RdmaServing``: the owner's half, one per peer TCP connection. Data never
+  passes through it; it answers small control messages on the existing
+  authenticated TCP connection (``emsd.transport.peer``):
+
+      QP       {qp}                 -> {qp}      connect an RC queue pair pair
+      PIN      {ns, n, kt} + keys   -> {count, tok} + offsets, lengths
+      UNPIN    {tok}                -> {}
+      RESERVE  {ns, n, kt} + keys + lengths -> {tok} + status u8, offsets u64
+      COMMIT   {tok, ok}            -> {stored}
+
+  Everything a connection holds (pins, reservations, its QP) is released
+  when it closes, so a client that dies mid-transfer leaks nothing.
+- ``SelectingLink``: the client's link. It always opens the authenticated
+  TCP connection; when selection allows (``emsd.transport.selection``) it
+  also connects a QP. A load is PIN, RDMA READ into freshly reserved local
+  chunks, local commit, UNPIN; a save is RESERVE on the owner, RDMA WRITE
+  into the slabs it reserved, COMMIT. When RDMA fails mid-transfer the
+  link tears its QP down (so no request touches memory any more), aborts
+  what it had reserved, marks the peer FELL_BACK, and redoes the request
+  over its TCP connection.
+
+Work requests: ``rdma_plan.plan`` builds them; ``run_work`` keeps up to
+``max_outstanding`` in flight on a QP and polls completions without ever
+blocking the event loop (a poll that finds nothing yields, then sleeps a
+little longer each time, up to ``POLL_MAX_SLEEP``).
+
+Security: the advertised rkeys let any host on the RDMA fabric that learns
+them read and write this node's pool; RDMA trusts the fabric (as Mooncake's
+transfer engine does). The control messages themselves are authenticated.
+
+This data path has not run on RDMA hardware in this project's CI; see
+docs/transports.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from emsd.pool.keys import KeyBatch
+from emsd.pool.store import Status as SlotStatus
+from emsd.transport.frames import FrameError
+from emsd.transport.peer import (
+    BULK_STALL,
+    OP_RDMA_COMMIT,
+    OP_RDMA_PIN,
+    OP_RDMA_QP,
+    OP_RDMA_RESERVE,
+    OP_RDMA_UNPIN,
+    PeerConnection,
+    PeerError,
+    PeerRefused,
+    PoolAccess,
+    _keys_of,
+    _lengths,
+)
+from emsd.transport.rdma_desc import DescriptorError, RdmaDescriptor, qp_from_wire, qp_to_wire
+from emsd.transport.rdma_plan import DEFAULT_CHUNK, Chunk, chunk_region, plan, segments
+from emsd.transport.selection import PeerTransports
+from emsd.transport.verbs import MemoryRegion, Opcode, RdmaError, VerbsEngine, WorkRequest
+
+log = logging.getLogger("emsd.rdma")
+
+MAX_OUTSTANDING = 32  # work requests in flight per QP
+MAX_SGE = 16  # scatter elements per work request (capped by the device's max_sge)
+MAX_HELD = 64  # pins/reservations one connection may hold at once
+REGISTER_THREADS = 8
+POLL_SPIN = 64  # empty polls that only yield before sleeping
+POLL_MAX_SLEEP = 0.001
+
+
+def pool_address(pool: memoryview) -> int:
+    """The virtual address of a writable buffer's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(pool))
+
+
+class RdmaEndpoint:
+    """This daemon's RDMA side: the engine and the registered pool."""
+
+    def __init__(self, engine: VerbsEngine, regions: Sequence[MemoryRegion], size: int) -> None:
+        self.engine = engine
+        self.size = size
+        self.local = [Chunk(r.offset, r.length, r.lkey, r.addr) for r in regions]
+        info = engine.port_info()
+        self.max_sge = max(1, min(MAX_SGE, info.max_sge))
+        self.max_outstanding = max(1, min(MAX_OUTSTANDING, info.max_wr))
+        base = regions[0].addr if regions else 0
+        self.descriptor = RdmaDescriptor(info, base, tuple((r.length, r.rkey) for r in regions))
+
+    @classmethod
+    def register(cls, engine: VerbsEngine, pool: memoryview, max_chunk: int = DEFAULT_CHUNK) -> RdmaEndpoint:
+        """Register all of ``pool`` (in parallel chunks); raises ``RdmaError``."""
+        base = pool_address(pool)
+        chunks = chunk_region(len(pool), max_chunk)
+        with ThreadPoolExecutor(min(REGISTER_THREADS, max(1, len(chunks)))) as ex:
+            regions = list(ex.map(lambda c: engine.register(c[0], base + c[0], c[1]), chunks))
+        return cls(engine, regions, len(pool))
+
+    def serving(self, access: PoolAccess) -> RdmaServing:
+        return RdmaServing(self, access)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def open_endpoint(pool: memoryview, open_engine: Callable[[str], VerbsEngine] | None = None
+                  ) -> tuple[RdmaEndpoint | None, str]:
+    """An endpoint on the first RDMA device, or (None, why not). Never raises."""
+    from emsd.transport.verbs import PyverbsEngine, probe
+
+    devices, why = probe()
+    if not devices:
+        return None, why
+    try:
+        engine = (open_engine or PyverbsEngine)(devices[0])
+        return RdmaEndpoint.register(engine, pool), ""
+    except RdmaError as exc:
+        return None, f"RDMA device {devices[0]}: {exc}"
+
+
+# -- moving work requests --------------------------------------------------------
+
+
+async def run_work(engine: VerbsEngine, qp: Any, op: Opcode, wrs: Sequence[WorkRequest],
+                   max_outstanding: int, stall: float = BULK_STALL) -> None:
+    """Post ``wrs`` with at most ``max_outstanding`` in flight; return when all completed.
+
+    Raises ``RdmaError`` for a failed completion, a completion nobody
+    posted, or ``stall`` seconds without any completion. On any exception
+    (and on cancellation) work requests may still be in flight: the caller
+    must ``destroy_qp`` before reusing the memory.
+    """
+    posted = done = 0
+    inflight: set[int] = set()
+    idle, last = 0, time.monotonic()
+    while done < len(wrs):
+        while posted < len(wrs) and len(inflight) < max_outstanding:
+            engine.post(qp, op, wrs[posted])
+            inflight.add(wrs[posted].wr_id)
+            posted += 1
+        completions = engine.poll(qp, max_outstanding)
+        for c in completions:
+            if c.wr_id not in inflight:
+                raise RdmaError(f"completion for unknown work request {c.wr_id}")
+            if not c.ok:
+                raise RdmaError(f"RDMA {op.value} failed: {c.status}")
+            inflight.discard(c.wr_id)
+            done += 1
+        if completions:
+            idle, last = 0, time.monotonic()
+            continue
+        if time.monotonic() - last > stall:
+            raise RdmaError(f"no completion in {stall:.0f}s ({len(inflight)} work requests in flight)")
+        idle += 1
+        await asyncio.sleep(0 if idle < POLL_SPIN else min(POLL_MAX_SLEEP, 1e-5 * (idle - POLL_SPIN + 1)))
+
+
+# -- the owner's half: control messages ------------------------------------------
+
+
+class RdmaServing:
+    """The RDMA control messages of one peer connection (``peer.ControlHandler``)."""
+
+    def __init__(self, endpoint: RdmaEndpoint, access: PoolAccess) -> None:
+        self.endpoint = endpoint
+        self.access = access
+        self.qp: Any = None
+        self._pins: dict[int, np.ndarray] = {}  # token -> pinned handles
+        self._reserved: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # token -> (status, handles)
+        self._tokens = 0
+
+    def handle(self, op: int, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+        if op == OP_RDMA_QP:
+            return self._qp(header)
+        if op == OP_RDMA_PIN:
+            return self._pin(header, payload)
+        if op == OP_RDMA_UNPIN:
+            handles = self._pins.pop(self._token(header, self._pins), None)
+            if handles is not None:
+                self.access.store.release(handles)
+            return {}, b""
+        if op == OP_RDMA_RESERVE:
+            return self._reserve(header, payload)
+        if op == OP_RDMA_COMMIT:
+            return self._commit(header)
+        raise FrameError(f"unknown RDMA control op {op}")
+
+    def _qp(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        try:
+            remote = qp_from_wire(header.get("qp"))
+        except DescriptorError as exc:
+            raise FrameError(str(exc)) from None
+        if self.qp is not None:
+            self.endpoint.engine.destroy_qp(self.qp)
+            self.qp = None
+        e = self.endpoint
+        try:
+            qp, mine = e.engine.create_qp(e.max_outstanding, e.max_sge)
+            self.qp = qp
+            e.engine.connect_qp(qp, remote)
+        except RdmaError as exc:
+            raise PeerRefused(str(exc)) from None
+        return {"qp": qp_to_wire(mine)}, b""
+
+    def _ns(self, header: dict[str, Any]) -> int:
+        name = header.get("ns")
+        if not isinstance(name, str):
+            raise FrameError("ns must be a namespace name")
+        return self.access.namespace_id(name)
+
+    def _next_token(self) -> int:
+        if len(self._pins) + len(self._reserved) >= MAX_HELD:
+            raise PeerRefused(f"this connection already holds {MAX_HELD} pins or reservations")
+        self._tokens += 1
+        return self._tokens
+
+    def _token(self, header: dict[str, Any], table: dict[int, Any]) -> int:
+        tok = header.get("tok")
+        if type(tok) is not int or tok not in table:
+            raise FrameError(f"unknown token {tok!r}")
+        return tok
+
+    def _pin(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+        keys, rest = _keys_of(header, payload)
+        if rest:
+            raise FrameError("unexpected bytes after the keys")
+        tok = self._next_token()
+        pinned = self.access.pin(self._ns(header), keys)
+        self._pins[tok] = pinned.handles
+        body = pinned.offsets.astype("<u8").tobytes() + pinned.lengths.astype("<u8").tobytes()
+        return {"count": pinned.count, "tok": tok}, body
+
+    def _reserve(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+        keys, rest = _keys_of(header, payload)
+        lengths = _lengths(rest, len(keys))
+        tok = self._next_token()
+        res = self.access.store.reserve(self._ns(header), keys, lengths)
+        self._reserved[tok] = (res.status, res.handles)
+        return {"tok": tok}, res.status.astype("u1").tobytes() + res.offsets.astype("<u8").tobytes()
+
+    def _commit(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        status, handles = self._reserved.pop(self._token(header, self._reserved))
+        new = handles[status == SlotStatus.NEW]
+        if header.get("ok") is not True:
+            self.access.store.abort(new)
+            return {"stored": 0}, b""
+        self.access.commit(new)
+        failed = np.flatnonzero(status == SlotStatus.FAILED)
+        return {"stored": int(failed[0]) if failed.size else len(status)}, b""
+
+    def close(self) -> None:
+        if self.qp is not None:  # first: no remote write lands after the aborts below
+            self.endpoint.engine.destroy_qp(self.qp)
+            self.qp = None
+        store = self.access.store
+        for handles in self._pins.values():
+            store.release(handles)
+        for status, handles in self._reserved.values():
+            store.abort(handles[status == SlotStatus.NEW])
+        self._pins.clear()
+        self._reserved.clear()
+
+
+# -- the client's link --------------------------------------------------------------
+
+
+Advert = Callable[[str], tuple[RdmaDescriptor | None, str]]  # peer id -> (descriptor, why malformed)
+Report = Callable[[str], None]  # peer id whose transport state just changed
+
+
+class SelectingLink:
+    """A ``PeerLink`` over RDMA when selection allows, else over its TCP connection."""
+
+    def __init__(self, tcp: PeerConnection, endpoint: RdmaEndpoint | None, transports: PeerTransports,
+                 advert: Advert, report: Report) -> None:
+        self.tcp = tcp
+        self.endpoint = endpoint
+        self.transports = transports
+        self.advert = advert
+        self.report = report
+        self.remote: RdmaDescriptor | None = None
+        self.qp: Any = None
+        self.last_bytes = 0
+        self._lock = asyncio.Lock()
+        self.peer_id = ""  # the node id the peer proved, once connected
+
+    @property
+    def access(self) -> PoolAccess:
+        return self.tcp.access
+
+    async def connect(self, host: str, port: int, timeout: float = 5.0) -> None:
+        """Open the TCP connection, then RDMA if selected; an RDMA failure leaves a TCP link."""
+        await self.tcp.connect(host, port, timeout)
+        peer = self.peer_id = self.tcp.peer_id
+        desc, error = self.advert(peer)
+        try_rdma, changed = self.transports.should_try_rdma(peer, desc, error)
+        if changed:
+            self.report(peer)
+        if not try_rdma or self.endpoint is None or desc is None:
+            return
+        e = self.endpoint
+        qp: Any = None
+        try:
+            qp, mine = e.engine.create_qp(e.max_outstanding, e.max_sge)
+            answer, _ = await asyncio.wait_for(self.tcp.call(OP_RDMA_QP, {"qp": qp_to_wire(mine)}), timeout)
+            e.engine.connect_qp(qp, qp_from_wire(answer.get("qp")))
+        except (RdmaError, PeerRefused, DescriptorError, TimeoutError) as exc:
+            if qp is not None:
+                e.engine.destroy_qp(qp)
+            if self.transports.connect_failed(peer, desc, str(exc)):
+                self.report(peer)
+            if self.tcp.sock is None:  # the control exchange itself broke the connection
+                raise PeerError(f"RDMA set-up with {peer} broke the connection: {exc}") from None
+            return
+        except BaseException:
+            if qp is not None:
+                e.engine.destroy_qp(qp)
+            raise
+        self.qp, self.remote = qp, desc
+        if self.transports.connected(peer, desc):
+            self.report(peer)
+
+    def close(self) -> None:
+        self._drop_qp()
+        self.tcp.close()
+
+    def _drop_qp(self) -> None:
+        if self.qp is not None and self.endpoint is not None:
+            self.endpoint.engine.destroy_qp(self.qp)
+        self.qp = None
+
+    def _rdma_ready(self) -> bool:
+        if self.qp is not None and not self.transports.uses_rdma(self.peer_id):
+            self._drop_qp()  # another link to this peer fell back
+        return self.qp is not None
+
+    def _fell_back(self, why: str) -> None:
+        self._drop_qp()
+        if self.transports.transfer_failed(self.peer_id, why):
+            self.report(self.peer_id)
+
+    async def _move(self, op: Opcode, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> None:
+        assert self.endpoint is not None and self.remote is not None
+        e = self.endpoint
+        blocks = zip(local.tolist(), remote.tolist(), lengths.tolist(), strict=True)
+        rchunks = self.remote.remote_chunks()
+        max_sge = min(e.max_sge, self.remote.port.max_sge)
+        wrs = plan(segments(blocks, e.local, rchunks), e.local, rchunks, max_sge)
+        await run_work(e.engine, self.qp, op, wrs, e.max_outstanding)
+
+    async def get(self, ns_name: str, keys: KeyBatch) -> int:
+        """Fetch the leading blocks the peer has into the local pool; how many are now local."""
+        async with self._lock:  # one request at a time: requests share the QP's completion queue
+            if self._rdma_ready():
+                got = await self._rdma_get(ns_name, keys)
+                if got is not None:
+                    return got
+            got = await self.tcp.get(ns_name, keys)
+            self.last_bytes = self.tcp.last_bytes
+            return got
+
+    async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
+        """Send local blocks (pinned by the caller) to the peer; its leading stored count."""
+        async with self._lock:
+            if self._rdma_ready():
+                stored = await self._rdma_put(ns_name, keys, offsets, lengths)
+                if stored is not None:
+                    return stored
+            return await self.tcp.put(ns_name, keys, offsets, lengths)
+
+    async def exists(self, ns_name: str, keys: KeyBatch) -> int:
+        """How many leading ``keys`` the peer holds (a control message: over TCP always)."""
+        async with self._lock:
+            return await self.tcp.exists(ns_name, keys)
+
+    async def _rdma_get(self, ns_name: str, keys: KeyBatch) -> int | None:
+        """PIN, READ, commit, UNPIN; None when RDMA failed and the request must go over TCP."""
+        kt, raw = keys.to_wire()
+        try:
+            header, body = await self.tcp.call(OP_RDMA_PIN, {"ns": ns_name, "n": len(keys), "kt": kt}, raw)
+        except PeerRefused as exc:
+            self._fell_back(str(exc))
+            return None
+        count, tok = header.get("count"), header.get("tok")
+        if type(count) is not int or not 0 <= count <= len(keys) or len(body) != 16 * count:
+            self.close()
+            raise PeerError(f"PIN answer from {self.peer_id} is malformed")
+        offsets = np.frombuffer(body[: 8 * count], dtype="<u8").astype(np.uint64)
+        lengths = np.frombuffer(body[8 * count :], dtype="<u8").astype(np.uint64)
+        store = self.access.store
+        res = store.reserve(self.access.namespace_id(ns_name), keys.take(slice(0, count)), lengths)
+        new = np.flatnonzero(res.status == SlotStatus.NEW)
+        try:
+            await self._move(Opcode.READ, res.offsets[new], offsets[new], lengths[new])
+        except (RdmaError, ValueError) as exc:  # ValueError: a plan that does not fit the regions
+            self._drop_qp()
+            store.abort(res.handles[new])
+            await self.tcp.call(OP_RDMA_UNPIN, {"tok": tok})
+            self._fell_back(str(exc))
+            return None
+        except BaseException:
+            self._drop_qp()
+            store.abort(res.handles[new])
+            self.tcp.close()  # the owner releases the pin with the connection
+            raise
+        self.access.commit(res.handles[new])
+        await self.tcp.call(OP_RDMA_UNPIN, {"tok": tok})
+        self.last_bytes = int(lengths.sum())
+        failed = np.flatnonzero(res.status == SlotStatus.FAILED)
+        return int(failed[0]) if failed.size else count
+
+    async def _rdma_put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray,
+                        lengths: np.ndarray) -> int | None:
+        """RESERVE on the owner, WRITE, COMMIT; None when RDMA failed and the request must go over TCP."""
+        kt, raw = keys.to_wire()
+        lengths = lengths.astype("<u8")
+        n = len(keys)
+        try:
+            header, body = await self.tcp.call(OP_RDMA_RESERVE, {"ns": ns_name, "n": n, "kt": kt},
+                                               raw, lengths.tobytes())
+        except PeerRefused as exc:
+            self._fell_back(str(exc))
+            return None
+        tok = header.get("tok")
+        if len(body) != 9 * n:
+            self.close()
+            raise PeerError(f"RESERVE answer from {self.peer_id} is malformed")
+        status = np.frombuffer(body[:n], dtype="u1")
+        remote = np.frombuffer(body[n:], dtype="<u8").astype(np.uint64)
+        new = np.flatnonzero(status == SlotStatus.NEW)
+        try:
+            await self._move(Opcode.WRITE, offsets[new], remote[new], lengths[new])
+        except (RdmaError, ValueError) as exc:
+            self._drop_qp()
+            await self.tcp.call(OP_RDMA_COMMIT, {"tok": tok, "ok": False})
+            self._fell_back(str(exc))
+            return None
+        except BaseException:
+            self._drop_qp()
+            self.tcp.close()  # the owner aborts the reservation with the connection
+            raise
+        answer, _ = await self.tcp.call(OP_RDMA_COMMIT, {"tok": tok, "ok": True})
+        stored = answer.get("stored")
+        if type(stored) is not int or not 0 <= stored <= n:
+            raise PeerError(f"COMMIT answer from {self.peer_id} has a bad count")
+        return stored
