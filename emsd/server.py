@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from emsd import __version__
 from emsd.config import Config, ConfigError
 from emsd.metrics import HttpEndpoint, Metrics
+from emsd.pool.admission import AdmissionRule
 from emsd.pool.ledger import Geometry, Ledger, LedgerBusy
 from emsd.pool.region import Region
 from emsd.pool.slab import SlabError
@@ -179,6 +180,12 @@ class Daemon:
             log.info("prefaulted %d MiB with %s", region.size >> 20, method)
         return region
 
+    def _store(self, size: int, page: int) -> BlockStore:
+        """An empty store with the configured eviction policy and admission rule."""
+        cfg = self.config.pool
+        return BlockStore(size, page, eviction=cfg.eviction,
+                          admission=AdmissionRule(cfg.admit_after, cfg.admit_after_namespaces))
+
     def _attach(self, region: Region) -> tuple[BlockStore, dict[int, str]]:
         """The store over ``region``: with warm restart, re-indexing what the ledger holds.
 
@@ -187,7 +194,7 @@ class Daemon:
         node starts empty rather than serve bytes it cannot vouch for.
         """
         page = min(self.config.pool.page_size, region.size)
-        store = BlockStore(region.size, page)
+        store = self._store(region.size, page)
         if region.path is None:
             if self.config.pool.warm_restart:
                 log.info("warm restart: off for this pool (%s)", region.reason)
@@ -208,7 +215,7 @@ class Daemon:
             restored = store.attach(ledger, set(names)) if names else 0
         except SlabError as exc:
             outcome, restored, names = f"rebuilt: inconsistent ledger ({exc})", 0, {}
-            store = BlockStore(region.size, page)
+            store = self._store(region.size, page)
         if not names:
             ledger.clear()
             store.ledger = ledger

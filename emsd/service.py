@@ -295,6 +295,7 @@ class Service:
         self._ns_ids = {name: ns for ns, name in names.items()}
         for ns, name in names.items():
             self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
+            self.store.name_namespace(ns, name)
 
     def namespace_id(self, name: str) -> int:
         """The local id of namespace ``name``, created on first use (ids are per daemon)."""
@@ -307,6 +308,7 @@ class Service:
             self._ns_ids[name] = ns
             self._ns_names.append(name)
             self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
+            self.store.name_namespace(ns, name)
         return ns
 
     def namespace_name(self, ns: int) -> str:
@@ -336,7 +338,7 @@ class Service:
         if FAULTS is not None and FAULTS.at("pool.reserve") is not None:
             fit = 0  # injected: as if the pool were full of pinned blocks
         evicted = self.store.evicted_total
-        res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit])
+        res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], admit=True)
         if fit < n:  # over the tenant's quota even after evicting its own blocks: the rest fail
             res = _pad_failed(res, n)
         if self.store.evicted_total > evicted and self._pressure.due():
