@@ -27,9 +27,12 @@ Two policies (``pool.eviction``) differ only in how a call stamps its keys:
   first, and a head whose successors are hot is never the oldest (SGLang's
   radix cache evicts leaves first for the same reason). A block shared by
   many chains (a system prompt) is as recent as its most recent chain.
-  The guarantee needs a chain's keys in one call: a save sent with a mask
-  that leaves out the prefix already cached stamps its tail newer than that
-  prefix (see docs/configuration.md).
+  A call that leaves out a prefix (token semantics with a mask: the engine
+  has those blocks already) names the block before its first key, the
+  predecessor; its keys are then stamped just below the predecessor's stamp,
+  so a tail saved after its head was loaded is still older than the head.
+  A call without one (hash semantics, or a predecessor that is not stored)
+  is stamped as a chain of its own.
 """
 
 from __future__ import annotations
@@ -39,16 +42,23 @@ import numpy as np
 POLICIES = ("lru", "prefix")
 
 
-def chain_stamps(clock: int, n: int) -> np.ndarray:
+def chain_stamps(clock: int, n: int, below: int | None = None) -> np.ndarray:
     """Stamps (uint32) of a call's ``n`` keys after the clock advanced from
-    ``clock - n`` to ``clock``: position i gets ``clock - i``, so the first key
-    is the newest, every stamp is distinct and newer than ``clock - n``.
+    ``clock - n`` to ``clock``: position i gets ``top - i`` with ``top = clock``,
+    so the first key is the newest, every stamp is distinct and newer than
+    ``clock - n``.
+
+    ``below``: the stamp of the block that precedes the call's first key (a
+    save or load that leaves out a prefix the engine already has); then
+    ``top = min(clock, below - 1)``, so the call's blocks are never newer than
+    their predecessor, and stamps stop at 0 (ties as oldest).
 
     Raises ``ValueError`` if ``n < 0`` or ``clock < n``.
     """
     if n < 0 or clock < n:
         raise ValueError(f"chain_stamps needs 0 <= n <= clock (got n={n}, clock={clock})")
-    return (clock - np.arange(n, dtype=np.int64)).astype(np.uint32)
+    top = clock if below is None else min(clock, below - 1)
+    return np.maximum(top - np.arange(n, dtype=np.int64), 0).astype(np.uint32)
 
 
 def lru_victims(last_used: np.ndarray, eligible_ids: np.ndarray, n: int) -> np.ndarray:

@@ -26,8 +26,11 @@ keeps it in 32 bits; before it wraps every stamp is shifted down, keeping
 the relative order of the last 2**31 ticks (older entries tie as oldest).
 Under the ``prefix`` eviction policy a call of n keys advances the clock by
 n and stamps its keys head newest, tail oldest (``eviction.chain_stamps``),
-and ``commit`` keeps the stamps its ``reserve`` gave (a commit holds only the
-new tail of a chain: restamping it would make it newer than its head).
+``commit`` keeps the stamps its ``reserve`` gave and ``release`` those its
+``pin`` gave (a commit holds only the new tail of a chain, a release no
+order: restamping would make a tail newer than its head). A call that
+continues a chain past a prefix it left out passes that prefix's last key
+(``prev``), and is stamped below it.
 
 Admission (``emsd.pool.admission``): a namespace with a threshold N > 1
 stores a block only from the N-th save of its key on; ``reserve(admit=True)``
@@ -185,7 +188,8 @@ class BlockStore:
         if self._seen is None:
             self._seen = SeenSketch()
 
-    def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray, admit: bool = False) -> Reservation:
+    def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray, admit: bool = False,
+                prev: KeyBatch | None = None) -> Reservation:
         """Reserve places for blocks ``keys`` of ``sizes`` bytes, in order.
 
         Per key: present already (READY, or PENDING by anyone, including an
@@ -201,6 +205,8 @@ class BlockStore:
         computed them again. With ``admit`` (a client's save) and an
         admission threshold for ``ns``, each absent key counts a sighting and
         the first key not admitted yet is FAILED with every key after it.
+        ``prev``: the one key before ``keys[0]`` in their chain, when the
+        caller left a prefix out (prefix policy only: see ``_below``).
         """
         n = len(keys)
         if len(sizes) != n:
@@ -233,19 +239,29 @@ class BlockStore:
         status[:cut] = Status.PRESENT
         status[todo[:made]] = Status.NEW
         if self._chain:
-            self._stamp_chain(stamp, ids, todo[:made], handles, cut)
+            self._stamp_chain(chain_stamps(stamp, n, self._below(ns, prev)), ids, todo[:made],
+                              handles, cut)
         elif present.size:
             self.index.last_used[present[self.index.state.take(present) == READY]] = stamp
         return Reservation(status, handles, offsets)
 
-    def _stamp_chain(self, clock: int, ids: np.ndarray, new: np.ndarray, handles: np.ndarray,
+    def _below(self, ns: int, prev: KeyBatch | None) -> int | None:
+        """The stamp of ``prev`` (one key) if it is READY, else None: the bound a call
+        that continues its chain must stay under (``eviction.chain_stamps``)."""
+        if prev is None or len(prev) != 1:
+            return None
+        pid = int(self.index.find(ns, prev)[0])
+        if pid < FIRST_ID or self.index.state[pid] != READY:
+            return None
+        return int(self.index.last_used[pid])
+
+    def _stamp_chain(self, stamps: np.ndarray, ids: np.ndarray, new: np.ndarray, handles: np.ndarray,
                      cut: int) -> None:
         """Prefix policy: stamp a reserve's READY and NEW keys by position, head newest.
 
-        A key twice in the batch keeps the newer (earlier) stamp.
+        A key twice in the batch, or already newer, keeps the newer stamp.
         """
         idx = self.index
-        stamps = chain_stamps(clock, ids.size)
         if new.size:
             idx.last_used[handles[new]] = stamps[new]
         pos = np.flatnonzero(ids[:cut] >= FIRST_ID)
@@ -293,12 +309,12 @@ class BlockStore:
         self._pending -= h.size
         return int(h.size)
 
-    def pin(self, ns: int, keys: KeyBatch) -> Pinned:
+    def pin(self, ns: int, keys: KeyBatch, prev: KeyBatch | None = None) -> Pinned:
         """Pin the leading READY keys (up to the first key that is not READY).
 
         Each pinned entry gets one more pin (a key twice in the batch, two)
         and counts as used now (LRU). Pinned entries are never evicted until
-        ``release``d. PENDING entries count as misses.
+        ``release``d. PENDING entries count as misses. ``prev``: as for ``reserve``.
         """
         ids = self.index.find(ns, keys, prefix=True)
         count = _leading(self.index.state.take(ids) == _READY)
@@ -307,7 +323,8 @@ class BlockStore:
         h = ids[:count]
         np.add.at(self.index.pins, h, _ONE)
         if self._chain:
-            np.maximum.at(self.index.last_used, h, chain_stamps(self._tick(count), count))
+            below = self._below(ns, prev)
+            np.maximum.at(self.index.last_used, h, chain_stamps(self._tick(count), count, below))
         else:
             self.index.last_used[h] = self._tick()
         return Pinned(count, h, self.index.offset[h].astype(np.uint64) * self._unit,
@@ -316,23 +333,19 @@ class BlockStore:
     def release(self, handles: np.ndarray) -> int:
         """One pin less per handle (never below 0); returns pins released.
 
-        The entry counts as used now: it was in use until this release.
+        Under LRU the entry counts as used now: it was in use until this
+        release. Under the prefix policy the stamps the pin gave stand.
         """
         h = self._known(handles)
         if h.size == 0:
             return 0
-        u, inverse, c = np.unique(h, return_inverse=True, return_counts=True)
+        u, c = np.unique(h, return_counts=True)
         pins = self.index.pins[u]
         dec = np.minimum(pins, c).astype(np.uint32)
         self.index.pins[u] = pins - dec
         done = int(dec.sum())
-        if done and self._chain:  # handles come in chain order (a load's pins): head newest
-            best = np.zeros(u.size, dtype=np.uint32)
-            np.maximum.at(best, inverse, chain_stamps(self._tick(h.size), h.size))
-            used = dec > 0
-            self.index.last_used[u[used]] = np.maximum(self.index.last_used[u[used]], best[used])
-        elif done:
-            self.index.last_used[u[dec > 0]] = self._tick()
+        if done and not self._chain:  # prefix: the pin's chain stamps stand (a fresh one
+            self.index.last_used[u[dec > 0]] = self._tick()  # would lift a tail over its head)
         return done
 
     def exists(self, ns: int, keys: KeyBatch) -> int:

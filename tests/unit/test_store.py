@@ -632,3 +632,23 @@ def test_admission_rule_is_taken_from_the_namespace_name() -> None:
     store.name_namespace(1, "batch")
     assert store.reserve(0, kb(1), sizes(1), admit=True).status.tolist() == [FAILED]
     assert store.reserve(1, kb(1), sizes(1), admit=True).status.tolist() == [NEW]
+
+
+def test_prefix_policy_stamps_a_continued_chain_below_its_predecessor() -> None:
+    store = BlockStore(PAGE, PAGE, eviction="prefix")
+    save(store, 0, [1, 2])
+    store.release(store.pin(0, kb(1, 2)).handles)  # a load of the head ...
+    res = store.reserve(0, kb(3, 4), sizes(2), prev=kb(2))  # ... then a save of the rest only
+    store.commit(res.handles[res.status == NEW])
+    stamps = store.index.last_used[store.index.find(0, kb(1, 2, 3, 4))].tolist()
+    assert stamps == sorted(stamps, reverse=True) and len(set(stamps)) == 4
+    assert save(store, 0, [5]) == [NEW]
+    assert present(store, 0, [1, 2, 3, 4]) == [True, True, True, False]  # the tail went first
+
+
+def test_a_predecessor_that_is_not_stored_bounds_nothing() -> None:
+    store = BlockStore(PAGE, PAGE, eviction="prefix")
+    save(store, 0, [1])
+    res = store.reserve(0, kb(3), sizes(1), prev=kb(99))
+    h3 = int(res.handles[0])
+    assert store.index.last_used[h3] > store.index.last_used[store.index.find(0, kb(1))[0]]
