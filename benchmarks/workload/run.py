@@ -43,6 +43,7 @@ POLICIES = ("lru", "prefix")
 SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None
 CONTEXTS = np.array([1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000, 100_000, 128_000])
 NEW_TOKENS = 100  # a user turn (the generator's mean user message is ~99 tokens)
+PCIE_BPS = 25e9  # stated, not measured: host -> GPU over PCIe Gen4 x16, pinned memory
 
 
 def capacity(ws_blocks: int, frac: float, nodes: int = 1) -> int:
@@ -153,17 +154,21 @@ def main() -> None:
 
     model, load = ModelCost(), LoadCost(fixed, bw)
     without, with_cache = ttft_curve(model, load, CONTEXTS, NEW_TOKENS)
+    _, with_pcie = ttft_curve(model, LoadCost(fixed, PCIE_BPS), CONTEXTS, NEW_TOKENS)
     out["ttft_curve"] = {"contexts": CONTEXTS.tolist(), "new_tokens": NEW_TOKENS,
                          "without_s": without.tolist(), "with_s": with_cache.tolist(),
-                         "ratio": (with_cache / without).tolist()}
+                         "ratio": (with_cache / without).tolist(),
+                         "with_pcie_s": with_pcie.tolist(), "ratio_pcie": (with_pcie / without).tolist()}
     assert solo is not None
     req_with = ttft(model, load, solo.prompt, solo.hit)
     req_without = ttft(model, load, solo.prompt, 0)
     out["ttft_replay"] = {"mean_with_s": float(req_with.mean()), "mean_without_s": float(req_without.mean()),
                           "ratio_of_means": float(req_with.mean() / req_without.mean())}
     out["seconds"] = time.perf_counter() - started
-    for c, w, wo in zip(CONTEXTS.tolist(), with_cache.tolist(), without.tolist(), strict=True):
-        print(f"  TTFT at {c:>7} tokens: {wo * 1e3:9.1f} ms -> {w * 1e3:8.1f} ms (1/{wo / w:.1f})")
+    for c, w, wo, wp in zip(CONTEXTS.tolist(), with_cache.tolist(), without.tolist(), with_pcie.tolist(),
+                            strict=True):
+        print(f"  TTFT at {c:>7} tokens: {wo * 1e3:9.1f} ms -> {w * 1e3:8.1f} ms (1/{wo / w:.1f}); "
+              f"at {PCIE_BPS / 1e9:.0f} GB/s: {wp * 1e3:8.1f} ms (1/{wo / wp:.1f})")
     print(f"replay (standalone, prefix, 50%): mean modelled TTFT {req_without.mean() * 1e3:.1f} ms -> "
           f"{req_with.mean() * 1e3:.1f} ms; run took {out['seconds']:.0f} s")
     plot(out, solo, req_with, req_without, args.plots)
@@ -204,7 +209,10 @@ def plot(out: dict[str, Any], solo: Any, req_with: np.ndarray, req_without: np.n
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     c = out["ttft_curve"]
     ax.loglog(c["contexts"], c["without_s"], "k-", label="without emsd (recompute all)")
-    ax.loglog(c["contexts"], c["with_s"], "b-", label=f"with emsd (all but {c['new_tokens']} tokens loaded)")
+    ax.loglog(c["contexts"], c["with_s"], "b-",
+              label=f"with emsd (all but {c['new_tokens']} tokens loaded, measured host copy)")
+    ax.loglog(c["contexts"], c["with_pcie_s"], "b--",
+              label=f"same, load at {PCIE_BPS / 1e9:.0f} GB/s (PCIe Gen4, stated)")
     bins = np.geomspace(64, max(int(solo.prompt.max()), 128), 10)
     idx = np.digitize(solo.prompt, bins)
     mids, w, wo = [], [], []

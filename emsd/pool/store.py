@@ -39,7 +39,8 @@ not admitted yet. Peer fetches and forwards do not count: the block was
 admitted where it was first saved.
 
 Eviction, when a size class has no free chunk and no free page is left, is
-LRU among the class's READY unpinned entries, read-cache copies of blocks
+LRU (by the stamps of the configured policy, ``lru`` or ``prefix``) among
+the class's READY unpinned entries, read-cache copies of blocks
 owned elsewhere (``mark_cached``) before owned ones; then page stealing takes back
 the page of another class whose entries are all READY and unpinned and
 whose latest use is the oldest. LRU victims are found by a scan that keeps
