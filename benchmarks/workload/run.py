@@ -101,9 +101,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the small trace; cluster at 50%% only")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, help="write every figure here")
-    ap.add_argument("--plots", type=Path, default=Path("docs"), help="directory for the PNGs")
+    ap.add_argument("--plots", type=Path, help="directory for the PNGs (default: docs/, or a "
+                    "temporary directory with --quick, so that docs/ keeps the full run's)")
     ap.add_argument("--no-cluster", action="store_true", help="skip the 3-node cluster")
     args = ap.parse_args()
+    if args.plots is None:
+        args.plots = Path(tempfile.gettempdir()) / "emsd-workload-quick" if args.quick else Path("docs")
     started = time.perf_counter()
     mix = quick_mix() if args.quick else Mix()
     trace = generate(mix, args.seed)
@@ -172,6 +175,7 @@ def main() -> None:
     print(f"replay (standalone, prefix, 50%): mean modelled TTFT {req_without.mean() * 1e3:.1f} ms -> "
           f"{req_with.mean() * 1e3:.1f} ms; run took {out['seconds']:.0f} s")
     plot(out, solo, req_with, req_without, args.plots)
+    print(f"plots in {args.plots}/workload_hit_rate.png and workload_ttft.png")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

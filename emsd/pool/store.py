@@ -46,8 +46,11 @@ the page of another class whose entries are all READY and unpinned and
 whose latest use is the oldest. LRU victims are found by a scan that keeps
 the oldest 1/16 of the eligible entries as a queue of candidates; a
 candidate is used only if it is unchanged since (same state, unpinned, same
-stamp), which keeps the order exact (every later use stamps the clock, and
-``release`` stamps too) while the scan's cost is shared by many evictions.
+stamp), which keeps the order exact under ``lru`` (every later use stamps
+the clock, and ``release`` stamps too) while the scan's cost is shared by
+many evictions. Under ``prefix`` a call bounded by its predecessor can stamp
+below entries already queued; those wait for the next scan (the queue is
+the oldest 1/16, so the order is off by at most that much).
 
 Accounting: ``bytes_used`` is the bytes of chunks holding an entry (PENDING
 or READY); ``bytes_free`` the bytes of free pages and free chunks; the rest
