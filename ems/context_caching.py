@@ -191,7 +191,8 @@ class ContextCaching:
         ns = self._ns(client, deadline)
         sizes = layout.block_bytes(req.counts).astype("<u8")
         kt, raw = req.keys.to_wire()
-        _, payload = client.call(Op.RESERVE, {"ns": ns, "n": n, "kt": kt}, [raw, sizes.tobytes()],
+        _, payload = client.call(Op.RESERVE, {"ns": ns, "n": n, "kt": kt, **_prev(req)},
+                                 [raw, sizes.tobytes()],
                                  timeout=_remaining(deadline), late=_abort_late(client, n))
         offsets, handles, status = _split_reservation(payload, n)
         failed = np.flatnonzero(status == _FAILED)
@@ -223,7 +224,7 @@ class ContextCaching:
         ns = self._ns(client, deadline)
         kt, raw = req.keys.to_wire()
         pin = {"ns": ns, "n": n, "kt": kt, "lo": opt.read_local_only, "wr": opt.write_rcache,
-               **_budget(deadline)}
+               **_budget(deadline), **_prev(req)}
         header, payload = client.call(Op.PIN, pin, [raw], timeout=_remaining(deadline),
                                       late=_release_late(client))
         count = int(header["count"])
@@ -306,6 +307,14 @@ def _budget(deadline: float | None) -> dict[str, int]:
     if deadline is None:
         return {}
     return {"to": max(1, int((deadline - time.monotonic()) * 1000))}
+
+
+def _prev(req: BatchRequest) -> dict[str, bytes]:
+    """The ``pk`` field: the wire form of the key before the request's first (8 bytes for an
+    int key, 33 tagged), if the request left a prefix out."""
+    if req.prev is None:
+        return {}
+    return {"pk": req.prev.to_wire()[1]}
 
 
 def _split_reservation(payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -65,7 +65,10 @@ class BatchRequest:
     - ``counts``: int64 ``(n_keys,)``, slots per key, ``sum(counts) == len(slots)``;
     - ``skip``: int64 ``(n_keys,)``, leading slots of each key a load must not
       write back, or ``None`` for all zero;
-    - ``total``: the ``total`` reported in ``CcResult``.
+    - ``total``: the ``total`` reported in ``CcResult``;
+    - ``prev``: token semantics with a mask that leaves chunks out: the key
+      of the chunk just before the first one in the request (the daemon's
+      prefix eviction keeps a chain's tail older than its head), else None.
     """
 
     keys: KeyBatch
@@ -73,6 +76,7 @@ class BatchRequest:
     counts: np.ndarray
     skip: np.ndarray | None
     total: int
+    prev: KeyBatch | None = None
 
 
 # -- array conversion ---------------------------------------------------------------
@@ -267,7 +271,9 @@ def token_request(slot_mapping: Any, token_ids: Any, mask: Any, block_size: int,
     if used.size and int(used.min()) < 0:
         i = start + int(np.argmax(used < 0))
         raise invalid(f"slot_mapping[{i}] = {int(slots[i])} is negative; slots are >= 0")
-    digests = chunk_keys(tokens, bs)[first:] if first < n_chunks else []
+    every = chunk_keys(tokens, bs)
+    digests = every[first:] if first < n_chunks else []
+    prev = _digest_batch([every[first - 1]]) if 0 < first <= len(every) and digests else None
     k = len(digests)
     counts = np.full(k, bs, dtype=np.int64)
     if k and n % bs:
@@ -278,4 +284,4 @@ def token_request(slot_mapping: Any, token_ids: Any, mask: Any, block_size: int,
         skip[0] = n0 - start
         skip = _readonly(skip)
     return BatchRequest(_digest_batch(digests), _readonly(np.array(used)), _readonly(counts),
-                        skip, k)
+                        skip, k, prev)

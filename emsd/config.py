@@ -51,6 +51,9 @@ class PoolConfig:
     warm_restart: bool = True  # pool and ledger in files that outlive the process
     state_dir: Path | None = None  # where those files live; None: node.socket_dir
     checksum: bool = False  # xxh3 digest per block, checked on every read (emsd.pool.checksum)
+    eviction: str = "prefix"  # "lru" or "prefix" (emsd/pool/eviction.py)
+    admit_after: int = 1  # store a block from its N-th save on; 1: admission off
+    admit_after_namespaces: tuple[tuple[str, int], ...] = ()  # (namespace glob, N), first match wins
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,7 @@ def _node(t: dict[str, Any]) -> NodeConfig:
 
 def _pool(t: dict[str, Any]) -> PoolConfig:
     _only(t, "pool", {"size", "hugepages", "page_size", "prefault", "warm_restart", "state_dir",
-                      "checksum"})
+                      "checksum", "eviction", "admit_after", "admit_after_namespaces"})
     d = PoolConfig()
     size = parse_size("pool.size", t.get("size", d.size))
     if size < MIN_POOL:
@@ -230,8 +233,26 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     checksum = t.get("checksum", d.checksum)
     if not isinstance(checksum, bool):
         raise ConfigError("pool.checksum", f"must be true or false (got {checksum!r})")
+    eviction = t.get("eviction", d.eviction)
+    if eviction not in ("lru", "prefix"):
+        raise ConfigError("pool.eviction", f'must be "lru" or "prefix" (got {eviction!r})')
+    admit = _admit_count("pool.admit_after", t.get("admit_after", d.admit_after))
+    per_ns = t.get("admit_after_namespaces", {})
+    if not isinstance(per_ns, dict):
+        raise ConfigError("pool.admit_after_namespaces",
+                          f"must be a table of namespace glob = count (got {per_ns!r})")
+    patterns = tuple((str(k), _admit_count(f"pool.admit_after_namespaces.{k}", v))
+                     for k, v in per_ns.items())
     return PoolConfig(size=size, hugepages=huge, page_size=min(page, size), prefault=prefault,
-                      warm_restart=warm, state_dir=Path(state) if state else None, checksum=checksum)
+                      warm_restart=warm, state_dir=Path(state) if state else None,
+                      eviction=eviction, admit_after=admit, admit_after_namespaces=patterns,
+                      checksum=checksum)
+
+
+def _admit_count(key: str, value: Any) -> int:
+    if type(value) is not int or not 1 <= value <= 255:
+        raise ConfigError(key, f"must be an integer in 1..255 (got {value!r})")
+    return value
 
 
 def _metrics(t: dict[str, Any]) -> MetricsConfig:

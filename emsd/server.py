@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from emsd import __version__
 from emsd.config import Config, ConfigError
 from emsd.metrics import HttpEndpoint, Metrics
+from emsd.pool.admission import AdmissionRule
 from emsd.pool.checksum import Checksums
 from emsd.pool.ledger import Geometry, Ledger, LedgerBusy
 from emsd.pool.region import Region
@@ -213,8 +214,11 @@ class Daemon:
         return region
 
     def _store(self, size: int, page: int) -> BlockStore:
-        store = BlockStore(size, page)
-        if self.config.pool.checksum:
+        """An empty store with the configured eviction policy, admission rule and checksums."""
+        cfg = self.config.pool
+        store = BlockStore(size, page, eviction=cfg.eviction,
+                           admission=AdmissionRule(cfg.admit_after, cfg.admit_after_namespaces))
+        if cfg.checksum:
             store.enable_checksums()  # before a warm restart's attach: it restores the digests
         return store
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from emsd.cluster import Cluster
 from emsd.pool.checksum import Checksums
 from emsd.pool.index import FIRST_ID, READY
-from emsd.pool.keys import KeyBatch, KeyError_
+from emsd.pool.keys import KT_INT, KT_TAGGED, TAGGED_ITEMSIZE, KeyBatch, KeyError_
 from emsd.pool.store import BlockStore, Pinned, Reservation
 from emsd.pool.store import Status as SlotStatus
 from emsd.tenants import DEFAULT as DEFAULT_TENANT
@@ -313,6 +313,7 @@ class Service:
         self._ns_ids = {name: ns for ns, name in names.items()}
         for ns, name in names.items():
             self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
+            self.store.name_namespace(ns, name)
 
     def namespace_id(self, name: str) -> int:
         """The local id of namespace ``name``, created on first use (ids are per daemon)."""
@@ -325,6 +326,7 @@ class Service:
             self._ns_ids[name] = ns
             self._ns_names.append(name)
             self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
+            self.store.name_namespace(ns, name)
         return ns
 
     def namespace_name(self, ns: int) -> str:
@@ -354,7 +356,8 @@ class Service:
         if FAULTS is not None and FAULTS.at("pool.reserve") is not None:
             fit = 0  # injected: as if the pool were full of pinned blocks
         evicted = self.store.evicted_total
-        res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit])
+        res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], admit=True,
+                                 prev=_prev_key(h))
         if fit < n:  # over the tenant's quota even after evicting its own blocks: the rest fail
             res = _pad_failed(res, n)
         if self.store.evicted_total > evicted and self._pressure.due():
@@ -404,7 +407,7 @@ class Service:
         ns, keys, rest = self._keys(s, h, p)
         if rest:
             raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
-        pinned = self.pin_checked(ns, keys)
+        pinned = self.pin_checked(ns, keys, _prev_key(h))
         s.pins.update(pinned.handles.tolist())
         if s.fetched:  # fetched for this PIN with write_rcache off: kept only while pinned
             held = s.fetched & set(pinned.handles.tolist())
@@ -419,9 +422,9 @@ class Service:
             pinned.handles.astype("<u4").tobytes(),
         ]
 
-    def pin_checked(self, ns: int, keys: KeyBatch) -> Pinned:
+    def pin_checked(self, ns: int, keys: KeyBatch, prev: KeyBatch | None = None) -> Pinned:
         """``store.pin``, cut before the first block whose checksum fails (``pool.checksum``)."""
-        pinned = self.store.pin(ns, keys)
+        pinned = self.store.pin(ns, keys, prev)
         return pinned if self.checksums is None else self.checksums.verified(pinned)
 
     def _release(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
@@ -571,6 +574,20 @@ def _op_name(op: object) -> str:
         return Op(op).name.lower()  # type: ignore[arg-type]
     except ValueError:
         return "unknown"
+
+
+def _prev_key(h: dict[str, Any]) -> KeyBatch | None:
+    """The optional ``pk`` field of RESERVE and PIN: the key before the first of the
+    request in its chain (8 bytes: an int key; 33: a tagged key); raises ``RequestError``."""
+    pk = h.get("pk")
+    if pk is None:
+        return None
+    if not isinstance(pk, bytes) or len(pk) not in (8, TAGGED_ITEMSIZE):
+        raise RequestError(Status.INVALID_ARGUMENT, f"pk must be 8 or {TAGGED_ITEMSIZE} bytes of one key")
+    try:
+        return KeyBatch.from_wire(KT_INT if len(pk) == 8 else KT_TAGGED, pk, 1)
+    except KeyError_ as exc:
+        raise RequestError(Status.INVALID_ARGUMENT, f"pk: {exc}") from None
 
 
 def _pad_failed(res: Reservation, n: int) -> Reservation:

@@ -10,11 +10,55 @@ carries out the answer (mechanism apart from policy, as memcached's
   page of another class to take back: one whose live entries are all READY
   and unpinned, and whose most recent use is the oldest. A page with no live
   entry at all is the best choice (its most recent use counts as -1).
+- ``chain_stamps``: the recency stamps of one call's keys under the
+  ``prefix`` policy (below).
+
+Two policies (``pool.eviction``) differ only in how a call stamps its keys:
+
+- ``lru``: every key of a call gets the same stamp, the clock's next tick.
+  Ties among the oldest go by entry id, so a cold chain loses whichever of
+  its blocks were allocated first: usually its head, which makes the rest of
+  the chain useless while it still takes space.
+- ``prefix``: a call of keys k0..k(n-1) (a chain: a load only counts leading
+  hits) advances the clock by n and stamps k0 newest and k(n-1) oldest, all
+  newer than any earlier stamp. Every use of a block in a chain uses its
+  predecessors in the same call, so a block's stamp is never older than any
+  successor's: LRU victims then come from the tails of the coldest chains
+  first, and a head whose successors are hot is never the oldest (SGLang's
+  radix cache evicts leaves first for the same reason). A block shared by
+  many chains (a system prompt) is as recent as its most recent chain.
+  A call that leaves out a prefix (token semantics with a mask: the engine
+  has those blocks already) names the block before its first key, the
+  predecessor; its keys are then stamped just below the predecessor's stamp,
+  so a tail saved after its head was loaded is still older than the head.
+  A call without one (hash semantics, or a predecessor that is not stored)
+  is stamped as a chain of its own.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+POLICIES = ("lru", "prefix")
+
+
+def chain_stamps(clock: int, n: int, below: int | None = None) -> np.ndarray:
+    """Stamps (uint32) of a call's ``n`` keys after the clock advanced from
+    ``clock - n`` to ``clock``: position i gets ``top - i`` with ``top = clock``,
+    so the first key is the newest, every stamp is distinct and newer than
+    ``clock - n``.
+
+    ``below``: the stamp of the block that precedes the call's first key (a
+    save or load that leaves out a prefix the engine already has); then
+    ``top = min(clock, below - 1)``, so the call's blocks are never newer than
+    their predecessor, and stamps stop at 0 (ties as oldest).
+
+    Raises ``ValueError`` if ``n < 0`` or ``clock < n``.
+    """
+    if n < 0 or clock < n:
+        raise ValueError(f"chain_stamps needs 0 <= n <= clock (got n={n}, clock={clock})")
+    top = clock if below is None else min(clock, below - 1)
+    return np.maximum(top - np.arange(n, dtype=np.int64), 0).astype(np.uint32)
 
 
 def lru_victims(last_used: np.ndarray, eligible_ids: np.ndarray, n: int) -> np.ndarray:

@@ -24,16 +24,33 @@ Recency is a logical clock, one tick per mutating call (``reserve``,
 ``commit``, ``pin``, ``release``), so tests are deterministic. The index
 keeps it in 32 bits; before it wraps every stamp is shifted down, keeping
 the relative order of the last 2**31 ticks (older entries tie as oldest).
+Under the ``prefix`` eviction policy a call of n keys advances the clock by
+n and stamps its keys head newest, tail oldest (``eviction.chain_stamps``),
+``commit`` keeps the stamps its ``reserve`` gave and ``release`` those its
+``pin`` gave (a commit holds only the new tail of a chain, a release no
+order: restamping would make a tail newer than its head). A call that
+continues a chain past a prefix it left out passes that prefix's last key
+(``prev``), and is stamped below it.
+
+Admission (``emsd.pool.admission``): a namespace with a threshold N > 1
+stores a block only from the N-th save of its key on; ``reserve(admit=True)``
+(a client's save) counts the sightings and cuts the batch at the first key
+not admitted yet. Peer fetches and forwards do not count: the block was
+admitted where it was first saved.
 
 Eviction, when a size class has no free chunk and no free page is left, is
-LRU among the class's READY unpinned entries, read-cache copies of blocks
+LRU (by the stamps of the configured policy, ``lru`` or ``prefix``) among
+the class's READY unpinned entries, read-cache copies of blocks
 owned elsewhere (``mark_cached``) before owned ones; then page stealing takes back
 the page of another class whose entries are all READY and unpinned and
 whose latest use is the oldest. LRU victims are found by a scan that keeps
 the oldest 1/16 of the eligible entries as a queue of candidates; a
 candidate is used only if it is unchanged since (same state, unpinned, same
-stamp), which keeps the order exact (every later use stamps the clock, and
-``release`` stamps too) while the scan's cost is shared by many evictions.
+stamp), which keeps the order exact under ``lru`` (every later use stamps
+the clock, and ``release`` stamps too) while the scan's cost is shared by
+many evictions. Under ``prefix`` a call bounded by its predecessor can stamp
+below entries already queued; those wait for the next scan (the queue is
+the oldest 1/16, so the order is off by at most that much).
 
 Accounting: ``bytes_used`` is the bytes of chunks holding an entry (PENDING
 or READY); ``bytes_free`` the bytes of free pages and free chunks; the rest
@@ -52,7 +69,8 @@ from enum import IntEnum
 
 import numpy as np
 
-from emsd.pool.eviction import copies_first, page_to_steal
+from emsd.pool.admission import AdmissionRule, SeenSketch, admitted, key_digest
+from emsd.pool.eviction import POLICIES, chain_stamps, copies_first, page_to_steal
 from emsd.pool.index import EMPTY, FIRST_ID, PENDING, READY, BlockIndex, first_occurrences
 from emsd.pool.keys import KeyBatch
 from emsd.pool.ledger import Ledger
@@ -123,9 +141,22 @@ class _LruQueue:
 
 
 class BlockStore:
-    """Index + slab allocator + eviction over a region of ``capacity`` bytes."""
+    """Index + slab allocator + eviction over a region of ``capacity`` bytes.
 
-    def __init__(self, capacity: int, page_size: int) -> None:
+    ``eviction``: ``"lru"`` or ``"prefix"`` (see ``emsd.pool.eviction``);
+    ``admission``: the per-namespace admission thresholds (default: off).
+    Raises ``ValueError`` for an unknown eviction policy.
+    """
+
+    def __init__(self, capacity: int, page_size: int, eviction: str = "lru",
+                 admission: AdmissionRule | None = None) -> None:
+        if eviction not in POLICIES:
+            raise ValueError(f"eviction policy must be one of {', '.join(POLICIES)} (got {eviction!r})")
+        self.eviction = eviction
+        self._chain = eviction == "prefix"
+        self.admission = admission or AdmissionRule()
+        self._admit_after: dict[int, int] = {}  # namespace id -> threshold (absent: 1)
+        self._seen: SeenSketch | None = None  # made on the first namespace with a threshold
         self.slabs = SlabAllocator(capacity, page_size)
         self.index = BlockIndex()
         self.capacity = capacity
@@ -145,7 +176,26 @@ class BlockStore:
 
     # -- the contract -------------------------------------------------------------
 
-    def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray) -> Reservation:
+    def name_namespace(self, ns: int, name: str) -> None:
+        """Take namespace ``ns``'s admission threshold from its ``name`` (``self.admission``)."""
+        self.set_admit_after(ns, self.admission.threshold(name))
+
+    def set_admit_after(self, ns: int, n: int) -> None:
+        """Store namespace ``ns``'s blocks only from their ``n``-th save on (1: always).
+
+        Raises ``ValueError`` if ``n < 1``.
+        """
+        if n < 1:
+            raise ValueError(f"admission threshold must be >= 1 (got {n})")
+        if n == 1:
+            self._admit_after.pop(ns, None)
+            return
+        self._admit_after[ns] = n
+        if self._seen is None:
+            self._seen = SeenSketch()
+
+    def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray, admit: bool = False,
+                prev: KeyBatch | None = None) -> Reservation:
         """Reserve places for blocks ``keys`` of ``sizes`` bytes, in order.
 
         Per key: present already (READY, or PENDING by anyone, including an
@@ -158,7 +208,11 @@ class BlockStore:
         consecutive blocks; places already reserved by this call are kept.
         Keys of the batch that are present are not evicted to make room for
         it, and the READY ones count as used now (LRU): someone has just
-        computed them again.
+        computed them again. With ``admit`` (a client's save) and an
+        admission threshold for ``ns``, each absent key counts a sighting and
+        the first key not admitted yet is FAILED with every key after it.
+        ``prev``: the one key before ``keys[0]`` in their chain, when the
+        caller left a prefix out (prefix policy only: see ``_below``).
         """
         n = len(keys)
         if len(sizes) != n:
@@ -168,7 +222,7 @@ class BlockStore:
         offsets = np.zeros(n, dtype=np.uint64)
         if n == 0:
             return Reservation(status, handles, offsets)
-        stamp = self._tick()
+        stamp = self._tick(n if self._chain else 1)
         sizes = np.asarray(sizes)
         ids = self.index.find(ns, keys)
         need = ids == EMPTY
@@ -177,6 +231,8 @@ class BlockStore:
             need[absent[~first_occurrences(keys.take(absent))]] = False
         bad = need & ~((sizes >= 1) & (sizes <= self.max_block))
         cut = int(bad.argmax()) if bad.any() else n
+        if admit and ns in self._admit_after:
+            cut = min(cut, self._admission_cut(ns, keys, need))
         todo = np.flatnonzero(need[:cut])
         present = ids[ids != EMPTY]
         if present.size:
@@ -188,9 +244,48 @@ class BlockStore:
                 np.subtract.at(self.index.pins, present, _ONE)
         status[:cut] = Status.PRESENT
         status[todo[:made]] = Status.NEW
-        if present.size:
+        if self._chain:
+            self._stamp_chain(chain_stamps(stamp, n, self._below(ns, prev)), ids, todo[:made],
+                              handles, cut)
+        elif present.size:
             self.index.last_used[present[self.index.state.take(present) == READY]] = stamp
         return Reservation(status, handles, offsets)
+
+    def _below(self, ns: int, prev: KeyBatch | None) -> int | None:
+        """The stamp of ``prev`` (one key) if it is READY, else None: the bound a call
+        that continues its chain must stay under (``eviction.chain_stamps``)."""
+        if prev is None or len(prev) != 1:
+            return None
+        pid = int(self.index.find(ns, prev)[0])
+        if pid < FIRST_ID or self.index.state[pid] != READY:
+            return None
+        return int(self.index.last_used[pid])
+
+    def _stamp_chain(self, stamps: np.ndarray, ids: np.ndarray, new: np.ndarray, handles: np.ndarray,
+                     cut: int) -> None:
+        """Prefix policy: stamp a reserve's READY and NEW keys by position, head newest.
+
+        A key twice in the batch, or already newer, keeps the newer stamp.
+        """
+        idx = self.index
+        if new.size:
+            idx.last_used[handles[new]] = stamps[new]
+        pos = np.flatnonzero(ids[:cut] >= FIRST_ID)
+        pos = pos[idx.state.take(ids[pos]) == READY]
+        if pos.size:
+            np.maximum.at(idx.last_used, ids[pos], stamps[pos])
+
+    def _admission_cut(self, ns: int, keys: KeyBatch, need: np.ndarray) -> int:
+        """Count a sighting of each absent key; the position of the first one not admitted
+        yet (``len(keys)`` if all are)."""
+        assert self._seen is not None
+        absent = np.flatnonzero(need)
+        if absent.size == 0:
+            return len(keys)
+        sub = keys.take(absent)
+        counts = self._seen.add(key_digest(ns, sub.words, sub.tags))
+        refused = ~admitted(counts, self._admit_after[ns])
+        return int(absent[int(refused.argmax())]) if refused.any() else len(keys)
 
     def commit(self, handles: np.ndarray) -> int:
         """PENDING -> READY: readable now, counted in its namespace's bytes.
@@ -202,7 +297,8 @@ class BlockStore:
         if h.size == 0:
             return 0
         self.index.state[h] = READY
-        self.index.last_used[h] = self._tick()
+        if not self._chain:  # prefix: keep the reserve's stamps (see the module docstring)
+            self.index.last_used[h] = self._tick()
         self._ns_add(h, 1)
         self._pending -= h.size
         self._record(h)
@@ -259,12 +355,12 @@ class BlockStore:
         self._pending -= h.size
         return int(h.size)
 
-    def pin(self, ns: int, keys: KeyBatch) -> Pinned:
+    def pin(self, ns: int, keys: KeyBatch, prev: KeyBatch | None = None) -> Pinned:
         """Pin the leading READY keys (up to the first key that is not READY).
 
         Each pinned entry gets one more pin (a key twice in the batch, two)
         and counts as used now (LRU). Pinned entries are never evicted until
-        ``release``d. PENDING entries count as misses.
+        ``release``d. PENDING entries count as misses. ``prev``: as for ``reserve``.
         """
         ids = self.index.find(ns, keys, prefix=True)
         count = _leading(self.index.state.take(ids) == _READY)
@@ -272,14 +368,19 @@ class BlockStore:
             return Pinned(0, _NO_U4, _NO_U8, _NO_U8)
         h = ids[:count]
         np.add.at(self.index.pins, h, _ONE)
-        self.index.last_used[h] = self._tick()
+        if self._chain:
+            below = self._below(ns, prev)
+            np.maximum.at(self.index.last_used, h, chain_stamps(self._tick(count), count, below))
+        else:
+            self.index.last_used[h] = self._tick()
         return Pinned(count, h, self.index.offset[h].astype(np.uint64) * self._unit,
                       self.index.length[h].astype(np.uint64))
 
     def release(self, handles: np.ndarray) -> int:
         """One pin less per handle (never below 0); returns pins released.
 
-        The entry counts as used now: it was in use until this release.
+        Under LRU the entry counts as used now: it was in use until this
+        release. Under the prefix policy the stamps the pin gave stand.
         """
         h = self._known(handles)
         if h.size == 0:
@@ -289,8 +390,8 @@ class BlockStore:
         dec = np.minimum(pins, c).astype(np.uint32)
         self.index.pins[u] = pins - dec
         done = int(dec.sum())
-        if done:
-            self.index.last_used[u[dec > 0]] = self._tick()
+        if done and not self._chain:  # prefix: the pin's chain stamps stand (a fresh one
+            self.index.last_used[u[dec > 0]] = self._tick()  # would lift a tail over its head)
         return done
 
     def exists(self, ns: int, keys: KeyBatch) -> int:
@@ -563,9 +664,9 @@ class BlockStore:
 
     # -- bookkeeping ----------------------------------------------------------------
 
-    def _tick(self) -> int:
-        """Advance the logical clock; rebase all stamps before it wraps."""
-        self._clock += 1
+    def _tick(self, n: int = 1) -> int:
+        """Advance the logical clock by ``n`` (>= 1); rebase all stamps before it wraps."""
+        self._clock += n
         if self._clock >= self.clock_limit:
             shift = self._clock - self.clock_limit // 2
             stamps = self.index.last_used[: self.index.high_water]

@@ -179,6 +179,15 @@ def test_token_request_skips_chunks_fully_inside_the_masked_prefix() -> None:
         assert req.skip is None
 
 
+def test_token_request_names_the_chunk_before_a_masked_prefix_as_prev() -> None:
+    keys = chunk_keys(np.array(TOKENS), 4)
+    req = token_request(SLOTS, TOKENS, [0] * 8 + [1] * 2, 4, for_save=True)
+    assert req.prev is not None and req.prev.key(0) == keys[1] and len(req.prev) == 1
+    assert token_request(SLOTS, TOKENS, [1] * 10, 4, for_save=True).prev is None
+    assert token_request(SLOTS, TOKENS, [0] * 10, 4, for_save=True).prev is None  # nothing to send
+    assert hash_request([0, 1], [5], [2]).prev is None
+
+
 def test_straddling_chunk_is_saved_whole() -> None:
     req = token_request(SLOTS, TOKENS, [0] * 6 + [1] * 4, 4, for_save=True)
     assert req.total == 2 and req.counts.tolist() == [4, 2]

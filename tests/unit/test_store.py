@@ -351,9 +351,14 @@ class StoreModel(RuleBasedStateMachine):
     call reports them missing.
     """
 
+    eviction = "lru"
+    admit = False  # with True, namespace 1 stores a block from its second save on
+
     def __init__(self) -> None:
         super().__init__()
-        self.store = BlockStore(6 * PAGE + 500, PAGE)
+        self.store = BlockStore(6 * PAGE + 500, PAGE, eviction=self.eviction)
+        if self.admit:
+            self.store.set_admit_after(1, 2)
         self.store.clock_limit = 64  # rebase the clock now and then
         self.store.lru_queue_fraction = 2  # queues outlive the call that built them
         self.pending: dict[tuple[int, int], int] = {}  # key -> handle
@@ -371,7 +376,7 @@ class StoreModel(RuleBasedStateMachine):
             per_key = [data.draw(one)] * len(keys)
         else:
             per_key = data.draw(st.lists(one, min_size=len(keys), max_size=len(keys)))
-        res = self.store.reserve(ns, kb(*keys), np.array(per_key, dtype=np.uint64))
+        res = self.store.reserve(ns, kb(*keys), np.array(per_key, dtype=np.uint64), admit=self.admit)
         status = res.status.tolist()
         failed = status.index(FAILED) if FAILED in status else len(keys)
         assert status[failed:] == [FAILED] * (len(keys) - failed)
@@ -469,6 +474,17 @@ StoreModel.TestCase.settings = settings(max_examples=80, stateful_step_count=40,
 TestStoreModel = StoreModel.TestCase
 
 
+class PrefixStoreModel(StoreModel):
+    """The same model under the prefix eviction policy, with admission on namespace 1."""
+
+    eviction = "prefix"
+    admit = True
+
+
+PrefixStoreModel.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestPrefixStoreModel = PrefixStoreModel.TestCase
+
+
 def test_read_cache_copies_are_evicted_before_owned_blocks() -> None:
     store = BlockStore(4 << 20, 1 << 20)  # 4 pages of 1 MiB: 16 blocks of 256 KiB
     size = np.full(1, 256 << 10, np.uint64)
@@ -537,3 +553,102 @@ def test_an_eviction_that_outruns_the_lru_queue_frees_each_chunk_once() -> None:
     save(store, 0, list(range(300, 340)))
     check_invariants(store)
     assert store.exists(0, kb(*range(300, 340))) == 40
+
+
+# -- the prefix policy and admission ------------------------------------------------------
+
+
+def test_prefix_policy_evicts_a_cold_chain_from_its_tail() -> None:
+    store = BlockStore(PAGE, PAGE, eviction="prefix")  # room for four 1 KiB blocks
+    save(store, 0, [1, 2, 3, 4])  # one chain: 1 is its head
+    assert save(store, 0, [5]) == [NEW]
+    assert present(store, 0, [1, 2, 3, 4]) == [True, True, True, False]
+    lru = BlockStore(PAGE, PAGE, eviction="lru")
+    save(lru, 0, [1, 2, 3, 4])
+    save(lru, 0, [5])
+    assert present(lru, 0, [1, 2, 3, 4]) == [False, True, True, True]  # the head goes first
+    check_invariants(store)
+
+
+def test_prefix_policy_keeps_a_head_whose_successor_was_just_loaded() -> None:
+    store = BlockStore(PAGE, PAGE, eviction="prefix")
+    save(store, 0, [1, 2])
+    save(store, 0, [3, 4])
+    store.release(store.pin(0, kb(1, 2)).handles)  # chain 1-2 is hot, 3-4 is cold
+    assert save(store, 0, [5, 6]) == [NEW, NEW]
+    assert present(store, 0, [1, 2, 3, 5, 6]) == [True, True, False, True, True]
+
+
+def test_prefix_policy_commit_keeps_the_reserve_stamps() -> None:
+    store = BlockStore(PAGE, PAGE, eviction="prefix")
+    save(store, 0, [1])
+    res = store.reserve(0, kb(1, 2), sizes(2))  # 1 present, 2 new: 1 stamped newer
+    store.commit(res.handles[res.status == NEW])
+    h1, h2 = store.index.find(0, kb(1, 2)).tolist()
+    assert store.index.last_used[h1] > store.index.last_used[h2]
+
+
+def test_exists_does_not_count_as_a_use_under_the_prefix_policy() -> None:
+    store = BlockStore(PAGE, PAGE, eviction="prefix")
+    save(store, 0, [4])
+    save(store, 0, [1, 2, 3])
+    before = store.index.last_used.copy()
+    assert store.exists(0, kb(4)) == 1
+    assert (store.index.last_used == before).all()
+    save(store, 0, [5])
+    assert present(store, 0, [4, 1]) == [False, True]
+
+
+def test_an_unknown_eviction_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="'mru'"):
+        BlockStore(PAGE, PAGE, eviction="mru")
+
+
+def test_admission_stores_a_block_from_its_nth_save_on() -> None:
+    store = BlockStore(4 * PAGE, PAGE)
+    store.set_admit_after(0, 2)
+    assert store.reserve(0, kb(1, 2), sizes(2), admit=True).status.tolist() == [FAILED, FAILED]
+    assert store.stats().pending == 0
+    res = store.reserve(0, kb(1, 2, 3), sizes(3), admit=True)
+    assert res.status.tolist() == [NEW, NEW, FAILED]  # 3 is seen for the first time
+    store.commit(res.handles[res.status == NEW])
+    assert store.reserve(0, kb(1, 2, 3), sizes(3), admit=True).status.tolist() == [PRESENT, PRESENT, NEW]
+
+
+def test_admission_is_per_namespace_and_only_for_client_saves() -> None:
+    store = BlockStore(4 * PAGE, PAGE)
+    store.set_admit_after(0, 3)
+    assert save(store, 1, [1]) == [NEW]  # another namespace: no rule
+    assert store.reserve(0, kb(1), sizes(1)).status.tolist() == [NEW]  # a peer's copy: admitted
+    with pytest.raises(ValueError, match="got 0"):
+        store.set_admit_after(0, 0)
+
+
+def test_admission_rule_is_taken_from_the_namespace_name() -> None:
+    from emsd.pool.admission import AdmissionRule
+
+    store = BlockStore(4 * PAGE, PAGE, admission=AdmissionRule(1, (("chat*", 2),)))
+    store.name_namespace(0, "chat-a")
+    store.name_namespace(1, "batch")
+    assert store.reserve(0, kb(1), sizes(1), admit=True).status.tolist() == [FAILED]
+    assert store.reserve(1, kb(1), sizes(1), admit=True).status.tolist() == [NEW]
+
+
+def test_prefix_policy_stamps_a_continued_chain_below_its_predecessor() -> None:
+    store = BlockStore(PAGE, PAGE, eviction="prefix")
+    save(store, 0, [1, 2])
+    store.release(store.pin(0, kb(1, 2)).handles)  # a load of the head ...
+    res = store.reserve(0, kb(3, 4), sizes(2), prev=kb(2))  # ... then a save of the rest only
+    store.commit(res.handles[res.status == NEW])
+    stamps = store.index.last_used[store.index.find(0, kb(1, 2, 3, 4))].tolist()
+    assert stamps == sorted(stamps, reverse=True) and len(set(stamps)) == 4
+    assert save(store, 0, [5]) == [NEW]
+    assert present(store, 0, [1, 2, 3, 4]) == [True, True, True, False]  # the tail went first
+
+
+def test_a_predecessor_that_is_not_stored_bounds_nothing() -> None:
+    store = BlockStore(PAGE, PAGE, eviction="prefix")
+    save(store, 0, [1])
+    res = store.reserve(0, kb(3), sizes(1), prev=kb(99))
+    h3 = int(res.handles[0])
+    assert store.index.last_used[h3] > store.index.last_used[store.index.find(0, kb(1))[0]]

@@ -1,0 +1,32 @@
+"""``[pool]`` eviction and admission keys: defaults and one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from emsd.config import ConfigError, config_from_dict
+
+
+def test_eviction_defaults_to_prefix_and_admission_to_off() -> None:
+    pool = config_from_dict({}).pool
+    assert (pool.eviction, pool.admit_after, pool.admit_after_namespaces) == ("prefix", 1, ())
+
+
+def test_eviction_and_admission_are_read() -> None:
+    pool = config_from_dict({"pool": {"eviction": "lru", "admit_after": 2,
+                                      "admit_after_namespaces": {"*chat*": 3, "*": 1}}}).pool
+    assert pool.eviction == "lru" and pool.admit_after == 2
+    assert pool.admit_after_namespaces == (("*chat*", 3), ("*", 1))
+
+
+@pytest.mark.parametrize(("pool", "key"), [
+    ({"eviction": "lfu"}, "pool.eviction"),
+    ({"admit_after": 0}, "pool.admit_after"),
+    ({"admit_after": True}, "pool.admit_after"),
+    ({"admit_after_namespaces": {"x": 300}}, "pool.admit_after_namespaces.x"),
+    ({"admit_after_namespaces": ["x"]}, "pool.admit_after_namespaces"),
+])
+def test_bad_values_name_the_key(pool: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"pool": pool})
+    assert err.value.key == key

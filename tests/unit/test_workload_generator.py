@@ -1,0 +1,72 @@
+"""The workload generator (benchmarks/workload): deterministic per seed, distributions as stated."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.workload import sim
+from benchmarks.workload.generator import Lognormal, Mix, generate
+from benchmarks.workload.ttft import LoadCost, ModelCost, ttft, ttft_curve
+
+SMALL = Mix(sessions=120, span_s=300.0)
+
+
+def test_same_seed_same_trace_and_another_seed_another() -> None:
+    a, b, c = generate(SMALL, 3), generate(SMALL, 3), generate(SMALL, 4)
+    assert [(r.time, r.session, r.kind) for r in a] == [(r.time, r.session, r.kind) for r in b]
+    assert all(np.array_equal(x.prompt, y.prompt) and np.array_equal(x.answer_tokens, y.answer_tokens)
+               for x, y in zip(a, b, strict=True))
+    assert [r.time for r in a] != [r.time for r in c]
+
+
+def test_trace_is_in_time_order_and_turns_extend_their_context() -> None:
+    trace = generate(SMALL, 5)
+    assert [r.time for r in trace] == sorted(r.time for r in trace)
+    last: dict[int, np.ndarray] = {}
+    for r in trace:
+        if r.session in last:  # the next turn starts with everything the engine held
+            prev = last[r.session]
+            assert np.array_equal(r.prompt[: prev.size], prev)
+        last[r.session] = r.sequence
+    assert max(r.prompt.size for r in trace) <= SMALL.max_context
+
+
+def test_session_mix_and_lengths_follow_the_stated_parameters() -> None:
+    mix = Mix(sessions=2000, span_s=300.0)
+    trace = generate(mix, 7)
+    kinds = {k: len({r.session for r in trace if r.kind == k}) for k in ("chat", "agent", "oneoff")}
+    assert abs(kinds["chat"] / mix.sessions - mix.chat) < 0.04
+    assert abs(kinds["agent"] / mix.sessions - mix.agent) < 0.04
+    turns = np.bincount([r.session for r in trace if r.kind == "chat"])
+    turns = turns[turns > 0]
+    assert abs(turns.mean() - 1 / mix.turn_p) < 0.3  # Geometric(p): mean 1 / p
+    answers = np.array([r.answer_tokens.size for r in trace if r.kind == "chat"])
+    assert abs(np.median(answers) - mix.answer_len.median) < 0.15 * mix.answer_len.median
+    shared = {r.prompt[:64].tobytes() for r in trace if r.kind == "chat"}
+    assert len(shared) <= mix.system_prompts  # every chat opens with a shared system prompt
+
+
+def test_lognormal_is_clipped_and_centred_on_its_median() -> None:
+    d = Lognormal(100, 1.0, 10, 500)
+    x = d.draw(np.random.default_rng(0), 20000)
+    assert x.min() >= 10 and x.max() <= 500
+    assert abs(np.median(x) - 100) < 5
+
+
+def test_infinite_cache_hits_every_block_seen_before() -> None:
+    trace = generate(SMALL, 2)
+    chained = sim.chain(trace, 64)
+    inf = sim.infinite(chained)
+    assert (inf <= np.array([c.prompt_blocks for c in chained])).all()
+    assert inf[0] == 0 and inf.sum() > 0
+    big = sim.in_store(chained, 64 << 20, 4096, 64 << 10, "prefix")
+    assert np.array_equal(big, inf)  # a pool that holds everything is an infinite cache
+
+
+def test_ttft_model_falls_further_the_longer_the_context() -> None:
+    model, load = ModelCost(), LoadCost(0.001, 10e9)
+    without, with_cache = ttft_curve(model, load, np.array([1000, 10_000, 100_000]), 100)
+    ratio = with_cache / without
+    assert (np.diff(ratio) < 0).all()
+    assert float(ttft(model, load, 1000, 0)) == float(model.prefill_s(1000, 0))
+    assert model.kv_bytes_per_token == 131072
