@@ -54,8 +54,8 @@ class Worker:
         self.spec = spec
         self.log = log
         with log.open("ab") as err:
-            self.proc = subprocess.Popen(spec.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         env={**os.environ, **spec.env}, text=True)
+            self.proc = subprocess.Popen(spec.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, env={**os.environ, **spec.env}, text=True)
         first = self._read(120.0)
         if "error" in first:
             self.stop()
@@ -151,8 +151,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             print(f"[peers] {name} failed: {failed[name]}", file=sys.stderr)
                             continue
                         if r:
+                            mine = results.setdefault(name, {})
                             for op in stats.OPS:
-                                results.setdefault(name, {}).setdefault(f"{size}/{mode}/{op}", []).append(reply[op])
+                                mine.setdefault(f"{size}/{mode}/{op}", []).append(reply[op])
             print(f"[peers] round {r} done", file=sys.stderr)
         wall = time.monotonic() - wall0
         machine, own = machine_cpu_seconds() - cpu0, own_cpu_seconds() - own0
@@ -168,7 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             table.setdefault(name, {})[key] = stats.summarize(rounds, (volume // size) * size)
     return {"volume_per_cell": volume, "rounds": args.rounds, "sizes": list(args.sizes), "batch": stats.BATCH,
             "systems": [w.spec.name for w in workers], "missing": missing, "failed": failed, "results": table,
-            "cpu": {"wall_s": wall, "machine_cpu_s": machine, "own_cpu_s": own, "other_processes_cpu_s": other, "other_processes_cores": other / wall,
+            "cpu": {"wall_s": wall, "machine_cpu_s": machine, "own_cpu_s": own,
+                    "other_processes_cpu_s": other, "other_processes_cores": other / wall,
                     "cores": psutil.cpu_count(), "loadavg": list(os.getloadavg())}}
 
 
@@ -176,7 +178,8 @@ def ratios(out: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     """emsd's GB/s over each other system's, per cell."""
     res = out["results"]
     mine = res.get("emsd", {})
-    return {name: {key: stats.ratio(mine.get(key, {}).get("gbps"), cell["gbps"]) for key, cell in cells.items()}
+    return {name: {key: stats.ratio(mine.get(key, {}).get("gbps"), cell["gbps"])
+                   for key, cell in cells.items()}
             for name, cells in res.items() if name != "emsd"}
 
 
@@ -220,7 +223,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 MiB per cell, 2 rounds (< 1 minute)")
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds (default 5, quick 2)")
-    ap.add_argument("--volume-mib", type=int, default=None, help="MiB moved per cell and direction (default 64)")
+    ap.add_argument("--volume-mib", type=int, default=None,
+                    help="MiB moved per cell and direction (default 64, quick 8)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")

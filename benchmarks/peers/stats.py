@@ -25,7 +25,9 @@ def size_label(size: int) -> str:
     """``65536`` -> ``"64 KiB"``, ``2097152`` -> ``"2 MiB"``."""
     if size <= 0:
         raise ValueError(f"size must be positive, got {size}")
-    return f"{size // MiB} MiB" if size % MiB == 0 else f"{size // KiB} KiB" if size % KiB == 0 else f"{size} B"
+    if size % MiB == 0:
+        return f"{size // MiB} MiB"
+    return f"{size // KiB} KiB" if size % KiB == 0 else f"{size} B"
 
 
 def batch_for(mode: str) -> int:

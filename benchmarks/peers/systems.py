@@ -81,7 +81,8 @@ def _spawn(stack: contextlib.ExitStack, argv: list[str], log: Path) -> subproces
     return proc
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, log: Path, netns: int | None = None) -> None:
+def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, log: Path,
+               netns: int | None = None) -> None:
     """Until 127.0.0.1:port accepts (inside ``netns``'s namespace when given), or fail naming ``what``."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -137,8 +138,9 @@ def start_memcached(stack: contextlib.ExitStack, work: Path, volume: int) -> lis
     _need_module("pymemcache")
     port = free_port()
     log = work / "memcached.log"
-    argv = ["memcached", "-l", "127.0.0.1", "-p", str(port), "-U", "0", "-m", str(max(1024, 4 * volume >> 20)),
-            "-I", "16m", "-t", "2"]  # -I: the default 1 MiB item limit refuses 2 and 8 MiB values
+    # -I: the default 1 MiB item size limit refuses the 2 and 8 MiB values
+    argv = ["memcached", "-l", "127.0.0.1", "-p", str(port), "-U", "0",
+            "-m", str(max(1024, 4 * volume >> 20)), "-I", "16m", "-t", "2"]
     if os.geteuid() == 0:
         argv += ["-u", "root"]
     proc = _spawn(stack, argv, log)
@@ -155,7 +157,8 @@ def start_lmcache(stack: contextlib.ExitStack, work: Path, volume: int) -> list[
     log = work / "lmcache.log"
     proc = _spawn(stack, [str(server), "127.0.0.1", str(port), "cpu"], log)
     _wait_port(port, proc, "lmcache_server", log)
-    return [WorkerSpec("lmcache", "lmcache", (str(venv / "bin" / "python"),), {"volume": volume, "port": port})]
+    python = str(venv / "bin" / "python")
+    return [WorkerSpec("lmcache", "lmcache", (python,), {"volume": volume, "port": port})]
 
 
 def start_mooncake(stack: contextlib.ExitStack, work: Path, volume: int) -> list[WorkerSpec]:
@@ -182,7 +185,8 @@ def start_mooncake(stack: contextlib.ExitStack, work: Path, volume: int) -> list
                             f"--global_segment_size={segment >> 20}MB"], log)
     _wait_port(MC_CLIENT_PORT, daemon, "mooncake_client", log, holder.pid)
     argv = (*ns, str(venv / "bin" / "python"))
-    common = {"volume": volume, "master": f"127.0.0.1:{MC_MASTER_PORT}", "client": f"127.0.0.1:{MC_CLIENT_PORT}"}
+    common = {"volume": volume, "master": f"127.0.0.1:{MC_MASTER_PORT}",
+              "client": f"127.0.0.1:{MC_CLIENT_PORT}"}
     return [WorkerSpec("mooncake-shm", "mooncake", argv, {**common, "mode": "shm"}),
             WorkerSpec("mooncake-tcp", "mooncake", argv, {**common, "mode": "tcp"})]
 
@@ -192,7 +196,8 @@ def _need_module(*names: str) -> None:
 
     for name in names:
         if importlib.util.find_spec(name) is None:
-            raise Missing(f"python module {name} not installed in {sys.executable} (scripts/setup-bench-peers.sh)")
+            raise Missing(f"python module {name} not installed in {sys.executable} "
+                          "(scripts/setup-bench-peers.sh)")
 
 
 STARTERS = {"memmove": start_memmove, "emsd": start_emsd, "mooncake": start_mooncake,

@@ -59,7 +59,8 @@ def calls(n: int, batch: int) -> list[range]:
     return [range(i, min(i + batch, n)) for i in range(0, n, batch)]
 
 
-def run_cell(client: Client, size: int, batch: int, volume: int, tag: int, state: dict[str, int]) -> dict[str, Any]:
+def run_cell(client: Client, size: int, batch: int, volume: int, tag: int,
+             state: dict[str, int]) -> dict[str, Any]:
     """One cell: put then get ``volume // size`` blocks of ``size`` bytes; per-call seconds."""
     n = volume // size
     if n < 1 or 2 * n * size > client.buffer.size:
@@ -120,7 +121,8 @@ def main() -> None:
     try:
         client = module.open_client(options)
     except Exception as exc:  # noqa: BLE001
-        real_stdout.write(json.dumps({"error": f"{system} did not start: {type(exc).__name__}: {exc}"}) + "\n")
+        why = f"{system} did not start: {type(exc).__name__}: {exc}"
+        real_stdout.write(json.dumps({"error": why}) + "\n")
         real_stdout.flush()
         raise SystemExit(1) from exc
     serve(client, sys.stdin, real_stdout)

@@ -30,9 +30,11 @@ class MemcachedClient:
             ok = self.mc.set(str(keys[0]), self._src(first), noreply=False)
             failed = [] if ok else keys
         else:
-            failed = self.mc.set_many({str(k): self._src(first + j) for j, k in enumerate(keys)}, noreply=False)
+            values = {str(k): self._src(first + j) for j, k in enumerate(keys)}
+            failed = self.mc.set_many(values, noreply=False)
         if failed:
-            raise RuntimeError(f"memcached refused {len(failed)} values of {self.size} bytes (item size limit?)")
+            raise RuntimeError(f"memcached refused {len(failed)} values of {self.size} bytes "
+                               "(item size limit?)")
 
     def get(self, keys: list[int], first: int) -> None:
         if len(keys) == 1:
