@@ -175,10 +175,13 @@ def start_mooncake(stack: contextlib.ExitStack, work: Path, volume: int) -> list
             raise Missing(f"unshare --net failed: {_tail(log)}")
         time.sleep(0.02)
     ns = ["nsenter", f"--net=/proc/{holder.pid}/ns/net"]
+    # A get leases its object for --default_kv_lease_ttl (10 s by default) and a leased object
+    # cannot be removed; 2 s is still far longer than any get here and lets each cell's
+    # values be removed soon after, instead of filling the segment and forcing evictions.
     master = _spawn(stack, [*ns, str(venv / "bin" / "mooncake_master"), "--enable_http_metadata_server=false",
-                            f"--rpc_port={MC_MASTER_PORT}"], log)
+                            f"--rpc_port={MC_MASTER_PORT}", "--default_kv_lease_ttl=2s"], log)
     _wait_port(MC_MASTER_PORT, master, "mooncake_master", log, holder.pid)
-    segment = max(1 << 30, 8 * volume)
+    segment = max(2 << 30, 16 * volume)
     daemon = _spawn(stack, [*ns, str(venv / "bin" / "mooncake_client"), "--metadata_server=P2PHANDSHAKE",
                             "--protocol=tcp", "--host=127.0.0.1", f"--port={MC_CLIENT_PORT}",
                             f"--master_server_address=127.0.0.1:{MC_MASTER_PORT}",

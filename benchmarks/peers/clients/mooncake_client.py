@@ -41,6 +41,7 @@ class MooncakeClient:
         _check("register_buffer", self.store.register_buffer(self.base, nbytes))
         self.half = volume
         self.size = 0
+        self.pending: list[str] = []  # removed later: a key read less than a lease ago cannot be
 
     def prepare(self, size: int, n: int) -> None:
         self.size = size
@@ -67,7 +68,14 @@ class MooncakeClient:
                 raise RuntimeError(f"mooncake get {k} returned {n}, expected {size} bytes")
 
     def drop(self, keys: list[int]) -> None:
-        self.store.batch_remove([str(k) for k in keys])
+        """Remove this cell's keys and any earlier ones still leased (-706 OBJECT_HAS_LEASE then).
+
+        A get leases its object (the master's --default_kv_lease_ttl); until the lease ends a
+        remove fails, so such keys are retried at the next drop instead of filling the segment.
+        """
+        self.pending += [str(k) for k in keys]
+        codes = self.store.batch_remove(self.pending)
+        self.pending = [k for k, rc in zip(self.pending, codes, strict=True) if rc == -706]
 
     def close(self) -> None:
         self.store.close()
