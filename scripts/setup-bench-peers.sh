@@ -43,8 +43,8 @@ new_venv() {
 if ! command -v redis-server >/dev/null || ! command -v memcached >/dev/null; then
     echo "[setup-bench-peers] Debian redis-server and memcached"
     if [[ $(id -u) == 0 ]]; then SUDO=""; else SUDO="sudo"; fi
-    # The packages start their services on install; the benchmark runs its own on
-    # free loopback ports, so stop the system ones if this machine has systemd.
+    # The benchmark runs its own servers on free loopback ports; it neither needs nor
+    # touches the system services (which a machine without systemd does not start).
     $SUDO apt-get install -y -q redis-server memcached >/dev/null 2>&1 || {
         $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q redis-server memcached >/dev/null; } \
         || failed+=("redis-server/memcached (apt-get)")
@@ -53,7 +53,7 @@ fi
 if [[ -x $VENV/bin/python ]]; then
     if ! "$VENV/bin/python" -c "import redis, hiredis, pymemcache" 2>/dev/null; then
         echo "[setup-bench-peers] redis-py with hiredis, pymemcache in $VENV"
-        pip_in "$VENV" "redis[hiredis]>=5" "pymemcache>=4" || failed+=("redis-py/pymemcache")
+        pip_in "$VENV" "redis[hiredis]>=5" "pymemcache>=4" || failed+=("redis-py/pymemcache")  # = pyproject [bench]
     fi
 else
     echo "[setup-bench-peers] warning: no $VENV; run scripts/setup.sh --test first" >&2
