@@ -174,17 +174,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "cores": psutil.cpu_count(), "loadavg": list(os.getloadavg())}}
 
 
-def ratios(out: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    """emsd's GB/s over each other system's, per cell."""
+GOALS = (  # (emsd path, other, the issue's goal on 2 MiB batched values)
+    ("emsd", "mooncake-shm", 1.2),
+    ("emsd-remote", "mooncake-tcp", 1.5),
+)
+
+
+def ratios(out: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """For emsd and emsd-remote: their GB/s over each other system's, per cell."""
     res = out["results"]
-    mine = res.get("emsd", {})
-    return {name: {key: stats.ratio(mine.get(key, {}).get("gbps"), cell["gbps"])
-                   for key, cell in cells.items()}
-            for name, cells in res.items() if name != "emsd"}
+    return {mine: {name: {key: stats.ratio(res[mine].get(key, {}).get("gbps"), cell["gbps"])
+                          for key, cell in cells.items()}
+                   for name, cells in res.items() if not name.startswith("emsd")}
+            for mine in ("emsd", "emsd-remote") if mine in res}
+
+
+def goals(out: dict[str, Any]) -> list[str]:
+    """One line per goal of the issue: the 2 MiB batched put and get ratios, or why there are none."""
+    lines = []
+    for mine, other, goal in GOALS:
+        got = out["ratios"].get(mine, {}).get(other)
+        if got is None:
+            lines.append(f"goal {mine} >= {goal}x {other}: not measured ({mine} or {other} did not run)")
+            continue
+        pair = [got.get(f"{2 * stats.MiB}/batched/{op}") for op in stats.OPS]
+        txt = ", ".join(f"{op} {r:.2f}x" if r is not None else f"{op} -" for op, r in zip(stats.OPS, pair,
+                                                                                          strict=True))
+        met = all(r is not None and r >= goal for r in pair)
+        lines.append(f"goal {mine} >= {goal}x {other} (2 MiB batched): {txt}: {'met' if met else 'NOT met'}")
+    return lines
 
 
 def render(out: dict[str, Any], markdown: bool) -> str:
-    res, rat = out["results"], out["ratios"]
+    res, rat = out["results"], out["ratios"].get("emsd", {})
     names = [n for n in out["systems"] if n in res]
     lines = []
     if markdown:
@@ -213,6 +235,7 @@ def render(out: dict[str, Any], markdown: bool) -> str:
         lines.append(f"not run: {name}: {why}")
     for name, why in out["failed"].items():
         lines.append(f"failed: {name}: {why}")
+    lines += goals(out)
     c = out["cpu"]
     lines.append(f"other processes used {c['other_processes_cpu_s']:.1f} CPU s over {c['wall_s']:.1f} s "
                  f"({c['other_processes_cores']:.2f} of {c['cores']} cores); load average {c['loadavg']}")

@@ -36,7 +36,7 @@ from zk import free_port  # noqa: E402
 
 SHM_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else None  # the emsd pool file lives in the work dir
 WORKER = Path(__file__).resolve().parent / "worker.py"
-SYSTEMS = ("memmove", "emsd", "mooncake", "lmcache", "redis", "memcached")
+SYSTEMS = ("memmove", "emsd", "emsd-remote", "mooncake", "lmcache", "redis", "memcached")
 MC_MASTER_PORT, MC_CLIENT_PORT = 50051, 50052  # inside the private namespace: nothing else there
 
 
@@ -118,6 +118,29 @@ def start_emsd(stack: contextlib.ExitStack, work: Path, volume: int) -> list[Wor
     stack.callback(stop_daemon, proc)
     return [WorkerSpec("emsd", "emsd", (sys.executable,), {"volume": volume, "sock_dir": str(sock_dir)},
                        {"PYTHONPATH": str(ROOT)})]
+
+
+def start_emsd_remote(stack: contextlib.ExitStack, work: Path, volume: int) -> list[WorkerSpec]:
+    """A ZooKeeper and two clustered daemons (bench_cluster's helpers); the worker is a client of A."""
+    import zk
+    from bench_cluster import POOL
+    from bench_cluster import start_daemon as start_member
+
+    why = zk.available()
+    if why:
+        raise Missing(f"no ZooKeeper for the cluster: {why}")
+    d = work / "emsd-remote"
+    server = zk.ZooKeeperServer(d / "zk").start()
+    stack.callback(server.stop)
+    secret = d / "secret"
+    secret.write_text("benchmark-peers-secret\n")
+    socks = {}
+    for name in ("a", "b"):
+        proc, socks[name] = start_member(d, name, server.hosts, secret)
+        stack.callback(stop_daemon, proc)
+    time.sleep(1.0)  # both views settle (as bench_cluster does: membership is event-driven)
+    options = {"volume": volume, "sock_dir": str(socks["a"]), "pool": POOL}
+    return [WorkerSpec("emsd-remote", "emsd_remote", (sys.executable,), options, {"PYTHONPATH": str(ROOT)})]
 
 
 def start_redis(stack: contextlib.ExitStack, work: Path, volume: int) -> list[WorkerSpec]:
@@ -203,5 +226,6 @@ def _need_module(*names: str) -> None:
                           "(scripts/setup-bench-peers.sh)")
 
 
-STARTERS = {"memmove": start_memmove, "emsd": start_emsd, "mooncake": start_mooncake,
+STARTERS = {"memmove": start_memmove, "emsd": start_emsd, "emsd-remote": start_emsd_remote,
+            "mooncake": start_mooncake,
             "lmcache": start_lmcache, "redis": start_redis, "memcached": start_memcached}

@@ -25,6 +25,7 @@ A ``Client`` owns one buffer of ``2 * volume`` bytes (``buffer``: src half,
 dst half) and implements ``prepare(size, n)`` (called when the block size
 changes, untimed), ``put(keys, first)`` / ``get(keys, first)`` (blocks
 ``first .. first+len(keys)-1`` of src / into dst; raise on any failure),
+optionally ``plan(keys)`` (untimed, once per cell before the puts),
 ``drop(keys)`` (untimed; free the store's memory) and ``close()``.
 """
 
@@ -74,6 +75,8 @@ def run_cell(client: Client, size: int, batch: int, volume: int, tag: int,
     src[:, 8:16] = np.frombuffer(np.uint64(tag).tobytes(), np.uint8)
     keys = [tag * 1_000_000 + i for i in range(n)]
     put, get = [], []
+    if hasattr(client, "plan"):
+        client.plan(keys)
     for r in calls(n, batch):
         t0 = time.perf_counter()
         client.put(keys[r.start : r.stop], r.start)
