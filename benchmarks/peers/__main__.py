@@ -1,0 +1,268 @@
+"""emsd side by side with Mooncake Store, LMCache's server, Redis and memcached, same machine, same run.
+
+    python -m benchmarks.peers [--quick] [--rounds N] [--systems a,b] [--json FILE] [--markdown]
+
+For block sizes 64 KiB, 512 KiB, 2 MiB and 8 MiB, single (one block a call)
+and batched (32 a call), put and get, it measures each system's best client
+path on this machine:
+
+- emsd: a real standalone daemon and the ``ems`` SDK over shared memory;
+- Mooncake Store: ``setup_dummy`` over shared memory, zero-copy from its
+  registered pool ("mooncake-shm"), and ``setup`` over the TCP transfer
+  engine to the daemon's segment ("mooncake-tcp");
+- LMCache's ``lmcache_server``, Redis (redis-py + hiredis) and memcached
+  (pymemcache) over loopback TCP;
+- and the reference: memmove of the same blocks in one process.
+
+Each system's client is a process of its own (benchmarks/peers/worker.py),
+started once. Rounds are interleaved: round r walks every size and mode and,
+for each, runs one cell on every system in an order rotated by r, so the
+noise of this shared machine falls on all systems alike. A round 0 warms up
+and is not counted. Every get is checked byte for byte. CPU used by processes
+outside this benchmark during the measured rounds is reported beside the
+results. A system that cannot be installed or started is reported with the
+reason, never with a number. ``--quick`` (8 MiB per cell, 2 rounds) takes
+well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.peers import stats
+from benchmarks.peers.systems import SHM_DIR, STARTERS, SYSTEMS, Missing, WorkerSpec
+
+CELL_TIMEOUT = 300.0
+
+
+class Worker:
+    """A running worker.py: send a cell, read its answer (a JSON line) within a deadline."""
+
+    def __init__(self, spec: WorkerSpec, log: Path) -> None:
+        self.spec = spec
+        self.log = log
+        with log.open("ab") as err:
+            self.proc = subprocess.Popen(spec.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, env={**os.environ, **spec.env}, text=True)
+        first = self._read(120.0)
+        if "error" in first:
+            self.stop()
+            raise Missing(first["error"])
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            tail = self.log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"worker {self.spec.name} gave no answer within {timeout:.0f} s "
+                               f"(exit {self.proc.poll()}): {' | '.join(tail)}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def cell(self, size: int, batch: int, volume: int, tag: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": "cell", "size": size, "batch": batch, "volume": volume,
+                                          "tag": tag}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(CELL_TIMEOUT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"cmd": "quit"}\n')
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and every live descendant (servers, workers)."""
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def machine_cpu_seconds() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    volume = args.volume
+    names = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown system(s) {unknown}; choose from {','.join(SYSTEMS)}")
+    missing: dict[str, str] = {}
+    workers: list[Worker] = []
+    results: dict[str, dict[str, list[list[float]]]] = {}
+    failed: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(dir=SHM_DIR) as tmp, contextlib.ExitStack() as stack:
+        work = Path(tmp)
+        for name in names:
+            t0 = time.monotonic()
+            try:
+                specs = STARTERS[name](stack, work, volume)
+                for spec in specs:
+                    w = Worker(spec, work / f"{spec.name}.worker.log")
+                    stack.callback(w.stop)
+                    workers.append(w)
+            except Missing as exc:
+                missing[name] = str(exc)
+                print(f"[peers] {name}: not run: {exc}", file=sys.stderr)
+                continue
+            print(f"[peers] {name}: up in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        cpu0, own0, wall0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+        tag = 1
+        for r in range(args.rounds + 1):  # round 0 warms up
+            if r == 1:
+                cpu0, own0, wall0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+            for size in args.sizes:
+                for mode in stats.MODES:
+                    for name in stats.rotated([w.spec.name for w in workers], r):
+                        if name in failed:
+                            continue
+                        w = next(w for w in workers if w.spec.name == name)
+                        tag += 1
+                        reply = w.cell(size, stats.batch_for(mode), volume, tag)
+                        if "error" in reply:
+                            failed[name] = f"{stats.size_label(size)} {mode}: {reply['error']}"
+                            print(f"[peers] {name} failed: {failed[name]}", file=sys.stderr)
+                            continue
+                        if r:
+                            mine = results.setdefault(name, {})
+                            for op in stats.OPS:
+                                mine.setdefault(f"{size}/{mode}/{op}", []).append(reply[op])
+            print(f"[peers] round {r} done", file=sys.stderr)
+        wall = time.monotonic() - wall0
+        machine, own = machine_cpu_seconds() - cpu0, own_cpu_seconds() - own0
+        other = max(0.0, machine - own)
+        for w in workers:
+            w.stop()
+    table: dict[str, dict[str, Any]] = {}
+    for name, cells in results.items():
+        if name in failed:
+            continue
+        for key, rounds in cells.items():
+            size = int(key.split("/")[0])
+            table.setdefault(name, {})[key] = stats.summarize(rounds, (volume // size) * size)
+    return {"volume_per_cell": volume, "rounds": args.rounds, "sizes": list(args.sizes), "batch": stats.BATCH,
+            "systems": [w.spec.name for w in workers], "missing": missing, "failed": failed, "results": table,
+            "cpu": {"wall_s": wall, "machine_cpu_s": machine, "own_cpu_s": own,
+                    "other_processes_cpu_s": other, "other_processes_cores": other / wall,
+                    "cores": psutil.cpu_count(), "loadavg": list(os.getloadavg())}}
+
+
+GOALS = (  # (emsd path, other, the issue's goal on 2 MiB batched values)
+    ("emsd", "mooncake-shm", 1.2),
+    ("emsd-remote", "mooncake-tcp", 1.5),
+)
+
+
+def ratios(out: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """For emsd and emsd-remote: their GB/s over each other system's, per cell."""
+    res = out["results"]
+    return {mine: {name: {key: stats.ratio(res[mine].get(key, {}).get("gbps"), cell["gbps"])
+                          for key, cell in cells.items()}
+                   for name, cells in res.items() if not name.startswith("emsd")}
+            for mine in ("emsd", "emsd-remote") if mine in res}
+
+
+def goals(out: dict[str, Any]) -> list[str]:
+    """One line per goal of the issue: the 2 MiB batched put and get ratios, or why there are none."""
+    lines = []
+    for mine, other, goal in GOALS:
+        got = out["ratios"].get(mine, {}).get(other)
+        if got is None:
+            lines.append(f"goal {mine} >= {goal}x {other}: not measured ({mine} or {other} did not run)")
+            continue
+        pair = [got.get(f"{2 * stats.MiB}/batched/{op}") for op in stats.OPS]
+        txt = ", ".join(f"{op} {r:.2f}x" if r is not None else f"{op} -" for op, r in zip(stats.OPS, pair,
+                                                                                          strict=True))
+        met = all(r is not None and r >= goal for r in pair)
+        lines.append(f"goal {mine} >= {goal}x {other} (2 MiB batched): {txt}: {'met' if met else 'NOT met'}")
+    return lines
+
+
+def render(out: dict[str, Any], markdown: bool) -> str:
+    res, rat = out["results"], out["ratios"].get("emsd", {})
+    names = [n for n in out["systems"] if n in res]
+    lines = []
+    if markdown:
+        lines.append("| size | mode | op | " + " | ".join(names) + " |")
+        lines.append("|---" * (3 + len(names)) + "|")
+    for size in out["sizes"]:
+        for mode in stats.MODES:
+            for op in stats.OPS:
+                key = f"{size}/{mode}/{op}"
+                cells = []
+                for n in names:
+                    c = res[n].get(key)
+                    if c is None:
+                        cells.append("-")
+                        continue
+                    txt = f"{c['gbps']:.2f} GB/s {c['p50_us']:.0f}/{c['p99_us']:.0f} us"
+                    r = rat.get(n, {}).get(key)
+                    cells.append(txt + (f" (emsd {r:.2f}x)" if r is not None else ""))
+                head = [stats.size_label(size), mode, op]
+                if markdown:
+                    lines.append("| " + " | ".join(head + cells) + " |")
+                else:
+                    lines.append(f"{head[0]:>7} {mode:7} {op:3}  " + "  ".join(f"{n}: {c}" for n, c in
+                                                                          zip(names, cells, strict=True)))
+    for name, why in out["missing"].items():
+        lines.append(f"not run: {name}: {why}")
+    for name, why in out["failed"].items():
+        lines.append(f"failed: {name}: {why}")
+    lines += goals(out)
+    c = out["cpu"]
+    lines.append(f"other processes used {c['other_processes_cpu_s']:.1f} CPU s over {c['wall_s']:.1f} s "
+                 f"({c['other_processes_cores']:.2f} of {c['cores']} cores); load average {c['loadavg']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="8 MiB per cell, 2 rounds (< 1 minute)")
+    ap.add_argument("--rounds", type=int, default=None, help="measured rounds (default 5, quick 2)")
+    ap.add_argument("--volume-mib", type=int, default=None,
+                    help="MiB moved per cell and direction (default 64, quick 8)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    args = ap.parse_args()
+    args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
+    args.volume = (args.volume_mib if args.volume_mib is not None else (8 if args.quick else 64)) << 20
+    args.sizes = stats.SIZES
+    if args.rounds < 1 or args.volume < max(args.sizes):
+        raise SystemExit(f"need --rounds >= 1 and a volume of at least {max(args.sizes) >> 20} MiB")
+    out = run(args)
+    out["ratios"] = ratios(out)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    print(render(out, args.markdown))
+
+
+if __name__ == "__main__":
+    main()
