@@ -1,0 +1,1 @@
+"""Inference-engine integrations built on the ``ems`` SDK (each imports without its engine)."""
