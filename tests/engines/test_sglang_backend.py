@@ -156,7 +156,8 @@ def test_flat_pages_round_trip_through_get_and_set(ems_env: Any) -> None:
     keys = hashes(3, tag="flat")
     assert backend.batch_set(keys, [pool.get_data_page(p * PAGE) for p in (0, 1, 2)])
     assert backend.batch_exists(keys + hashes(1, tag="absent")) == 3
-    got = backend.batch_get(keys + hashes(1, tag="absent"), [pool.get_dummy_flat_data_page() for _ in range(4)])
+    targets = [pool.get_dummy_flat_data_page() for _ in range(4)]
+    got = backend.batch_get(keys + hashes(1, tag="absent"), targets)
     assert [g is not None for g in got] == [True, True, True, False]
     for p, page in enumerate(got[:3]):
         assert torch.equal(page, pool.get_data_page(p * PAGE))
