@@ -139,6 +139,10 @@ def test_store_without_emsd_serves_misses_then_recovers(emsd_factory: Any,
         daemon.kill9()
         assert values.exists([b"a"]) == 0 and values.put([b"b"], [b"2"]) == 0
         assert values.get([b"a"], lambda i, v: True) == 0
+        daemon.start()  # a restarted emsd is used again once the retry interval passed
+        while values.put([b"b"], [b"2"]) == 0:
+            time.sleep(0.02)
+        assert values.exists([b"b"]) == 1
     finally:
         Ems._reset()
 
