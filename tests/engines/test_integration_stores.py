@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
+import signal
 import time
 from typing import Any
 
@@ -145,6 +147,25 @@ def test_store_without_emsd_serves_misses_then_recovers(emsd_factory: Any,
         assert values.exists([b"b"]) == 1
     finally:
         Ems._reset()
+
+
+def test_hung_emsd_gives_misses_then_is_used_again(ems_env: Any) -> None:
+    values = StagedValues(config(), 64, timeout_ms=300, retry_interval_s=0.2)
+    assert values.put([b"a"], [b"1"]) == 1
+    os.kill(ems_env.pid, signal.SIGSTOP)
+    try:
+        assert values.exists([b"a"]) == 0  # the call's timeout passes: a miss
+        assert not values.store.available
+        assert values.get([b"a"], lambda i, v: True) == 0  # out of use: a miss without a call
+        assert values.put([b"b"], [b"2"]) == 0
+    finally:
+        os.kill(ems_env.pid, signal.SIGCONT)
+    while values.exists([b"a"]) == 0:  # the retry interval passes, emsd answers again
+        time.sleep(0.02)
+    assert values.put([b"b"], [b"2"]) == 1
+    got: list[bytes] = []
+    assert values.get([b"a", b"b"], lambda i, v: got.append(bytes(v[:1])) is None) == 2
+    assert got == [b"1", b"2"]
 
 
 # -- imports without the engines ---------------------------------------------------------
