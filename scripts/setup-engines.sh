@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Set up the venv for the LMCache and SGLang integration tests (idempotent).
+#   scripts/setup-engines.sh        -> .venv-engines next to this checkout (ENGINES_VENV overrides)
+#
+# The full lmcache and sglang installs need CUDA packages; this CPU machine installs them with
+# --no-deps plus the light dependencies their storage layers import. torch 2.13.0 (CPU) goes in
+# first and stays pinned through scripts/constraints.txt, so pip never pulls a CUDA build.
+# Versions are pinned: ems/integrations/{lmcache,sglang}.py are written against these.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+VENV="${ENGINES_VENV:-$ROOT/.venv-engines}"
+PY="${PYTHON:-python3}"
+export PIP_CONSTRAINT="$ROOT/scripts/constraints.txt"
+
+ENGINES=(lmcache==0.5.6 sglang==0.5.23)
+LIGHT_DEPS=(
+    aiofile==3.12.3 aiofiles==25.1.0 aiohttp==3.14.5 blake3==1.0.11 cachetools==8.0.1
+    cryptography==50.0.2 httpx==0.28.1 ipython==9.18.1 msgspec==0.22.0 numba==0.68.1
+    nvtx==0.2.17 orjson==3.13.0 pillow==13.0.0 py-cpuinfo==9.0.0 pybase64==1.5.1
+    PyYAML==6.0.3 pyzmq==27.3.0 redis==8.1.0 requests==2.34.2 safetensors==0.8.0
+    sortedcontainers==2.4.0 starlette==1.10.0 transformers==5.23.0 triton==3.9.0
+)
+# What is installed is recorded in a stamp; a second run with the same lists only re-links emsd.
+WANT="$(printf '%s\n' torch==2.13.0 "${ENGINES[@]}" "${LIGHT_DEPS[@]}" | sha256sum | cut -c1-16)"
+STAMP="$VENV/.engines-installed"
+
+echo "[setup-engines] venv $VENV"
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install -q)
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
+    "${PIP[@]}" --upgrade pip setuptools wheel
+    echo "[setup-engines] torch 2.13.0 (CPU)"
+    "${PIP[@]}" torch==2.13.0
+    echo "[setup-engines] ${ENGINES[*]} (--no-deps) and their light dependencies"
+    "${PIP[@]}" --no-deps "${ENGINES[@]}"
+    "${PIP[@]}" "${LIGHT_DEPS[@]}"
+    # torchvision (pulled in by nothing above, but left over from other installs) fails to
+    # register its operators against this torch and breaks SGLang's imports.
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision 2>/dev/null || true
+    echo "$WANT" > "$STAMP"
+fi
+echo "[setup-engines] emsd (editable, with test extras) from $ROOT"
+"${PIP[@]}" -e "$ROOT[test]"
+"$VENV/bin/python" - <<'PY'
+import lmcache.v1.storage_backend.connector  # noqa: F401
+import sglang.srt.mem_cache.storage  # noqa: F401
+import ems.integrations.lmcache, ems.integrations.sglang  # noqa: F401,E401
+print("[setup-engines] lmcache, sglang and ems.integrations import")
+PY

@@ -1,0 +1,195 @@
+"""EmsdHiCacheStorage built by SGLang's own storage factory, on a fake host pool, against a real emsd.
+
+Runs where SGLang's HiCache modules import (``scripts/test-engines.sh``
+builds that venv); skipped elsewhere. SGLang's real host pools import its
+multimodal stack (torchvision, CUDA kernels), so ``FakeHostPool`` copies
+the geometry and the methods the backend and the cache controller use from
+``MHATokenToKVPoolHost`` (SGLang 0.5.23, ``layer_first`` and
+``page_first`` layouts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="SGLang tests need torch (scripts/setup-engines.sh)")
+pytest.importorskip("sglang.srt.mem_cache.storage",
+                    reason="SGLang is not installed here (scripts/setup-engines.sh installs it)")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+
+from ems.integrations.sglang import EmsdHiCacheStorage  # noqa: E402
+
+PAGE = 4
+
+
+class FakeHostPool:
+    """The parts of SGLang's ``MHATokenToKVPoolHost`` a storage backend touches."""
+
+    def __init__(self, layout: str, pages: int = 8, layers: int = 3, heads: int = 2, head_dim: int = 8,
+                 seed: int = 0) -> None:
+        self.layout, self.page_size, self.size = layout, PAGE, pages * PAGE
+        self.layer_num, self.head_num, self.head_dim, self.dtype = layers, heads, head_dim, torch.bfloat16
+        self.device = "cpu"
+        dims = ((2, layers, self.size, heads, head_dim) if layout == "layer_first"
+                else (2, self.size, layers, heads, head_dim))
+        gen = torch.Generator().manual_seed(seed)
+        self.kv_buffer = torch.randn(dims, generator=gen).to(self.dtype)
+
+    def get_data_page(self, index: int, flat: bool = True) -> Any:
+        if self.layout == "layer_first":
+            page = self.kv_buffer[:, :, index:index + self.page_size]
+        else:
+            page = self.kv_buffer[:, index:index + self.page_size]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> Any:
+        return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
+                           dtype=self.dtype).flatten()
+
+    def set_from_flat_data_page(self, index: int, data_page: Any) -> None:
+        if self.layout == "layer_first":
+            self.kv_buffer[:, :, index:index + self.page_size] = data_page.reshape(
+                2, self.layer_num, self.page_size, self.head_num, self.head_dim)
+        else:
+            self.kv_buffer[:, index:index + self.page_size] = data_page.reshape(
+                2, self.page_size, self.layer_num, self.head_num, self.head_dim)
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        """SGLang's pointer arithmetic for these two layouts, unchanged."""
+        assert len(indices) % self.page_size == 0
+        ptr_list = []
+        base = self.kv_buffer.data_ptr()
+        indices = indices.tolist()
+        item = self.dtype.itemsize
+        v_offset = self.layer_num * self.size * self.head_num * self.head_dim * item
+        if self.layout == "layer_first":
+            for index in range(0, len(indices), self.page_size):
+                for layer_id in range(self.layer_num):
+                    k_ptr = (base + indices[index] * self.head_num * self.head_dim * item
+                             + layer_id * self.size * self.head_num * self.head_dim * item)
+                    ptr_list += [k_ptr, k_ptr + v_offset]
+            element_size = item * self.page_size * self.head_num * self.head_dim
+        else:
+            for index in range(0, len(indices), self.page_size):
+                k_ptr = base + indices[index] * self.layer_num * self.head_num * self.head_dim * item
+                ptr_list += [k_ptr, k_ptr + v_offset]
+            element_size = self.layer_num * item * self.page_size * self.head_num * self.head_dim
+        return ptr_list, [element_size] * len(ptr_list)
+
+    def page_bytes(self, index: int) -> bytes:
+        return self.get_data_page(index).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def storage_config(interface_v1: bool, tp_rank: int = 0, **extra: Any) -> Any:
+    extra_config = {"backend_name": "emsd", "module_path": "ems.integrations.sglang",
+                    "class_name": "EmsdHiCacheStorage", "interface_v1": int(interface_v1),
+                    "emsd_retry_interval_s": 0.2, "emsd_timeout_ms": 2000, **extra}
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+                                is_page_first_layout=False, model_name="org/Tiny-Model",
+                                extra_config=extra_config)
+
+
+def backend_for(pool: FakeHostPool, interface_v1: bool = True, tp_rank: int = 0) -> Any:
+    """As SGLang's cache controller attaches a storage backend."""
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(interface_v1, tp_rank), pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def hashes(n: int, tag: str = "p") -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(f"{tag}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def indices(pages: list[int]) -> Any:
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+def test_dynamic_factory_builds_the_emsd_backend(ems_env: Any) -> None:
+    backend = backend_for(FakeHostPool("page_first"))
+    assert isinstance(backend, EmsdHiCacheStorage)
+    assert backend.interface_v1 and backend.zero_copy is not None
+    assert all(ns.startswith("tiny-model.sglang-") for ns in backend.namespaces.values())
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_zero_copy_pages_round_trip_between_two_pools(ems_env: Any, layout: str) -> None:
+    writer_pool, reader_pool = FakeHostPool(layout, seed=1), FakeHostPool(layout, seed=2)
+    writer, reader = backend_for(writer_pool), backend_for(reader_pool)
+    keys = hashes(3)
+    assert writer.batch_set_v1(keys, indices([5, 1, 6])) == [True, True, True]
+    assert reader.batch_exists(keys) == 3
+    assert reader.batch_get_v1(keys, indices([0, 2, 3])) == [True, True, True]
+    for src, dst in ((5, 0), (1, 2), (6, 3)):
+        assert reader_pool.page_bytes(dst * PAGE) == writer_pool.page_bytes(src * PAGE)
+    untouched = FakeHostPool(layout, seed=2)
+    assert reader_pool.page_bytes(7 * PAGE) == untouched.page_bytes(7 * PAGE)
+
+
+def test_batch_exists_and_loads_stop_at_the_first_missing_page(ems_env: Any) -> None:
+    pool = FakeHostPool("layer_first", seed=3)
+    backend = backend_for(pool)
+    keys = hashes(5)
+    backend.batch_set_v1(keys[:2] + keys[3:4], indices([0, 1, 3]))  # keys[2] never stored
+    assert backend.batch_exists(keys) == 2
+    assert backend.exists(keys[3]) and not backend.exists(keys[2])
+    assert backend.batch_get_v1(keys, indices([4, 5, 6, 7, 2])) == [True, True, False, False, False]
+
+
+def test_tp_ranks_keep_their_own_shards(ems_env: Any) -> None:
+    rank0, rank1 = backend_for(FakeHostPool("page_first"), tp_rank=0), backend_for(
+        FakeHostPool("page_first"), tp_rank=1)
+    keys = hashes(1)
+    rank0.batch_set_v1(keys, indices([0]))
+    assert rank0.batch_exists(keys) == 1 and rank1.batch_exists(keys) == 0
+
+
+def test_flat_pages_round_trip_through_get_and_set(ems_env: Any) -> None:
+    pool = FakeHostPool("layer_first", seed=4)
+    backend = backend_for(pool, interface_v1=False)
+    keys = hashes(3, tag="flat")
+    assert backend.batch_set(keys, [pool.get_data_page(p * PAGE) for p in (0, 1, 2)])
+    assert backend.batch_exists(keys + hashes(1, tag="absent")) == 3
+    targets = [pool.get_dummy_flat_data_page() for _ in range(4)]
+    got = backend.batch_get(keys + hashes(1, tag="absent"), targets)
+    assert [g is not None for g in got] == [True, True, True, False]
+    for p, page in enumerate(got[:3]):
+        assert torch.equal(page, pool.get_data_page(p * PAGE))
+    one = backend.get(keys[1])  # no target: a new flat page
+    assert one is not None and torch.equal(one, pool.get_data_page(PAGE))
+    assert backend.set(hashes(1, tag="single")[0], pool.get_data_page(3 * PAGE))
+
+
+def test_flat_and_zero_copy_formats_never_mix(ems_env: Any) -> None:
+    pool = FakeHostPool("layer_first")
+    v1, flat = backend_for(pool), backend_for(pool, interface_v1=False)
+    keys = hashes(1, tag="mix")
+    flat.set(keys[0], pool.get_data_page(0))
+    assert flat.exists(keys[0]) and not v1.exists(keys[0])
+
+
+def test_emsd_killed_mid_use_gives_misses_never_errors(ems_env: Any) -> None:
+    pool = FakeHostPool("page_first", seed=5)
+    backend = backend_for(pool)
+    flat = backend_for(pool, interface_v1=False)
+    keys = hashes(2, tag="kill")
+    assert backend.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    ems_env.kill9()
+    before = pool.page_bytes(4 * PAGE)
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, indices([4, 5])) == [False, False]
+    assert pool.page_bytes(4 * PAGE) == before
+    assert backend.batch_set_v1(hashes(1, tag="late"), indices([2])) == [False]
+    assert flat.get(keys[0]) is None and flat.set(keys[0], pool.get_data_page(0)) is False
+    assert flat.batch_get(keys) == [None, None] and not flat.exists(keys[0])
+
+
+def test_unknown_emsd_option_is_refused_by_name(ems_env: Any) -> None:
+    with pytest.raises(ValueError, match="emsd_timeout"):
+        StorageBackendFactory.create_backend("dynamic", storage_config(True, emsd_timeout=1), None)
