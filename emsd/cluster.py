@@ -14,13 +14,18 @@ part per link and the parts move in parallel.
 Both are bounded by a deadline and turn every peer failure into "not
 fetched" / "not pushed": a dead or slow peer costs misses, never a hang.
 A peer that failed is left alone for ``BACKOFF`` seconds.
+
+Seams for the deterministic simulation (tests/sim/): ``membership`` and
+``dialer`` may be given instead of ZooKeeper and TCP, ``join()`` joins
+without serving peers over TCP, and every deadline and backoff reads the
+running event loop's clock (``loop.time()``, which is ``time.monotonic()``
+in the default loop), so a loop with a virtual clock makes them virtual.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Coroutine
 from typing import Any
@@ -29,7 +34,7 @@ import numpy as np
 
 from emsd.config import ClusterConfig
 from emsd.faults import FAULTS
-from emsd.membership.base import MembershipState, NodeInfo
+from emsd.membership.base import Membership, MembershipState, NodeInfo
 from emsd.membership.zookeeper import ZooKeeperMembership
 from emsd.metrics import Metrics
 from emsd.placement.ring import ClusterView, Member, Ring
@@ -55,6 +60,11 @@ async def _inject(site: str, conn: PeerLink) -> None:
 BACKOFF = 1.0
 
 
+def _now() -> float:
+    """The running loop's clock: deadlines and backoffs are measured on it."""
+    return asyncio.get_running_loop().time()
+
+
 def _split(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     return host.strip("[]"), int(port)
@@ -62,7 +72,9 @@ def _split(endpoint: str) -> tuple[str, int]:
 
 class Cluster:
     def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, access: PoolAccess,
-                 secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None) -> None:
+                 secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None,
+                 membership: Membership | None = None) -> None:
+        """``dialer`` and ``membership`` default to TCP and ZooKeeper (others: tests/sim/)."""
         self.cfg = cfg
         self.metrics = metrics
         self.dial: Dialer = dialer or (lambda: PeerConnection(access, node_id, secret))
@@ -73,8 +85,8 @@ class Cluster:
         self.server = PeerServer(access, node_id, secret)
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
-        self.membership = ZooKeeperMembership(cfg.zookeeper, cfg.name, self.me, cfg.session_timeout,
-                                              endpoint_is_mine=True)
+        self.membership: Membership = membership or ZooKeeperMembership(
+            cfg.zookeeper, cfg.name, self.me, cfg.session_timeout, endpoint_is_mine=True)
         self.view: tuple[NodeInfo, ...] = (self.me,)
         self.ring = Ring.build(ClusterView.of([Member(node_id, capacity)]), cfg.vnodes, cfg.replicas)
         self._conns: dict[str, list[PeerLink]] = {}
@@ -88,6 +100,10 @@ class Cluster:
         """Listen for peers and join; raises ``DuplicateNodeError`` if the id is taken."""
         host, port = _split(self.cfg.peer_listen)
         await self.server.start(host, port)
+        await self.join()
+
+    async def join(self) -> None:
+        """Join the membership and follow its view (``start`` without serving peers over TCP)."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.membership.start)
         self.membership.on_change(lambda view: self._from_thread(loop, view))
@@ -167,7 +183,7 @@ class Cluster:
         owners, me = self.owners(ns_name, keys), self._my_index()
         pending = np.flatnonzero(~(owners == me).any(axis=1))
         for rank in range(owners.shape[1]):
-            if pending.size == 0 or time.monotonic() >= deadline:
+            if pending.size == 0 or _now() >= deadline:
                 return
             missed: list[np.ndarray] = []
             jobs = [self._fetch_part(node, ns_name, keys, part, missed)
@@ -230,7 +246,7 @@ class Cluster:
             return
         tasks = [asyncio.ensure_future(job) for job in jobs]  # type: ignore[call-overload]
         try:
-            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+            await asyncio.wait(tasks, timeout=max(0.0, deadline - _now()))
         finally:  # deadline or our own cancellation: stop the rest, and wait until they have
             pending = [task for task in tasks if not task.done()]
             for task in pending:
@@ -286,7 +302,7 @@ class Cluster:
 
     async def _conn(self, node: str) -> PeerLink | None:
         """A connection to ``node`` (round robin over up to peer_connections); None if unreachable."""
-        if time.monotonic() < self._down_until.get(node, 0.0):
+        if _now() < self._down_until.get(node, 0.0):
             return None
         info = next((n for n in self.view if n.node_id == node), None)
         if info is None:
@@ -307,7 +323,7 @@ class Cluster:
             await conn.connect(*_split(addr))
         except PeerError as exc:
             self._mark_down(node, str(exc))
-            self._down_until[node] = time.monotonic() + BACKOFF
+            self._down_until[node] = _now() + BACKOFF
             return None
         conns.append(conn)
         return conn
@@ -317,4 +333,4 @@ class Cluster:
         conns = self._conns.get(node, [])
         if conn in conns:
             conns.remove(conn)
-        self._down_until[node] = time.monotonic() + BACKOFF
+        self._down_until[node] = _now() + BACKOFF

@@ -25,6 +25,7 @@ Payload layouts (little-endian, n keys; see ``emsd.pool.keys`` for keys):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -179,7 +180,7 @@ class Service:
         count = self.store.exists(ns, keys)
         if count == len(keys):
             return None
-        deadline = time.monotonic() + _timeout(header)
+        deadline = _now() + _timeout(header)
         keep = header.get("wr", True) is not False
         return self._fetch(session, ns, keys.take(slice(count, None)), deadline, keep)
 
@@ -204,7 +205,7 @@ class Service:
         the ring and move a batch of owned blocks.
         """
         if header.get("op") == Op.DRAIN and self.cluster is not None and not resp.get("st"):
-            return self._drain_batch(time.monotonic() + _timeout(header), resp)
+            return self._drain_batch(_now() + _timeout(header), resp)
         return self.forward_commit(header, payload, resp)
 
     async def _drain_batch(self, deadline: float, resp: dict[str, Any]) -> dict[str, Any]:
@@ -218,7 +219,7 @@ class Service:
         await self.cluster.leave()
         moved = failed = 0
         idx = self.store.index
-        while time.monotonic() < deadline:
+        while _now() < deadline:
             hw = idx.high_water
             owned = np.flatnonzero((idx.state[:hw] == READY) & (idx.cached[:hw] == 0)).astype(np.uint32)
             if owned.size == 0:
@@ -255,7 +256,7 @@ class Service:
             return None
         handles = np.frombuffer(payload, dtype="<u4", count=nc).astype(np.uint32)
         resp["reached"] = bytes(nc)  # what the answer says if forwarding fails outright
-        return self._push(handles, bool(header.get("wr", True)), time.monotonic() + _timeout(header), resp)
+        return self._push(handles, bool(header.get("wr", True)), _now() + _timeout(header), resp)
 
     async def _push(self, handles: np.ndarray, keep: bool, deadline: float,
                     resp: dict[str, Any]) -> dict[str, Any]:
@@ -521,6 +522,11 @@ class Service:
         Op.OWNER: _owner,
         Op.DRAIN: _drain,
     }
+
+
+def _now() -> float:
+    """The running loop's clock (``time.monotonic()`` unless a simulation gives it a virtual one)."""
+    return asyncio.get_running_loop().time()
 
 
 def _timeout(header: dict[str, Any]) -> float:
