@@ -308,6 +308,9 @@ class Cluster:
         if info is None:
             return None
         conns = self._conns.setdefault(node, [])
+        # A call cut off by its deadline closed its link (the stream was out of step) without
+        # failing: drop such links here, or the next call would fail on one and back off.
+        conns[:] = [c for c in conns if not c.closed]
         if len(conns) < self.cfg.peer_connections:
             async with self._dialing[node]:  # parallel jobs must not open more than the limit
                 if len(conns) < self.cfg.peer_connections:

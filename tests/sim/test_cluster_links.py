@@ -1,0 +1,65 @@
+"""Cluster link handling found wanting by the simulation, each case on its own.
+
+Two real nodes (tests/sim/world.py ``SimNode``) on the virtual loop and the
+simulated network, driven by hand rather than by a seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+from client import Client
+from clock import VirtualLoop
+from membership import Coordinator
+from network import Network, Weather
+from world import NS, PAGE, Params, SimNode
+
+from emsd.pool.keys import KeyBatch
+
+
+def _two_nodes(loop: asyncio.AbstractEventLoop, connections: int) -> tuple[SimNode, SimNode, Network]:
+    rng = random.Random(0)
+    params = Params(nodes=2, max_nodes=2, replicas=1, peer_connections=connections,
+                    capacities=(16 * PAGE,))
+    coordinator, net = Coordinator(rng, loop, 0.0), Network(rng)
+    a = SimNode("a", "10.0.0.1:11000", 16 * PAGE, params, coordinator, net)
+    b = SimNode("b", "10.0.0.2:11000", 16 * PAGE, params, coordinator, net)
+    net.attach(a.addr, a)
+    net.attach(b.addr, b)
+    return a, b, net
+
+
+def _owned_by(node: SimNode, n: int) -> list[int]:
+    keys = np.arange(1, 200, dtype=np.uint64)
+    owners = node.cluster.owner_ids(NS, KeyBatch.from_ints(keys))
+    return [int(k) for k, o in zip(keys.tolist(), owners, strict=True) if o == [node.node_id]][:n]
+
+
+def test_a_peer_call_cut_off_by_its_deadline_leaves_no_dead_link_behind() -> None:
+    """A GET cancelled mid-request closes its link; the next call must dial afresh, not fail on it."""
+    loop = VirtualLoop()
+
+    async def main() -> tuple[int, int]:
+        a, b, net = _two_nodes(loop, connections=1)
+        await a.start()
+        await b.start()
+        await asyncio.sleep(0.01)  # both views delivered
+        keys = _owned_by(b, 4)
+        saver = Client(b.service, NS)
+        await saver.save(keys, 1000)
+        saver.close()
+        assert (await Client(a.service, NS).load(keys[3:], 500)).count == 1  # the link is up
+        keys = keys[:3]
+        net.weather = Weather(slow=1.0, slow_seconds=(5.0, 5.0))
+        first = await Client(a.service, NS).load(keys, 500)  # cut off at its deadline
+        net.weather = Weather()
+        await asyncio.sleep(2.0)  # any backoff is over
+        second = await Client(a.service, NS).load(keys, 500)
+        return first.count, second.count
+
+    try:
+        assert loop.run_until_complete(main()) == (0, 3)
+    finally:
+        loop.close()
