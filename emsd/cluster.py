@@ -13,7 +13,9 @@ as a read cache); ``push`` sends locally committed blocks to their owners
 part per link and the parts move in parallel.
 Both are bounded by a deadline and turn every peer failure into "not
 fetched" / "not pushed": a dead or slow peer costs misses, never a hang.
-A peer that failed is left alone for ``BACKOFF`` seconds.
+A peer that failed is left alone for ``BACKOFF`` seconds; a pooled link
+that fails is first replaced once by a fresh one (the peer may have
+restarted since it was last used).
 
 Seams for the deterministic simulation (tests/sim/): ``membership`` and
 ``dialer`` may be given instead of ZooKeeper and TCP, ``join()`` joins
@@ -27,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -95,6 +97,7 @@ class Cluster:
         self._dialing: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.draining = False  # left the ring (emsctl drain): owns nothing, serves what it has
         self._down: set[str] = set()  # peers last seen failing (logged once)
+        self._fresh: set[PeerLink] = set()  # links dialed and not used yet
 
     async def start(self) -> None:
         """Listen for peers and join; raises ``DuplicateNodeError`` if the id is taken."""
@@ -258,25 +261,46 @@ class Cluster:
                 log.debug("peer job failed: %s", task.exception())
 
     async def _get(self, node: str, ns_name: str, keys: KeyBatch) -> int:
-        conn = await self._conn(node)
-        return 0 if conn is None else await self._guard(node, "get", conn, conn.get(ns_name, keys))
+        return await self._on_link(node, "get", lambda conn: conn.get(ns_name, keys))
 
     async def _put(self, node: str, ns_name: str, keys: KeyBatch, offsets: np.ndarray,
                    lengths: np.ndarray) -> int:
-        conn = await self._conn(node)
-        if conn is None:
-            return 0
-        stored = await self._guard(node, "put", conn, conn.put(ns_name, keys, offsets, lengths))
+        stored = await self._on_link(node, "put", lambda conn: conn.put(ns_name, keys, offsets, lengths))
         if self.metrics is not None and stored:
             self.metrics.peer(node, "put", stored, int(lengths[:stored].sum()), True)
         return stored
 
-    async def _guard(self, node: str, op: str, conn: PeerLink, job: Coroutine[Any, Any, int]) -> int:
+    async def _on_link(self, node: str, op: str, call: Callable[[PeerLink], Coroutine[Any, Any, int]]) -> int:
+        """``call`` on a link to ``node``; 0 if it fails.
+
+        A pooled link that fails is replaced once by a fresh one before the
+        peer counts as down: the peer may have restarted since the link's
+        last use, and only a new connection reaches its new process (both
+        requests are idempotent: blocks are content-addressed).
+        """
+        for _ in range(2):
+            conn = await self._conn(node)
+            if conn is None:
+                return 0
+            fresh = conn in self._fresh
+            self._fresh.discard(conn)
+            got = await self._guard(node, op, conn, call(conn), stale_ok=not fresh)
+            if got is not None:
+                return got
+        return 0
+
+    async def _guard(self, node: str, op: str, conn: PeerLink, job: Coroutine[Any, Any, int],
+                     stale_ok: bool = False) -> int | None:
+        """Run ``job`` on ``conn``: what it returns; 0 if it fails, or None with ``stale_ok`` (try anew)."""
         try:
             if FAULTS is not None:
                 await _inject(f"peer.{op}", conn)
             got = int(await job)
         except PeerError as exc:
+            if stale_ok:
+                log.debug("pooled link to %s failed (%s): trying a fresh one", node, exc)
+                self._discard(node, conn)
+                return None
             self._mark_down(node, str(exc))
             self._drop(node, conn)
             if self.metrics is not None:
@@ -329,11 +353,17 @@ class Cluster:
             self._down_until[node] = _now() + BACKOFF
             return None
         conns.append(conn)
+        self._fresh.add(conn)
         return conn
 
     def _drop(self, node: str, conn: PeerLink) -> None:
+        """Close and forget a failed link; leave the peer alone for ``BACKOFF`` seconds."""
+        self._discard(node, conn)
+        self._down_until[node] = _now() + BACKOFF
+
+    def _discard(self, node: str, conn: PeerLink) -> None:
         conn.close()
+        self._fresh.discard(conn)
         conns = self._conns.get(node, [])
         if conn in conns:
             conns.remove(conn)
-        self._down_until[node] = _now() + BACKOFF

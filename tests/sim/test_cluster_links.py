@@ -63,3 +63,32 @@ def test_a_peer_call_cut_off_by_its_deadline_leaves_no_dead_link_behind() -> Non
         assert loop.run_until_complete(main()) == (0, 3)
     finally:
         loop.close()
+
+
+def test_a_restarted_peer_is_not_taken_for_down_because_of_a_link_to_its_old_process() -> None:
+    """Links to a peer's previous process fail on first use; a fresh link must be tried at once."""
+    loop = VirtualLoop()
+
+    async def main() -> int:
+        a, b, net = _two_nodes(loop, connections=2)
+        await a.start()
+        await b.start()
+        await asyncio.sleep(0.01)
+        keys = _owned_by(b, 4)
+        assert (await Client(a.service, NS).load(keys, 500)).count == 0  # links to b's process are up
+        b.alive = False  # b restarts: same id and address, an empty pool
+        b.membership.stop()
+        b2 = SimNode("b", b.addr, 16 * PAGE, Params(2, 2, 1, 2, (16 * PAGE,)),
+                     b.membership.coordinator, net)
+        net.attach(b2.addr, b2)
+        await b2.start()
+        await asyncio.sleep(2.0)
+        saver = Client(b2.service, NS)
+        await saver.save(keys, 1000)
+        saver.close()
+        return (await Client(a.service, NS).load(keys, 500)).count
+
+    try:
+        assert loop.run_until_complete(main()) == 4
+    finally:
+        loop.close()
