@@ -136,8 +136,9 @@ class Simulation:
         loop = VirtualLoop()
         try:
             loop.run_until_complete(self._main(loop))
-        except AssertionError as exc:
-            raise SimFailure(f"simulation seed={self.seed} step={self.step}: {exc} "
+        except Exception as exc:  # an invariant, or an exception out of the code under test
+            what = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+            raise SimFailure(f"simulation seed={self.seed} step={self.step}: {what} "
                              f"(replay: EMS_SIM_SEED={self.seed})") from exc
         finally:
             loop.close()
