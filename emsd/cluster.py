@@ -179,18 +179,20 @@ class Cluster:
 
         The primaries are asked first; keys a primary did not have (a node
         that joined since the save, or restarted) go to the next replica, and
-        so on, all within ``deadline``.
+        so on, all within ``deadline``. Every rank uses the ring the fetch
+        started with: the view may change while a rank is on the wire.
         """
         if len(keys) == 0 or self._alone():
             return
-        owners, me = self.owners(ns_name, keys), self._my_index()
+        ring = self.ring
+        owners, me = ring.owners(ns_name, keys), self._my_index(ring)
         pending = np.flatnonzero(~(owners == me).any(axis=1))
         for rank in range(owners.shape[1]):
             if pending.size == 0 or _now() >= deadline:
                 return
             missed: list[np.ndarray] = []
             jobs = [self._fetch_part(node, ns_name, keys, part, missed)
-                    for node, idx in self._group(owners[pending, rank], pending).items()
+                    for node, idx in self._group(ring, owners[pending, rank], pending).items()
                     for part in self._parts(idx)]
             await self._bounded(deadline, *jobs)
             pending = np.sort(np.concatenate(missed)) if missed else pending[:0]
@@ -213,7 +215,8 @@ class Cluster:
         """
         if len(keys) == 0 or self._alone():
             return np.ones(len(keys), dtype=bool)
-        owners, me = self.owners(ns_name, keys), self._my_index()
+        ring = self.ring
+        owners, me = ring.owners(ns_name, keys), self._my_index(ring)
         reached = (owners == me).any(axis=1)
         all_keys = np.arange(len(keys))
 
@@ -222,22 +225,24 @@ class Cluster:
             reached[sel[:stored]] = True
 
         jobs = [one(node, part) for rank in range(owners.shape[1])
-                for node, idx in self._group(owners[:, rank], all_keys).items() for part in self._parts(idx)]
+                for node, idx in self._group(ring, owners[:, rank], all_keys).items()
+                for part in self._parts(idx)]
         await self._bounded(deadline, *jobs)
         return reached
 
     # -- helpers ------------------------------------------------------------------
 
-    def _my_index(self) -> int:
-        """This node's index in the ring's members; -1 while the view lacks it (ZooKeeper lost)."""
-        ids = [m.node_id for m in self.ring.view.members]
+    def _my_index(self, ring: Ring | None = None) -> int:
+        """This node's index in the (current) ring's members; -1 while the view lacks it (ZooKeeper lost)."""
+        ids = [m.node_id for m in (ring or self.ring).view.members]
         return ids.index(self.node_id) if self.node_id in ids else -1
 
-    def _group(self, owner_idx: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
-        """``positions`` grouped by the node id at ``owner_idx`` (same length), skipping this node."""
-        members, me = self.ring.view.members, self._my_index()
+    def _group(self, ring: Ring, owner_idx: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """``positions`` grouped by the node id at ``owner_idx`` (same length; indices into the
+        members of ``ring``, the ring they were computed with), skipping this node."""
+        members = ring.view.members
         return {members[o].node_id: positions[owner_idx == o]
-                for o in np.unique(owner_idx).tolist() if o != me}
+                for o in np.unique(owner_idx).tolist() if members[o].node_id != self.node_id}
 
     def _parts(self, idx: np.ndarray) -> list[np.ndarray]:
         """A batch for one peer cut into one part per connection, to move in parallel."""

@@ -92,3 +92,41 @@ def test_a_restarted_peer_is_not_taken_for_down_because_of_a_link_to_its_old_pro
         assert loop.run_until_complete(main()) == 4
     finally:
         loop.close()
+
+
+def test_a_view_change_during_a_fetch_does_not_send_the_next_rank_to_the_wrong_node() -> None:
+    """The replicas asked after a primary failed are those of the ring the fetch started with.
+
+    Members a, b, c, d; keys owned by d (primary) and c. d cannot answer a;
+    b leaves while a waits for d. In the new ring c's old index names d.
+    """
+    loop = VirtualLoop()
+
+    async def main() -> tuple[int, int]:
+        rng = random.Random(0)
+        params = Params(nodes=4, max_nodes=4, replicas=2, peer_connections=1, capacities=(16 * PAGE,))
+        coordinator, net = Coordinator(rng, loop, 0.0), Network(rng)
+        a, b, c, d = (SimNode(n, f"10.0.0.{i}:11000", 16 * PAGE, params, coordinator, net)
+                      for i, n in enumerate("abcd", 1))
+        for node in (a, b, c, d):
+            net.attach(node.addr, node)
+            await node.start()
+        await asyncio.sleep(0.01)
+        every = np.arange(1, 1000, dtype=np.uint64)
+        owners = a.cluster.owner_ids(NS, KeyBatch.from_ints(every))
+        keys = [int(k) for k, o in zip(every.tolist(), owners, strict=True) if o == ["d", "c"]][:3]
+        assert len(keys) == 3
+        saver = Client(c.service, NS)
+        await saver.save(keys, 1000)  # c holds them, and d
+        saver.close()
+        net.partition(["a"], ["d"])  # the primary cannot answer a
+        load = asyncio.ensure_future(Client(a.service, NS).load(keys, 1000))
+        await asyncio.sleep(0)  # the GET to d is on its way
+        b.membership.stop()  # b leaves the view before a asks the replica
+        res = await load
+        return res.count, a.store.stats().pinned
+
+    try:
+        assert loop.run_until_complete(main()) == (3, 0)
+    finally:
+        loop.close()
