@@ -3,7 +3,8 @@
 It drives the request path exactly as ``emsd/transport/unix.py`` does for a
 connection: RESERVE, write the bytes into the pool, COMMIT and await the
 ``follow_up`` (the push to the owners); for a load, await ``remote_fetch``
-(the fetch from the owners), PIN, read the bytes, RELEASE. Each call is one
+(the fetch from the owners), PIN, read the bytes, RELEASE; DRAIN and its
+follow-up for a node leaving the ring. Each call is one
 client session, closed at the end (``Service.close``), and a client may
 also die half-way (its session closed with reservations or pins held).
 
@@ -136,3 +137,15 @@ class Client:
         if not die_holding_pins and count:
             self.call({"op": int(Op.RELEASE)}, handles.astype("<u4").tobytes())
         return CallResult("load", self.service.node_id, tuple(keys), count, (), elapsed, timeout_ms / 1000)
+
+    async def drain(self, timeout_ms: int) -> tuple[dict[str, Any], CallResult]:
+        """DRAIN (emsctl drain): leave the ring and push a batch of owned blocks to their new owners."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        header = {"op": int(Op.DRAIN), "to": timeout_ms}
+        resp, _ = self.call(header)
+        follow = self.service.follow_up(header, b"", resp)
+        if follow is not None:
+            resp = await follow
+        return resp, CallResult("drain", self.service.node_id, (), int(resp.get("moved", 0)), (),
+                                loop.time() - start, timeout_ms / 1000)

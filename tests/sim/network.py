@@ -85,6 +85,7 @@ class Network:
     weather: Weather = field(default_factory=Weather)
     puts: list[PutRecord] = field(default_factory=list)
     hops: int = 0
+    moved: dict[str, int] = field(default_factory=lambda: {"get": 0, "put": 0})  # blocks copied
 
     def attach(self, addr: str, node: Endpoint) -> None:
         self.nodes[addr] = node
@@ -156,6 +157,7 @@ class SimLink:
                 _copy(server.pool, pinned.offsets[new], self.local.access.pool, res.offsets[new],
                       pinned.lengths[new])
                 store.commit(res.handles[new])
+                self.net.moved["get"] += int(new.size)
             finally:
                 server.store.release(pinned.handles)
         except PeerError as exc:
@@ -182,6 +184,7 @@ class SimLink:
                 raise
             _copy(self.local.access.pool, offsets[new], server.pool, res.offsets[new], lengths[new])
             server.store.commit(res.handles[new])
+            self.net.moved["put"] += int(new.size)
             self.net.puts.append(PutRecord(asyncio.get_running_loop().time(), self.local.node_id,
                                            remote.node_id, ns_name,
                                            tuple(int(k) for k in keys.words[:, 0].tolist())))

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import membership
 import network
@@ -26,8 +29,8 @@ from world import Simulation
 
 from emsd.pool.store import BlockStore
 
-DEFAULT_SEEDS = 12
-DEFAULT_STEPS = 60
+DEFAULT_SEEDS = 24
+DEFAULT_STEPS = 80
 
 
 def _seeds() -> list[int]:
@@ -45,7 +48,7 @@ def test_simulated_cluster_keeps_its_invariants(seed: int) -> None:
     sim = Simulation(seed, STEPS)
     sim.run()
     c = sim.counts
-    assert c["saves"] and c["loads"] and c["events"], c  # the run did something
+    assert c["saves"] and c["loads"] and c["events"] and c["pushed"], c  # the run did something
     assert c["hits"], f"seed {seed}: no load found anything: {c}"
 
 
@@ -55,6 +58,21 @@ def test_a_seed_replays_exactly() -> None:
     assert Simulation(3, 20).run() == digest
     assert Simulation(4, 20).run() != digest
     assert len(first.trace) > 40
+
+
+def test_a_seed_replays_exactly_in_another_process_with_another_hash_seed() -> None:
+    """What ``EMS_SIM_SEED`` relies on: nothing depends on str hashing or on the process."""
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path[:0] = [{str(here.parents[1])!r}, {str(here)!r}]; "
+            "import logging; logging.disable(logging.CRITICAL); "
+            "from world import Simulation; print(Simulation(3, 15).run())")
+    digests = set()
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+        digests.add(out.stdout.strip())
+    assert digests == {Simulation(3, 15).run()}
 
 
 def test_the_virtual_loop_jumps_to_the_next_timer_and_reports_a_hang() -> None:

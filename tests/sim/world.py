@@ -13,9 +13,10 @@ cost no wall-clock time, and every choice comes from one
 
 A run is ``steps`` steps. In each step a few cluster events (a node joins,
 leaves cleanly, crashes, restarts empty, loses or regains its ZooKeeper
-session; a partition; a storm of dropped, slow and lost messages; a heal)
-fire at random virtual times while clients on random nodes save and load
-batches of keys. When the step's calls have all returned, the invariants
+session, or drains: leaves the ring, pushing what it owns; a partition; a
+storm of dropped, slow and lost messages; a heal) fire at random virtual
+times while clients on random nodes save and load batches of keys (loads
+mostly of batches saved recently, elsewhere). When the step's calls have all returned, the invariants
 are checked:
 
 - no load returned a byte that differs from what was saved under its key
@@ -99,6 +100,7 @@ class SimNode:
         self.node_id = node_id
         self.addr = addr
         self.alive = True
+        self.drained = False  # left the ring with DRAIN: still serves, owns nothing
         self.store = BlockStore(capacity, PAGE)
         self.service = Service(self.store, node_id, "sim", Metrics())
         self.access = PoolAccess(self.store, memoryview(bytearray(capacity)), self.service.namespace_id)
@@ -128,6 +130,7 @@ class Simulation:
         self.counts = {"saves": 0, "loads": 0, "hits": 0, "misses": 0, "settles": 0, "events": 0}
         self._fresh = FRESH_KEYS
         self._next_id = 0
+        self._recent: list[tuple[int, ...]] = []  # batches saved lately: what loads mostly ask for
 
     # -- running -----------------------------------------------------------------
 
@@ -163,6 +166,7 @@ class Simulation:
                 await self._settle()
         self.step = self.steps
         await self._settle()
+        self.counts.update(fetched=self.net.moved["get"], pushed=self.net.moved["put"])
 
     async def _run_step(self) -> bool:
         rng = self.rng
@@ -182,7 +186,12 @@ class Simulation:
         await job
 
     def _live(self) -> list[SimNode]:
+        """Nodes whose process runs (drained ones included)."""
         return [self.nodes[k] for k in sorted(self.nodes) if self.nodes[k].alive]
+
+    def _members(self) -> list[SimNode]:
+        """Live nodes in the ring: not drained."""
+        return [n for n in self._live() if not n.drained]
 
     def _log(self, line: str) -> None:
         self.trace.append(f"{self.loop.time():.6f} {line}")
@@ -190,12 +199,14 @@ class Simulation:
     # -- cluster events ------------------------------------------------------------------
 
     def _pick_event(self) -> str:
-        n = len(self._live())
+        n, members = len(self._live()), len(self._members())
         choices = ["partition", "storm", "heal", "expire", "restore", "restart"]
-        if n < self.params.max_nodes:
+        if members < self.params.max_nodes and n < self.params.max_nodes + 2:
             choices += ["join", "join"]
-        if n > 2:
+        if members > 2 or n > members:  # a drained node may go as well
             choices += ["leave", "crash"]
+        if members > 2:
+            choices += ["drain"]
         return self.rng.choice(choices)
 
     async def _event(self, event: str) -> None:
@@ -231,6 +242,20 @@ class Simulation:
             self.net.weather = Weather(fail=rng.uniform(0, 0.25), lost_reply=rng.uniform(0, 0.15),
                                        slow=rng.uniform(0, 0.15))
             self._log(f"storm {self.net.weather}")
+        elif event == "drain":
+            members = self._members()
+            if len(members) < 3:
+                return
+            node = rng.choice(members)
+            node.drained = True
+            client = Client(node.service, NS)
+            try:
+                resp, res = await client.drain(rng.choice(TIMEOUTS_MS))
+            finally:
+                client.close()
+            self._log(f"drain {node.node_id}: moved {resp['moved']} failed {resp['failed']} "
+                      f"remaining {resp['remaining']} in {res.elapsed:.6f}")
+            self._check_timely(res)
         elif event == "heal":
             self._log("heal")
             self.net.heal()
@@ -272,13 +297,17 @@ class Simulation:
         keys = [(start + i - 1) % KEYSPACE + 1 for i in range(rng.randint(1, 8))]
         if rng.random() < 0.3:
             rng.shuffle(keys)
+        save = rng.random() < 0.45
+        if not save and self._recent and rng.random() < 0.7:
+            keys = list(rng.choice(self._recent))
         timeout_ms = rng.choice(TIMEOUTS_MS)
         keep = rng.random() < 0.8
         client = Client(node.service, NS)
         try:
-            if rng.random() < 0.45:
+            if save:
                 res = await client.save(keys, timeout_ms, keep, die_before_commit=rng.random() < 0.05)
                 self.counts["saves"] += 1
+                self._recent = [*self._recent[-15:], tuple(keys)]
             else:
                 res = await client.load(keys, timeout_ms, keep, die_holding_pins=rng.random() < 0.05)
                 self.counts["loads"] += 1
@@ -323,11 +352,13 @@ class Simulation:
         self._check_quiescent()
 
     def _check_agreement(self) -> None:
-        live = self._live()
+        live = self._members()
         alive = [n.node_id for n in live]
         registered = sorted(self.coordinator.registered)
+        if not live and not registered:
+            return  # every node left or drained: nothing to agree on
         if registered != alive:
-            raise SimFailure(f"registered members {registered} are not the live nodes {alive}")
+            raise SimFailure(f"registered members {registered} are not the live undrained nodes {alive}")
         ref = live[0].cluster.ring
         for node in live:
             c = node.cluster
@@ -345,8 +376,11 @@ class Simulation:
             raise SimFailure(f"keys are owned by {sorted(owners - set(alive))}, which are not live")
 
     async def _calm_round(self) -> None:
-        """Save fresh keys on one node, load them on another: every owner gets them, every load hits."""
-        live = self._live()
+        """Save fresh keys on one node, load them on another: every owner gets them, every load hits.
+
+        Drained nodes take no part: they stopped following the membership when they left the ring.
+        """
+        live = self._members()
         if len(live) < 2:
             return
         ring = live[0].cluster.ring
