@@ -283,16 +283,19 @@ class Cluster:
         last use, and only a new connection reaches its new process (both
         requests are idempotent: blocks are content-addressed).
         """
-        for _ in range(2):
-            conn = await self._conn(node)
-            if conn is None:
-                return 0
-            fresh = conn in self._fresh
-            self._fresh.discard(conn)
-            got = await self._guard(node, op, conn, call(conn), stale_ok=not fresh)
-            if got is not None:
-                return got
-        return 0
+        conn = await self._conn(node)
+        if conn is None:
+            return 0
+        fresh = conn in self._fresh
+        self._fresh.discard(conn)
+        got = await self._guard(node, op, conn, call(conn), stale_ok=not fresh)
+        if got is not None:
+            return got
+        conn = await self._conn(node, new=True)  # not another pooled link: it may be as stale
+        if conn is None:
+            return 0
+        self._fresh.discard(conn)
+        return await self._guard(node, op, conn, call(conn)) or 0
 
     async def _guard(self, node: str, op: str, conn: PeerLink, job: Coroutine[Any, Any, int],
                      stale_ok: bool = False) -> int | None:
@@ -329,8 +332,9 @@ class Cluster:
             self._down.discard(node)
             log.info("peer %s up again", node)
 
-    async def _conn(self, node: str) -> PeerLink | None:
-        """A connection to ``node`` (round robin over up to peer_connections); None if unreachable."""
+    async def _conn(self, node: str, new: bool = False) -> PeerLink | None:
+        """A connection to ``node`` (round robin over up to peer_connections; ``new``: one dialed
+        now, in place of a pooled one the caller has just dropped); None if unreachable."""
         if _now() < self._down_until.get(node, 0.0):
             return None
         info = next((n for n in self.view if n.node_id == node), None)
@@ -340,9 +344,9 @@ class Cluster:
         # A call cut off by its deadline closed its link (the stream was out of step) without
         # failing: drop such links here, or the next call would fail on one and back off.
         conns[:] = [c for c in conns if not c.closed]
-        if len(conns) < self.cfg.peer_connections:
+        if new or len(conns) < self.cfg.peer_connections:
             async with self._dialing[node]:  # parallel jobs must not open more than the limit
-                if len(conns) < self.cfg.peer_connections:
+                if new or len(conns) < self.cfg.peer_connections:
                     return await self._dial(node, info.peer_addr, conns)
         if not conns:  # another job's dial failed while this one waited
             return None

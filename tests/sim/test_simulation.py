@@ -133,3 +133,10 @@ def test_a_lost_membership_notification_fails(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(membership.Coordinator, "_deliver", forgetful)
     with pytest.raises(SimFailure, match=r"seed=2 step=-1: n1 sees members"):
         Simulation(2, 5).run()
+
+
+@pytest.mark.parametrize(("seed", "steps"), [(8, 30)])
+def test_seeds_that_found_bugs_stay_fixed(seed: int, steps: int) -> None:
+    """Runs that failed before a fix (named in its commit). A change to the harness's draws
+    changes what a seed does, so tests/sim/test_cluster_links.py pins each case down as well."""
+    Simulation(seed, steps).run()
