@@ -130,3 +130,42 @@ def test_a_view_change_during_a_fetch_does_not_send_the_next_rank_to_the_wrong_n
         assert loop.run_until_complete(main()) == (3, 0)
     finally:
         loop.close()
+
+
+def test_every_part_of_a_push_reaches_a_restarted_peer_over_fresh_links() -> None:
+    """Three parts (b is the primary of one key and the replica of two) meet two stale links to
+    the restarted b; each must still reach it. (The interleaving that lost a part before the fix,
+    a retry taking the other stale link, needs seed 8: test_seeds_that_found_bugs_stay_fixed.)"""
+    loop = VirtualLoop()
+
+    async def main() -> list[int]:
+        rng = random.Random(0)
+        params = Params(nodes=3, max_nodes=3, replicas=2, peer_connections=2, capacities=(24 * PAGE,))
+        coordinator, net = Coordinator(rng, loop, 0.0), Network(rng)
+        a, b, c = (SimNode(n, f"10.0.0.{i}:11000", 24 * PAGE, params, coordinator, net)
+                   for i, n in enumerate("abc", 1))
+        for node in (a, b, c):
+            net.attach(node.addr, node)
+            await node.start()
+        await asyncio.sleep(0.01)
+        every = np.arange(1, 2000, dtype=np.uint64)
+        owners = a.cluster.owner_ids(NS, KeyBatch.from_ints(every))
+        keys = ([int(k) for k, o in zip(every.tolist(), owners, strict=True) if o == ["b", "c"]][:1]
+                + [int(k) for k, o in zip(every.tolist(), owners, strict=True) if o == ["c", "b"]][:2])
+        assert (await Client(a.service, NS).load(keys, 500)).count == 0  # two links to b are up
+        b.alive = False  # b restarts: same id and address, an empty pool
+        b.membership.stop()
+        b2 = SimNode("b", b.addr, 24 * PAGE, params, coordinator, net)
+        net.attach(b2.addr, b2)
+        await b2.start()
+        await asyncio.sleep(2.0)
+        saver = Client(a.service, NS)
+        await saver.save(keys, 1000)
+        saver.close()
+        return [b2.store.exists(b2.service.namespace_id(NS), KeyBatch.from_ints(np.array([k], np.uint64)))
+                for k in keys]
+
+    try:
+        assert loop.run_until_complete(main()) == [1] * 3
+    finally:
+        loop.close()
