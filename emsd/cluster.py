@@ -121,6 +121,7 @@ class Cluster:
             for conn in conns:
                 conn.close()
         self._conns.clear()
+        self._fresh.clear()
         await self.server.close()
 
     @property
@@ -140,6 +141,7 @@ class Cluster:
         for gone in set(self._conns) - present:
             for conn in self._conns.pop(gone):
                 conn.close()
+                self._fresh.discard(conn)
         log.info("placement ring: %d members (%s)", len(view), ", ".join(sorted(present)))
 
     def owners(self, ns_name: str, keys: KeyBatch) -> np.ndarray:
