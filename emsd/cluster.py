@@ -14,23 +14,30 @@ as a read cache); ``push`` sends locally committed blocks to their owners
 part per link and the parts move in parallel.
 Both are bounded by a deadline and turn every peer failure into "not
 fetched" / "not pushed": a dead or slow peer costs misses, never a hang.
-A peer that failed is left alone for ``BACKOFF`` seconds.
+A peer that failed is left alone for ``BACKOFF`` seconds; a pooled link
+that fails is first replaced once by a fresh one (the peer may have
+restarted since it was last used).
+
+Seams for the deterministic simulation (tests/sim/): ``membership`` and
+``dialer`` may be given instead of ZooKeeper and TCP, ``join()`` joins
+without serving peers over TCP, and every deadline and backoff reads the
+running event loop's clock (``loop.time()``, which is ``time.monotonic()``
+in the default loop), so a loop with a virtual clock makes them virtual.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
 
 from emsd.config import ClusterConfig
 from emsd.faults import FAULTS
-from emsd.membership.base import MembershipState, NodeInfo
+from emsd.membership.base import Membership, MembershipState, NodeInfo
 from emsd.membership.zookeeper import ZooKeeperMembership
 from emsd.metrics import Metrics
 from emsd.placement.ring import ClusterView, Member, Ring
@@ -65,6 +72,11 @@ def _leading_true(mask: np.ndarray) -> int:
     return int(off[0]) if off.size else int(mask.size)
 
 
+def _now() -> float:
+    """The running loop's clock: deadlines and backoffs are measured on it."""
+    return asyncio.get_running_loop().time()
+
+
 def _split(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     return host.strip("[]"), int(port)
@@ -73,8 +85,10 @@ def _split(endpoint: str) -> tuple[str, int]:
 class Cluster:
     def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, access: PoolAccess,
                  secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None,
-                 rdma: RdmaEndpoint | None = None, rdma_reason: str = "") -> None:
-        """``rdma``: this node's registered RDMA endpoint (owned from now on), or None and why not."""
+                 rdma: RdmaEndpoint | None = None, rdma_reason: str = "",
+                 membership: Membership | None = None) -> None:
+        """``rdma``: this node's registered RDMA endpoint (owned from now on), or None and why not.
+        ``dialer`` and ``membership`` default to TCP (or RDMA) and ZooKeeper (others: tests/sim/)."""
         self.cfg = cfg
         self.metrics = metrics
         self.rdma = rdma
@@ -91,8 +105,8 @@ class Cluster:
         self.server = PeerServer(access, node_id, secret, control)
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
-        self.membership = ZooKeeperMembership(cfg.zookeeper, cfg.name, self.me, cfg.session_timeout,
-                                              endpoint_is_mine=True)
+        self.membership: Membership = membership or ZooKeeperMembership(
+            cfg.zookeeper, cfg.name, self.me, cfg.session_timeout, endpoint_is_mine=True)
         self.view: tuple[NodeInfo, ...] = (self.me,)
         self.ring = Ring.build(ClusterView.of([Member(node_id, capacity)]), cfg.vnodes, cfg.replicas)
         self._conns: dict[str, list[PeerLink]] = {}
@@ -101,11 +115,16 @@ class Cluster:
         self._dialing: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.draining = False  # left the ring (emsctl drain): owns nothing, serves what it has
         self._down: set[str] = set()  # peers last seen failing (logged once)
+        self._fresh: set[PeerLink] = set()  # links dialed and not used yet
 
     async def start(self) -> None:
         """Listen for peers and join; raises ``DuplicateNodeError`` if the id is taken."""
         host, port = _split(self.cfg.peer_listen)
         await self.server.start(host, port)
+        await self.join()
+
+    async def join(self) -> None:
+        """Join the membership and follow its view (``start`` without serving peers over TCP)."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.membership.start)
         self.membership.on_change(lambda view: self._from_thread(loop, view))
@@ -120,6 +139,7 @@ class Cluster:
             for conn in conns:
                 conn.close()
         self._conns.clear()
+        self._fresh.clear()
         await self.server.close()
         if self.rdma is not None:  # after every QP is gone: deregisters the pool
             self.rdma.close()
@@ -142,6 +162,7 @@ class Cluster:
         for gone in set(self._conns) - present:
             for conn in self._conns.pop(gone):
                 conn.close()
+                self._fresh.discard(conn)
             self.transports.forget(gone)
         log.info("placement ring: %d members (%s)", len(view), ", ".join(sorted(present)))
 
@@ -182,18 +203,20 @@ class Cluster:
 
         The primaries are asked first; keys a primary did not have (a node
         that joined since the save, or restarted) go to the next replica, and
-        so on, all within ``deadline``.
+        so on, all within ``deadline``. Every rank uses the ring the fetch
+        started with: the view may change while a rank is on the wire.
         """
         if len(keys) == 0 or self._alone():
             return
-        owners, me = self.owners(ns_name, keys), self._my_index()
+        ring = self.ring
+        owners, me = ring.owners(ns_name, keys), self._my_index(ring)
         pending = np.flatnonzero(~(owners == me).any(axis=1))
         for rank in range(owners.shape[1]):
-            if pending.size == 0 or time.monotonic() >= deadline:
+            if pending.size == 0 or _now() >= deadline:
                 return
             missed: list[np.ndarray] = []
             jobs = [self._fetch_part(node, ns_name, keys, part, missed)
-                    for node, idx in self._group(owners[pending, rank], pending).items()
+                    for node, idx in self._group(ring, owners[pending, rank], pending).items()
                     for part in self._parts(idx)]
             await self._bounded(deadline, *jobs)
             pending = np.sort(np.concatenate(missed)) if missed else pending[:0]
@@ -220,17 +243,18 @@ class Cluster:
         present = np.asarray(here, dtype=bool).copy()
         if n == 0 or present.all() or self._alone():
             return _leading_true(present)
-        owners, me = self.owners(ns_name, keys), self._my_index()
+        ring = self.ring  # every rank uses the ring the call started with
+        owners, me = ring.owners(ns_name, keys), self._my_index(ring)
         elsewhere = ~present & ~(owners == me).any(axis=1)
         stop = np.flatnonzero(~present & ~elsewhere)  # owned here and not here: the answer ends there
         limit = int(stop[0]) if stop.size else n
         pending = np.flatnonzero(elsewhere[:limit])
         for rank in range(owners.shape[1]):
-            if pending.size == 0 or time.monotonic() >= deadline:
+            if pending.size == 0 or _now() >= deadline:
                 break
             answers: list[tuple[np.ndarray, int]] = []
             jobs = [self._has_part(node, ns_name, keys, idx, answers)
-                    for node, idx in self._group(owners[pending, rank], pending).items()]
+                    for node, idx in self._group(ring, owners[pending, rank], pending).items()]
             await self._bounded(deadline, *jobs)
             for sel, got in answers:
                 present[sel[:got]] = True
@@ -241,9 +265,7 @@ class Cluster:
                         answers: list[tuple[np.ndarray, int]]) -> None:
         got = 0
         try:
-            conn = await self._conn(node)
-            if conn is not None:
-                got = await self._guard(node, "exists", conn, conn.exists(ns_name, keys.take(sel)))
+            got = await self._on_link(node, "exists", lambda conn: conn.exists(ns_name, keys.take(sel)))
         finally:
             answers.append((sel, got))
 
@@ -256,7 +278,8 @@ class Cluster:
         """
         if len(keys) == 0 or self._alone():
             return np.ones(len(keys), dtype=bool)
-        owners, me = self.owners(ns_name, keys), self._my_index()
+        ring = self.ring
+        owners, me = ring.owners(ns_name, keys), self._my_index(ring)
         reached = (owners == me).any(axis=1)
         all_keys = np.arange(len(keys))
 
@@ -265,22 +288,24 @@ class Cluster:
             reached[sel[:stored]] = True
 
         jobs = [one(node, part) for rank in range(owners.shape[1])
-                for node, idx in self._group(owners[:, rank], all_keys).items() for part in self._parts(idx)]
+                for node, idx in self._group(ring, owners[:, rank], all_keys).items()
+                for part in self._parts(idx)]
         await self._bounded(deadline, *jobs)
         return reached
 
     # -- helpers ------------------------------------------------------------------
 
-    def _my_index(self) -> int:
-        """This node's index in the ring's members; -1 while the view lacks it (ZooKeeper lost)."""
-        ids = [m.node_id for m in self.ring.view.members]
+    def _my_index(self, ring: Ring | None = None) -> int:
+        """This node's index in the (current) ring's members; -1 while the view lacks it (ZooKeeper lost)."""
+        ids = [m.node_id for m in (ring or self.ring).view.members]
         return ids.index(self.node_id) if self.node_id in ids else -1
 
-    def _group(self, owner_idx: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
-        """``positions`` grouped by the node id at ``owner_idx`` (same length), skipping this node."""
-        members, me = self.ring.view.members, self._my_index()
+    def _group(self, ring: Ring, owner_idx: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """``positions`` grouped by the node id at ``owner_idx`` (same length; indices into the
+        members of ``ring``, the ring they were computed with), skipping this node."""
+        members = ring.view.members
         return {members[o].node_id: positions[owner_idx == o]
-                for o in np.unique(owner_idx).tolist() if o != me}
+                for o in np.unique(owner_idx).tolist() if members[o].node_id != self.node_id}
 
     def _parts(self, idx: np.ndarray) -> list[np.ndarray]:
         """A batch for one peer cut into one part per connection, to move in parallel."""
@@ -292,7 +317,7 @@ class Cluster:
             return
         tasks = [asyncio.ensure_future(job) for job in jobs]  # type: ignore[call-overload]
         try:
-            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+            await asyncio.wait(tasks, timeout=max(0.0, deadline - _now()))
         finally:  # deadline or our own cancellation: stop the rest, and wait until they have
             pending = [task for task in tasks if not task.done()]
             for task in pending:
@@ -304,25 +329,49 @@ class Cluster:
                 log.debug("peer job failed: %s", task.exception())
 
     async def _get(self, node: str, ns_name: str, keys: KeyBatch) -> int:
-        conn = await self._conn(node)
-        return 0 if conn is None else await self._guard(node, "get", conn, conn.get(ns_name, keys))
+        return await self._on_link(node, "get", lambda conn: conn.get(ns_name, keys))
 
     async def _put(self, node: str, ns_name: str, keys: KeyBatch, offsets: np.ndarray,
                    lengths: np.ndarray) -> int:
-        conn = await self._conn(node)
-        if conn is None:
-            return 0
-        stored = await self._guard(node, "put", conn, conn.put(ns_name, keys, offsets, lengths))
+        stored = await self._on_link(node, "put", lambda conn: conn.put(ns_name, keys, offsets, lengths))
         if self.metrics is not None and stored:
             self.metrics.peer(node, "put", stored, int(lengths[:stored].sum()), True)
         return stored
 
-    async def _guard(self, node: str, op: str, conn: PeerLink, job: Coroutine[Any, Any, int]) -> int:
+    async def _on_link(self, node: str, op: str, call: Callable[[PeerLink], Coroutine[Any, Any, int]]) -> int:
+        """``call`` on a link to ``node``; 0 if it fails.
+
+        A pooled link that fails is replaced once by a fresh one before the
+        peer counts as down: the peer may have restarted since the link's
+        last use, and only a new connection reaches its new process (both
+        requests are idempotent: blocks are content-addressed).
+        """
+        conn = await self._conn(node)
+        if conn is None:
+            return 0
+        fresh = conn in self._fresh
+        self._fresh.discard(conn)
+        got = await self._guard(node, op, conn, call(conn), stale_ok=not fresh)
+        if got is not None:
+            return got
+        conn = await self._conn(node, new=True)  # not another pooled link: it may be as stale
+        if conn is None:
+            return 0
+        self._fresh.discard(conn)
+        return await self._guard(node, op, conn, call(conn)) or 0
+
+    async def _guard(self, node: str, op: str, conn: PeerLink, job: Coroutine[Any, Any, int],
+                     stale_ok: bool = False) -> int | None:
+        """Run ``job`` on ``conn``: what it returns; 0 if it fails, or None with ``stale_ok`` (try anew)."""
         try:
             if FAULTS is not None:
                 await _inject(f"peer.{op}", conn)
             got = int(await job)
         except PeerError as exc:
+            if stale_ok:
+                log.debug("pooled link to %s failed (%s): trying a fresh one", node, exc)
+                self._discard(node, conn)
+                return None
             self._mark_down(node, str(exc))
             self._drop(node, conn)
             if self.metrics is not None:
@@ -373,17 +422,21 @@ class Cluster:
             self._down.discard(node)
             log.info("peer %s up again", node)
 
-    async def _conn(self, node: str) -> PeerLink | None:
-        """A connection to ``node`` (round robin over up to peer_connections); None if unreachable."""
-        if time.monotonic() < self._down_until.get(node, 0.0):
+    async def _conn(self, node: str, new: bool = False) -> PeerLink | None:
+        """A connection to ``node`` (round robin over up to peer_connections; ``new``: one dialed
+        now, in place of a pooled one the caller has just dropped); None if unreachable."""
+        if _now() < self._down_until.get(node, 0.0):
             return None
         info = next((n for n in self.view if n.node_id == node), None)
         if info is None:
             return None
         conns = self._conns.setdefault(node, [])
-        if len(conns) < self.cfg.peer_connections:
+        # A call cut off by its deadline closed its link (the stream was out of step) without
+        # failing: drop such links here, or the next call would fail on one and back off.
+        conns[:] = [c for c in conns if not c.closed]
+        if new or len(conns) < self.cfg.peer_connections:
             async with self._dialing[node]:  # parallel jobs must not open more than the limit
-                if len(conns) < self.cfg.peer_connections:
+                if new or len(conns) < self.cfg.peer_connections:
                     return await self._dial(node, info.peer_addr, conns)
         if not conns:  # another job's dial failed while this one waited
             return None
@@ -396,14 +449,20 @@ class Cluster:
             await conn.connect(*_split(addr))
         except PeerError as exc:
             self._mark_down(node, str(exc))
-            self._down_until[node] = time.monotonic() + BACKOFF
+            self._down_until[node] = _now() + BACKOFF
             return None
         conns.append(conn)
+        self._fresh.add(conn)
         return conn
 
     def _drop(self, node: str, conn: PeerLink) -> None:
+        """Close and forget a failed link; leave the peer alone for ``BACKOFF`` seconds."""
+        self._discard(node, conn)
+        self._down_until[node] = _now() + BACKOFF
+
+    def _discard(self, node: str, conn: PeerLink) -> None:
         conn.close()
+        self._fresh.discard(conn)
         conns = self._conns.get(node, [])
         if conn in conns:
             conns.remove(conn)
-        self._down_until[node] = time.monotonic() + BACKOFF

@@ -26,6 +26,7 @@ Payload layouts (little-endian, n keys; see ``emsd.pool.keys`` for keys):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -182,7 +183,7 @@ class Service:
         count = self.store.exists(ns, keys)
         if count == len(keys):
             return None
-        deadline = time.monotonic() + _timeout(header)
+        deadline = _now() + _timeout(header)
         keep = header.get("wr", True) is not False
         return self._fetch(session, ns, keys.take(slice(count, None)), deadline, keep)
 
@@ -211,7 +212,7 @@ class Service:
             return None
         op = header.get("op")
         if op == Op.DRAIN:
-            return self._drain_batch(time.monotonic() + _timeout(header), resp)
+            return self._drain_batch(_now() + _timeout(header), resp)
         if op == Op.EXISTS and not header.get("lo") and resp.get("count", 0) < header.get("n", 0):
             return self._exists_remote(session, header, payload, resp)
         return self.forward_commit(header, payload, resp)
@@ -222,7 +223,7 @@ class Service:
         assert self.cluster is not None
         ns, keys, _ = self._keys(session, header, payload)
         resp["count"] = await self.cluster.exists(self.namespace_name(ns), keys, self.store.present(ns, keys),
-                                                  time.monotonic() + _timeout(header))
+                                                  _now() + _timeout(header))
         return resp
 
     async def _drain_batch(self, deadline: float, resp: dict[str, Any]) -> dict[str, Any]:
@@ -236,7 +237,7 @@ class Service:
         await self.cluster.leave()
         moved = failed = 0
         idx = self.store.index
-        while time.monotonic() < deadline:
+        while _now() < deadline:
             hw = idx.high_water
             owned = np.flatnonzero((idx.state[:hw] == READY) & (idx.cached[:hw] == 0)).astype(np.uint32)
             if owned.size == 0:
@@ -273,7 +274,7 @@ class Service:
             return None
         handles = np.frombuffer(payload, dtype="<u4", count=nc).astype(np.uint32)
         resp["reached"] = bytes(nc)  # what the answer says if forwarding fails outright
-        return self._push(handles, bool(header.get("wr", True)), time.monotonic() + _timeout(header), resp)
+        return self._push(handles, bool(header.get("wr", True)), _now() + _timeout(header), resp)
 
     async def _push(self, handles: np.ndarray, keep: bool, deadline: float,
                     resp: dict[str, Any]) -> dict[str, Any]:
@@ -550,6 +551,11 @@ class Service:
         Op.OWNER: _owner,
         Op.DRAIN: _drain,
     }
+
+
+def _now() -> float:
+    """The running loop's clock (``time.monotonic()`` unless a simulation gives it a virtual one)."""
+    return asyncio.get_running_loop().time()
 
 
 def _timeout(header: dict[str, Any]) -> float:

@@ -3,8 +3,8 @@
 ``emsd.cluster`` only talks to peers through ``PeerLink`` objects made by a
 ``Dialer``. The TCP transport (``emsd.transport.peer.PeerConnection``)
 is the one implementation today; an RDMA transport slots in by providing
-the same five calls. Every failure surfaces as ``PeerError`` (the cluster
-then treats the peer as down for a moment); a cancelled call must leave
+the same five calls and ``closed``. Every failure surfaces as ``PeerError`` (the
+cluster then treats the peer as down for a moment); a cancelled call must leave
 nothing reserved in the local pool and the link closed.
 """
 
@@ -35,6 +35,10 @@ class PeerLink(Protocol):
 
     def close(self) -> None:
         """Drop the link; later calls raise ``PeerError``."""
+
+    @property
+    def closed(self) -> bool:
+        """True once the link is closed (``close``, or a call that failed or was cancelled): unusable."""
 
 
 Dialer = Callable[[], PeerLink]  # a fresh, unconnected link

@@ -532,6 +532,10 @@ class PeerConnection:
             self.sock.close()
             self.sock = None
 
+    @property
+    def closed(self) -> bool:
+        return self.sock is None
+
     async def get(self, ns_name: str, keys: KeyBatch) -> int:
         """Fetch the leading blocks the peer has into the local pool; returns how many are now local."""
         async with self._lock:

@@ -335,6 +335,10 @@ class SelectingLink:
         if self.transports.connected(peer, desc):
             self.report(peer)
 
+    @property
+    def closed(self) -> bool:
+        return self.tcp.closed
+
     def close(self) -> None:
         self._drop_qp()
         self.tcp.close()
