@@ -170,6 +170,21 @@ class SimLink:
         failed = np.flatnonzero(res.status == FAILED)
         return int(failed[0]) if failed.size else pinned.count
 
+    async def exists(self, ns_name: str, keys: KeyBatch) -> int:
+        remote = self._ready()
+        try:
+            await self._hop()
+            server = remote.access
+            count = server.store.exists(server.namespace_id(ns_name), keys)
+            await self._hop(reply=True)
+        except PeerError as exc:
+            self.close()
+            raise PeerError(f"EXISTS at {remote.node_id} failed: {exc}") from None
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        return count
+
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
         remote = self._ready()
         try:
