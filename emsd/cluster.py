@@ -36,6 +36,7 @@ from emsd.placement.ring import ClusterView, Member, Ring
 from emsd.pool.keys import KeyBatch
 from emsd.transport.link import Dialer, PeerLink
 from emsd.transport.peer import PEER_PROTOCOL, PeerConnection, PeerError, PeerServer, PoolAccess
+from emsd.transport.tls import PeerTls
 
 log = logging.getLogger("emsd.cluster")
 
@@ -68,15 +69,16 @@ def _split(endpoint: str) -> tuple[str, int]:
 
 class Cluster:
     def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, access: PoolAccess,
-                 secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None) -> None:
+                 secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None,
+                 tls: PeerTls | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics
-        self.dial: Dialer = dialer or (lambda: PeerConnection(access, node_id, secret))
+        self.dial: Dialer = dialer or (lambda: PeerConnection(access, node_id, secret, tls))
         self.node_id = node_id
         self.access = access
         self.secret = secret
         self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL)
-        self.server = PeerServer(access, node_id, secret)
+        self.server = PeerServer(access, node_id, secret, tls)
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
         self.membership = ZooKeeperMembership(cfg.zookeeper, cfg.name, self.me, cfg.session_timeout,
