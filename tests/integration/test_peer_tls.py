@@ -207,3 +207,59 @@ def test_a_daemon_with_an_unloadable_certificate_stops_naming_it(pki: Pki, emsd_
     assert d.proc is not None
     assert d.proc.wait(30) != 0
     assert "cluster.tls_cert" in d.log() and "absent.pem" in d.log()
+
+
+async def test_a_tls_get_cancelled_mid_transfer_leaves_nothing_reserved(pki: Pki) -> None:
+    """An owner that stalls half-way inside TLS: the deadline wakes the worker thread and ends the GET."""
+    import os
+    import socket
+
+    import numpy as np
+
+    from emsd.transport.peer import OP_AUTH, OP_CHALLENGE, _in_thread, _mac, _recv_frame, _send, _send_views
+
+    a = Node("a")
+    loop = asyncio.get_running_loop()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    stalled = asyncio.Event()
+    server_tls = pki.tls("b").server
+
+    async def stalling_owner() -> None:
+        raw, _ = await loop.sock_accept(listener)
+        conn = server_tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+        with conn:
+            conn.settimeout(10)
+            await _in_thread(conn, conn.do_handshake)
+            nonce = os.urandom(32)
+            await _send(loop, conn, {"op": OP_CHALLENGE, "nonce": nonce})
+            auth, _ = await _recv_frame(loop, conn)
+            assert auth["op"] == OP_AUTH
+            mac = _mac(SECRET, b"s", auth["nonce"], nonce, b"b")
+            await _send(loop, conn, {"st": 0, "node": "b", "mac": mac})
+            req, _ = await _recv_frame(loop, conn)
+            lengths = np.array([1 << 20, 1 << 20], "<u8")
+            answer = {"id": req["id"], "st": 0, "count": 2, "bulk": 2 << 20}
+            await _send(loop, conn, answer, lengths.tobytes())
+            await _in_thread(conn, _send_views, conn, [memoryview(b"\x07" * (1 << 19))])  # half a block
+            stalled.set()
+            await asyncio.sleep(30)
+
+    owner = asyncio.ensure_future(stalling_owner())
+    conn = PeerConnection(a.access, "a", SECRET, pki.tls("a"))
+    try:
+        await conn.connect("127.0.0.1", listener.getsockname()[1])
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(conn.get("ns", KeyBatch.from_user([1, 2])), 1.5)
+        assert stalled.is_set()
+        stats = a.store.stats()
+        assert stats.pending == 0 and stats.entries == 0  # the half-written chunks went back
+        assert conn.sock is None
+        with pytest.raises(PeerError):
+            await conn.get("ns", KeyBatch.from_user([1]))
+    finally:
+        owner.cancel()
+        await asyncio.gather(owner, return_exceptions=True)
+        listener.close()
