@@ -158,6 +158,10 @@ async def _recv_exact_into(loop: asyncio.AbstractEventLoop, sock: socket.socket,
 
 _BULK_THREADS = 16
 _bulk_pool: ThreadPoolExecutor | None = None
+# TLS handshakes run before the peer has shown a certificate: on threads of their own, so that
+# anyone who can reach the port and stalls handshakes cannot hold up the bulk threads.
+_HANDSHAKE_THREADS = 4
+_handshake_pool: ThreadPoolExecutor | None = None
 T = TypeVar("T")
 
 
@@ -204,16 +208,24 @@ async def _bulk(sock: socket.socket, move: Callable[[socket.socket, list[memoryv
         await _in_thread(sock, move, sock, views)
 
 
-async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any) -> T:
+async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any,
+                     handshake: bool = False) -> T:
     """``call(*args)`` (blocking I/O on ``sock``) in a bulk thread; ``OSError`` becomes ``PeerError``.
 
-    On cancellation the socket is shut down, which wakes the thread at once,
-    and the thread is waited for before returning.
+    ``handshake``: on a TLS handshake thread instead. On cancellation the
+    socket is shut down, which wakes the thread at once, and the thread is
+    waited for before returning.
     """
-    global _bulk_pool
-    if _bulk_pool is None:
-        _bulk_pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="emsd-bulk")
-    fut = asyncio.get_running_loop().run_in_executor(_bulk_pool, call, *args)
+    global _bulk_pool, _handshake_pool
+    if handshake:
+        if _handshake_pool is None:
+            _handshake_pool = ThreadPoolExecutor(_HANDSHAKE_THREADS, thread_name_prefix="emsd-tls")
+        pool = _handshake_pool
+    else:
+        if _bulk_pool is None:
+            _bulk_pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="emsd-bulk")
+        pool = _bulk_pool
+    fut = asyncio.get_running_loop().run_in_executor(pool, call, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -253,9 +265,9 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
 
 
 async def _tls_handshake(sock: ssl.SSLSocket, timeout: float) -> None:
-    """Complete the TLS handshake on a worker thread, then set the bulk stall timeout."""
+    """Complete the TLS handshake on a handshake thread, then set the bulk stall timeout."""
     sock.settimeout(timeout)
-    await _in_thread(sock, sock.do_handshake)
+    await _in_thread(sock, sock.do_handshake, handshake=True)
     sock.settimeout(BULK_STALL)
 
 

@@ -263,3 +263,40 @@ async def test_a_tls_get_cancelled_mid_transfer_leaves_nothing_reserved(pki: Pki
         owner.cancel()
         await asyncio.gather(owner, return_exceptions=True)
         listener.close()
+
+
+async def test_stalled_handshakes_do_not_hold_up_an_established_connection(
+        pki: Pki, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone who can reach the port can stall handshakes; blocks keep moving on established links."""
+    import socket
+
+    from emsd.transport import peer
+
+    monkeypatch.setattr(peer, "AUTH_TIMEOUT", 1.0)
+    a, b = Node("a"), Node("b")
+    data = blocks(4, 1 << 20, seed=5)
+    b.put_local("ns", [1, 2, 3, 4], data)
+    server, port = await tls_server(b, pki.tls("b"))
+    conn = PeerConnection(a.access, "a", SECRET, pki.tls("a"))
+    loop = asyncio.get_running_loop()
+    silent = []
+    try:
+        await conn.connect("127.0.0.1", port)
+        for _ in range(peer._BULK_THREADS + 1):  # each would hold a bulk thread until its handshake times out
+            raw = socket.socket()
+            raw.setblocking(False)
+            await loop.sock_connect(raw, ("127.0.0.1", port))
+            silent.append(raw)
+        assert await conn.get("ns", KeyBatch.from_user([1, 2, 3, 4])) == 4
+        assert a.read("ns", [1, 2, 3, 4]) == data
+        assert server.refused == 0  # the GET finished while every stalled handshake was still waiting
+        for _ in range(2000):  # then each handshake times out and is refused
+            if server.refused == len(silent):
+                break
+            await asyncio.sleep(0.02)
+        assert server.refused == len(silent)
+    finally:
+        for raw in silent:
+            raw.close()
+        conn.close()
+        await server.close()
