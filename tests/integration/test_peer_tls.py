@@ -65,6 +65,7 @@ async def test_blocks_move_both_ways_over_mutual_tls(pki: Pki) -> None:
     try:
         await conn.connect("127.0.0.1", port)
         assert conn.peer_id == "b"
+        assert await conn.exists("ns", KeyBatch.from_user([1, 2, 3, 4])) == 3
         assert await conn.get("ns", KeyBatch.from_user([1, 2, 3, 4])) == 3
         assert a.read("ns", [1, 2, 3]) == there
         pinned = a.store.pin(a.ns("ns"), KeyBatch.from_user([7, 8, 9]))
