@@ -9,8 +9,13 @@ without being a leak, so it is left out.
 its idle baseline once a cluster has carried load: one scratch buffer
 (``emsd.transport.peer.SCRATCH``) per peer connection, in both directions
 (its own links to each peer, and each peer's links to it), plus ``SLACK``
-for the Python heap. A leaked connection or a leaked buffer per request
-shows up well past it.
+for the Python heap and the allocator. Measured on the 3-node chaos runs
+(2 connections per peer, so 32 MiB of scratch): 17-57 MiB above the
+baseline, varying from run to run with the same code (heap fragmentation:
+freed memory below the top of the heap stays resident). So the bound,
+80 MiB, catches what grows with the load (a buffer or a connection leaked
+per request, per reconnect or per failure: the runs make thousands of
+requests and dozens of reconnects) but not a small fixed leak.
 
 ``measurable(monkeypatch)`` makes the daemons a test starts return freed
 memory to the kernel, so that RSS measures live memory: one malloc arena
@@ -18,8 +23,7 @@ memory to the kernel, so that RSS measures live memory: one malloc arena
 threads each get one) and a fixed mmap threshold (glibc otherwise raises it
 after the first large free, and later 4 MiB buffers stay in the heap when
 freed). Without it a node that carried the chaos load measured up to
-30 MiB more, all of it allocator retention: with it every node measures
-the same, its connections' buffers plus about 1 MiB.
+30 MiB more than with it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import pytest
 from emsd.transport.peer import SCRATCH
 
 MiB = 1 << 20
-SLACK = 16 * MiB
+SLACK = 48 * MiB
 
 
 def measurable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 SEED = int(os.environ.get("EMS_CHAOS_SEED", "11"))
 RUN_SECONDS = 22.0
 LONG_CUT, SHORT_CUT = 6.0, 1.5  # seconds; the session timeout is 3
-RSS_BOUND = memory.allowed_growth(3, 2)  # 3 nodes, 2 connections per peer (the default): 48 MiB
+RSS_BOUND = memory.allowed_growth(3, 2)  # 3 nodes, 2 connections per peer (the default): 80 MiB
 
 
 @pytest.fixture
