@@ -47,6 +47,7 @@ from emsd.transport.peer import PEER_PROTOCOL, PeerConnection, PeerError, PeerSe
 from emsd.transport.rdma import RdmaEndpoint, SelectingLink
 from emsd.transport.rdma_desc import EXTRA_KEY, DescriptorError, RdmaDescriptor
 from emsd.transport.selection import PeerPath, PeerTransports
+from emsd.transport.tls import PeerTls
 
 log = logging.getLogger("emsd.cluster")
 
@@ -86,23 +87,24 @@ class Cluster:
     def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, access: PoolAccess,
                  secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None,
                  rdma: RdmaEndpoint | None = None, rdma_reason: str = "",
-                 membership: Membership | None = None) -> None:
+                 membership: Membership | None = None, tls: PeerTls | None = None) -> None:
         """``rdma``: this node's registered RDMA endpoint (owned from now on), or None and why not.
-        ``dialer`` and ``membership`` default to TCP (or RDMA) and ZooKeeper (others: tests/sim/)."""
+        ``dialer`` and ``membership`` default to TCP (or RDMA) and ZooKeeper (others: tests/sim/).
+        ``tls``: mutual TLS on peer connections (``cluster.tls_*``)."""
         self.cfg = cfg
         self.metrics = metrics
         self.rdma = rdma
         self.transports = PeerTransports(cfg.transport, "" if rdma is not None
                                          else rdma_reason or "no RDMA endpoint was opened")
-        self.dial: Dialer = dialer or (lambda: SelectingLink(PeerConnection(access, node_id, secret), rdma,
-                                                             self.transports, self._advert, self._report))
+        self.dial: Dialer = dialer or (lambda: SelectingLink(
+            PeerConnection(access, node_id, secret, tls), rdma, self.transports, self._advert, self._report))
         self.node_id = node_id
         self.access = access
         self.secret = secret
         extra = {} if rdma is None else {EXTRA_KEY: rdma.descriptor.to_extra()}
         self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL, extra)
         control = None if rdma is None else (lambda: rdma.serving(access))
-        self.server = PeerServer(access, node_id, secret, control)
+        self.server = PeerServer(access, node_id, secret, control, tls)
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
         self.membership: Membership = membership or ZooKeeperMembership(

@@ -87,6 +87,14 @@ class ClusterConfig:
     peer_connections: int = 2
     secret_file: str = ""  # file holding the cluster secret; required with zookeeper
     transport: str = "auto"  # peer data path: "auto" (RDMA where both ends can), "rdma" or "tcp"
+    tls_cert: str = ""  # PEM certificate for peer connections; the three tls_* set together or not at all
+    tls_key: str = ""  # its private key (PEM)
+    tls_ca: str = ""  # the cluster CA (PEM): peers must present a certificate it signed
+
+    @property
+    def tls(self) -> bool:
+        """Peer connections use mutual TLS."""
+        return bool(self.tls_cert)
 
     @property
     def enabled(self) -> bool:
@@ -300,9 +308,23 @@ def _cluster(t: dict[str, Any]) -> ClusterConfig:
     if zk and not secret:
         raise ConfigError("cluster.secret_file", "is required when cluster.zookeeper is set "
                           "(peers authenticate with the secret it holds)")
+    tls = _tls(t)
     return ClusterConfig(name=name, zookeeper=zk, peer_listen=t.get("peer_listen", d.peer_listen),
                          advertise=t.get("advertise", d.advertise), session_timeout=float(timeout),
-                         secret_file=secret, transport=transport, **ints)
+                         secret_file=secret, transport=transport, tls_cert=tls["tls_cert"],
+                         tls_key=tls["tls_key"], tls_ca=tls["tls_ca"], **ints)
+
+
+def _tls(t: dict[str, Any]) -> dict[str, str]:
+    """``tls_cert``, ``tls_key``, ``tls_ca``: absolute paths, all three or none."""
+    paths = {key: t.get(key, "") for key in ("tls_cert", "tls_key", "tls_ca")}
+    for key, value in paths.items():
+        if not isinstance(value, str) or (value and not value.startswith("/")):
+            raise ConfigError(f"cluster.{key}", f"must be an absolute path (got {value!r})")
+    missing = [key for key, value in paths.items() if not value]
+    if missing and len(missing) < len(paths):
+        raise ConfigError(f"cluster.{missing[0]}", "is required when any of tls_cert, tls_key, tls_ca is set")
+    return paths
 
 
 def read_secret(path: str) -> bytes:

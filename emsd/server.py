@@ -139,17 +139,20 @@ class Daemon:
         from emsd.config import ConfigError, read_secret
         from emsd.membership.base import DuplicateNodeError
         from emsd.transport.peer import PoolAccess
+        from emsd.transport.tls import PeerTls
 
         cfg = self.config
         try:
             secret = read_secret(cfg.cluster.secret_file)
-        except ConfigError as exc:
+            tls = (PeerTls.load(cfg.cluster.tls_cert, cfg.cluster.tls_key, cfg.cluster.tls_ca)
+                   if cfg.cluster.tls else None)
+        except (ConfigError, ValueError) as exc:
             raise StartupError(str(exc)) from None
         assert self._pool_view is not None
         access = PoolAccess(store, self._pool_view, service.namespace_id, service.checksums)
         rdma, why = await asyncio.get_running_loop().run_in_executor(None, self._open_rdma, self._pool_view)
         cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret, metrics=self.metrics,
-                          rdma=rdma, rdma_reason=why)
+                          rdma=rdma, rdma_reason=why, tls=tls)
         try:
             await cluster.start()
         except DuplicateNodeError as exc:
@@ -160,9 +163,9 @@ class Daemon:
             raise StartupError(f"cluster.peer_listen: cannot listen on {cfg.cluster.peer_listen}: "
                                f"{exc.strerror}") from None
         self.cluster = cluster
-        log.info("cluster %s: peers on %s (advertised %s), ZooKeeper %s, membership %s",
+        log.info("cluster %s: peers on %s (advertised %s, %s), ZooKeeper %s, membership %s",
                  cfg.cluster.name, cfg.cluster.peer_listen, cfg.cluster.advertised,
-                 cfg.cluster.zookeeper, cluster.state.value)
+                 "mutual TLS" if tls else "plain TCP", cfg.cluster.zookeeper, cluster.state.value)
         return cluster
 
     def _open_rdma(self, pool: memoryview) -> tuple[Any, str]:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything emsd and its tests need on a fresh Debian machine (idempotent).
 #   scripts/setup.sh          the daemon and the SDK in .venv
-#   scripts/setup.sh --test   plus test tools, torch 2.13.0 (CPU), Debian's zookeeper and the
-#                             checkers of deploy/ (scripts/setup-deploy-checks.sh)
+#   scripts/setup.sh --test   plus test tools, torch 2.13.0 (CPU), Debian's zookeeper and openssl,
+#                             and the checkers of deploy/ (scripts/setup-deploy-checks.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_TEST=0
@@ -29,6 +29,12 @@ if [[ $WITH_TEST == 1 ]]; then
         if [[ $(id -u) == 0 ]]; then SUDO=""; else SUDO="sudo"; fi
         $SUDO apt-get install -y -q zookeeper python3-pyverbs >/dev/null 2>&1 || {
             $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q zookeeper python3-pyverbs >/dev/null; }
+    fi
+    if ! command -v openssl >/dev/null; then
+        echo "[setup] Debian openssl (certificates for the peer TLS tests)"
+        if [[ $(id -u) == 0 ]]; then SUDO=""; else SUDO="sudo"; fi
+        $SUDO apt-get install -y -q openssl >/dev/null 2>&1 || {
+            $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q openssl >/dev/null; }
     fi
 else
     echo "[setup] emsd"

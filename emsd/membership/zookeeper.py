@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.connection import _CONNECTION_DROP  # kazoo's own test hook (faults only)
 from kazoo.retry import KazooRetry
 
+from emsd.faults import FAULTS, Faults
 from emsd.membership.base import DuplicateNodeError, MembershipState, NodeInfo, ViewCallback
 
 log = logging.getLogger("emsd.membership")
@@ -50,6 +54,8 @@ class ZooKeeperMembership:
         registration of this node id with that very endpoint can only be this node's previous
         process, killed before its session expired: it is replaced, not refused."""
         self.me = me
+        self.hosts = hosts
+        self.faults: Faults | None = FAULTS  # the seam's ``zk.session`` site (a test may set its own)
         self.endpoint_is_mine = endpoint_is_mine
         self.dir = f"/emsd/{cluster}/nodes"
         self.path = f"{self.dir}/{me.node_id}"
@@ -135,6 +141,8 @@ class ZooKeeperMembership:
             self._wake.clear()
             if self._stopped or not self._zk.connected:
                 continue
+            if self.faults is not None:
+                self._inject_session_fault(self.faults)
             try:
                 if self._need_register:
                     self._register()
@@ -147,6 +155,33 @@ class ZooKeeperMembership:
             except KazooException as exc:
                 log.warning("ZooKeeper call failed (%s); will retry", exc)
                 self._wake.set()
+
+    def _inject_session_fault(self, faults: Faults) -> None:
+        """An injected fault at ``zk.session`` (tests only: ``emsd.faults``).
+
+        ``error`` expires our session the way ZooKeeper does when a client
+        goes silent: a second client attaches to the session and closes it,
+        so our znode goes and we see LOST, then re-register. ``drop`` cuts
+        the connection (SUSPENDED, then a reconnect to the same session).
+        ``delay`` stalls this worker, delaying every ZooKeeper call it makes.
+        """
+        rule = faults.at("zk.session")
+        if rule is None:
+            return
+        log.warning("injected fault at zk.session: %s", rule.action)
+        if rule.action == "delay":
+            time.sleep(rule.seconds)
+        elif rule.action == "drop":
+            self._zk._call(_CONNECTION_DROP, None)
+        else:
+            thief = KazooClient(hosts=self.hosts, client_id=self._zk.client_id)
+            try:
+                thief.start(timeout=5)
+                thief.stop()  # closes the session on the server: our ephemeral znode goes with it
+            except (KazooException, KazooTimeoutError) as exc:
+                log.warning("injected zk.session expiry did not happen: %s", exc)
+            finally:
+                thief.close()
 
     def _register(self) -> None:
         data = self.me.encode()

@@ -23,6 +23,13 @@ cluster secret and HMAC-SHA256 over fresh nonces:
 A wrong secret is refused (and logged) and the connection closed; the
 secret itself never crosses the wire.
 
+With TLS configured (``emsd.transport.tls.PeerTls``) each connection first
+completes a mutual TLS handshake, then runs the same challenge inside it. A
+TLS connection does all its I/O (frames too) as blocking calls in the bulk
+worker threads, since the event loop's ``sock_*`` calls cannot drive an SSL
+socket; the loop only waits for readability before a frame, so an idle
+connection holds no thread. Plain connections take none of these paths.
+
 Requests (one at a time per connection; a daemon keeps several connections
 per peer for parallelism):
 
@@ -45,11 +52,12 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -68,6 +76,7 @@ from emsd.transport.frames import (
     decode_header,
     encode_parts,
 )
+from emsd.transport.tls import PeerTls
 
 log = logging.getLogger("emsd.peer")
 
@@ -147,6 +156,9 @@ class PoolAccess:
 async def _send(loop: asyncio.AbstractEventLoop, sock: socket.socket, header: dict[str, Any],
                 *payload: bytes | memoryview) -> None:
     header = {"v": PROTOCOL_VERSION, "id": header.pop("id", 0), **header}
+    if isinstance(sock, ssl.SSLSocket):
+        await _in_thread(sock, _send_views, sock, [memoryview(p) for p in encode_parts(header, *payload)])
+        return
     for part in encode_parts(header, *payload):
         await loop.sock_sendall(sock, part)
 
@@ -171,9 +183,18 @@ async def _recv_exact_into(loop: asyncio.AbstractEventLoop, sock: socket.socket,
 
 _BULK_THREADS = 16
 _bulk_pool: ThreadPoolExecutor | None = None
+# TLS handshakes run before the peer has shown a certificate: on threads of their own, so that
+# anyone who can reach the port and stalls handshakes cannot hold up the bulk threads.
+_HANDSHAKE_THREADS = 4
+_handshake_pool: ThreadPoolExecutor | None = None
+T = TypeVar("T")
 
 
 def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    if isinstance(sock, ssl.SSLSocket):  # always blocking, with a timeout (see PeerTls)
+        for view in views:
+            sock.sendall(view)
+        return
     sock.setblocking(True)
     try:
         for view in views:
@@ -183,6 +204,15 @@ def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
 
 
 def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    if isinstance(sock, ssl.SSLSocket):  # no MSG_WAITALL on SSL sockets: one record per call
+        for view in views:
+            got = 0
+            while got < len(view):
+                n = sock.recv_into(view[got:])
+                if n == 0:
+                    raise PeerError("peer closed the connection")
+                got += n
+        return
     sock.setblocking(True)
     try:
         for view in views:
@@ -199,17 +229,33 @@ def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
 async def _bulk(sock: socket.socket, move: Callable[[socket.socket, list[memoryview]], None],
                 views: list[memoryview]) -> None:
     """Run ``move(sock, views)`` in a bulk thread; on cancellation stop it before returning."""
-    global _bulk_pool
-    if not views:
-        return
-    if _bulk_pool is None:
-        _bulk_pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="emsd-bulk")
-    fut = asyncio.get_running_loop().run_in_executor(_bulk_pool, move, sock, views)
+    if views:
+        await _in_thread(sock, move, sock, views)
+
+
+async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any,
+                     handshake: bool = False) -> T:
+    """``call(*args)`` (blocking I/O on ``sock``) in a bulk thread; ``OSError`` becomes ``PeerError``.
+
+    ``handshake``: on a TLS handshake thread instead. On cancellation the
+    socket is shut down, which wakes the thread at once, and the thread is
+    waited for before returning.
+    """
+    global _bulk_pool, _handshake_pool
+    if handshake:
+        if _handshake_pool is None:
+            _handshake_pool = ThreadPoolExecutor(_HANDSHAKE_THREADS, thread_name_prefix="emsd-tls")
+        pool = _handshake_pool
+    else:
+        if _bulk_pool is None:
+            _bulk_pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="emsd-bulk")
+        pool = _bulk_pool
+    fut = asyncio.get_running_loop().run_in_executor(pool, call, *args)
     try:
-        await asyncio.shield(fut)
+        return await asyncio.shield(fut)
     except asyncio.CancelledError:
         with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)  # wakes the thread at once
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the raw socket, TLS or not
         with contextlib.suppress(Exception):
             await fut
         raise
@@ -217,17 +263,65 @@ async def _bulk(sock: socket.socket, move: Callable[[socket.socket, list[memoryv
         raise PeerError(str(exc)) from None
 
 
+def _hang_up(sock: socket.socket) -> None:
+    """Close ``sock``; a TLS socket is shut down first, so a thread blocked on it wakes at once."""
+    if isinstance(sock, ssl.SSLSocket):
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    sock.close()
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Wait until ``sock`` has bytes (or EOF) to read, in the event loop: no thread while idle."""
+    fd = sock.fileno()
+    if fd < 0:
+        raise PeerError("connection closed")
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _tls_handshake(sock: ssl.SSLSocket, timeout: float) -> None:
+    """Complete the TLS handshake on a handshake thread, then set the bulk stall timeout."""
+    sock.settimeout(timeout)
+    await _in_thread(sock, sock.do_handshake, handshake=True)
+    sock.settimeout(BULK_STALL)
+
+
 def _views(pool: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
     return [pool[off : off + size] for off, size in zip(offsets.tolist(), lengths.tolist(), strict=True)]
 
 
 async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    if isinstance(sock, ssl.SSLSocket):
+        if not sock.pending():
+            await _readable(loop, sock)
+        return await _in_thread(sock, _recv_frame_blocking, sock)
     prefix = bytearray(PREFIX.size)
     await _recv_exact_into(loop, sock, memoryview(prefix))
     header_len, payload_len = PREFIX.unpack(prefix)
     check_lengths(header_len, payload_len)
     body = bytearray(header_len + payload_len)
     await _recv_exact_into(loop, sock, memoryview(body))
+    return decode_header(bytes(body[:header_len])), bytes(body[header_len:])
+
+
+def _recv_frame_blocking(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    """``_recv_frame`` for a TLS socket, in a worker thread."""
+    prefix = bytearray(PREFIX.size)
+    _recv_views(sock, [memoryview(prefix)])
+    header_len, payload_len = PREFIX.unpack(prefix)
+    check_lengths(header_len, payload_len)
+    body = bytearray(header_len + payload_len)
+    _recv_views(sock, [memoryview(body)])
     return decode_header(bytes(body[:header_len])), bytes(body[header_len:])
 
 
@@ -313,14 +407,15 @@ async def _receive_blocks(sock: socket.socket, access: PoolAccess,
 
 
 class PeerServer:
-    """Serves this daemon's pool to authenticated peers over TCP."""
+    """Serves this daemon's pool to authenticated peers over TCP (over mutual TLS with ``tls``)."""
 
     def __init__(self, access: PoolAccess, node_id: str, secret: bytes,
-                 control: Callable[[], ControlHandler] | None = None) -> None:
+                 control: Callable[[], ControlHandler] | None = None, tls: PeerTls | None = None) -> None:
         self.access = access
         self.node_id = node_id
         self.secret = secret
         self.control = control  # RDMA control messages; None: refused (this node serves TCP only)
+        self.tls = tls
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[socket.socket] = set()
@@ -348,7 +443,7 @@ class PeerServer:
             self._listener.close()
             self._listener = None
         for conn in list(self._conns):
-            conn.close()
+            _hang_up(conn)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -375,6 +470,8 @@ class PeerServer:
         peer = "?"
         handler: ControlHandler | None = None
         try:
+            if self.tls is not None:
+                conn = await self._tls_accept(conn)
             peer = await asyncio.wait_for(self._authenticate(loop, conn), AUTH_TIMEOUT)
             scratch = memoryview(bytearray(SCRATCH))
             while True:
@@ -405,7 +502,23 @@ class PeerServer:
             if handler is not None:
                 handler.close()  # its pins and reservations go with the connection
             self._conns.discard(conn)
-            conn.close()
+            _hang_up(conn)
+
+    async def _tls_accept(self, conn: socket.socket) -> ssl.SSLSocket:
+        """The TLS side of an accepted connection; a failed handshake is refused (and counted)."""
+        assert self.tls is not None
+        tls_conn = self.tls.server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        self._conns.discard(conn)  # wrapping took over its descriptor
+        self._conns.add(tls_conn)
+        try:
+            await _tls_handshake(tls_conn, AUTH_TIMEOUT)
+        except PeerError as exc:
+            self._conns.discard(tls_conn)
+            _hang_up(tls_conn)
+            self.refused += 1
+            log.warning("peer connection refused: TLS handshake failed: %s", exc)
+            raise
+        return tls_conn
 
     async def _control(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
                        handler: ControlHandler | None, header: dict[str, Any], payload: bytes) -> None:
@@ -484,12 +597,13 @@ class PeerServer:
 
 
 class PeerConnection:
-    """One authenticated connection to a peer; one request at a time."""
+    """One authenticated connection to a peer (over mutual TLS with ``tls``); one request at a time."""
 
-    def __init__(self, access: PoolAccess, node_id: str, secret: bytes) -> None:
+    def __init__(self, access: PoolAccess, node_id: str, secret: bytes, tls: PeerTls | None = None) -> None:
         self.access = access
         self.node_id = node_id
         self.secret = secret
+        self.tls = tls
         self.sock: socket.socket | None = None
         self.peer_id = ""
         self._ids = 0
@@ -505,9 +619,12 @@ class PeerConnection:
         try:
             _tune(sock)
             await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
+            if self.tls is not None:
+                sock = self.tls.client.wrap_socket(sock, do_handshake_on_connect=False)
+                await _tls_handshake(sock, timeout)
             await asyncio.wait_for(self._authenticate(loop, sock), timeout)
         except (OSError, TimeoutError, FrameError, PeerError) as exc:
-            sock.close()
+            _hang_up(sock)
             raise PeerError(f"cannot connect to peer {host}:{port}: {exc}") from None
         self.sock = sock
 
@@ -529,7 +646,7 @@ class PeerConnection:
 
     def close(self) -> None:
         if self.sock is not None:
-            self.sock.close()
+            _hang_up(self.sock)
             self.sock = None
 
     @property

@@ -6,7 +6,9 @@ seeded schedule (the seed is in every failure message; ``EMS_CHAOS_SEED``
 overrides it) kills nodes with -9 and restarts them (warm restart), and
 stops ZooKeeper long enough for sessions to expire. Asserted: no wrong
 byte ever loaded, no call slower than its timeout allows, a bounded miss
-rate, and afterwards nothing left pinned or pending on any node.
+rate, and afterwards nothing left pinned or pending on any node and each
+node's private memory (``tests/memory.py``; a restarted node's new process
+included) within a stated bound of its baseline taken before the load.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import memory  # noqa: E402
 import zk  # noqa: E402
 from test_cluster import stats, wait_for  # noqa: E402
 
@@ -31,6 +34,7 @@ pytestmark = pytest.mark.skipif(zk.available() is not None, reason=str(zk.availa
 SEED = int(os.environ.get("EMS_CHAOS_SEED", "7"))
 RUN_SECONDS = 24.0
 TIMEOUT_MS = 2000
+RSS_BOUND = memory.allowed_growth(3, 2)  # 3 nodes, 2 connections per peer (the default): 80 MiB
 
 WORKER = textwrap.dedent("""
     import json, random, sys, time, torch
@@ -86,8 +90,9 @@ WORKER = textwrap.dedent("""
 
 
 def test_kills_restarts_and_a_zookeeper_outage_never_yield_wrong_bytes_or_hung_calls(
-        emsd_factory: Any, tmp_path: Path) -> None:
+        emsd_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(SEED)
+    memory.measurable(monkeypatch)
     server = zk.ZooKeeperServer(tmp_path / "zk").start()
     workers: list[subprocess.Popen[str]] = []
     try:
@@ -100,6 +105,7 @@ def test_kills_restarts_and_a_zookeeper_outage_never_yield_wrong_bytes_or_hung_c
         for d in nodes:
             d.start()
         wait_for(lambda: all(len(stats(d)["members"]) == 3 for d in nodes))
+        baseline = [memory.private_rss(d.pid) for d in nodes]
         for i, d in enumerate(nodes):
             env = {**os.environ, "EMS_SOCKET_DIR": str(d.socket_dir)}
             workers.append(subprocess.Popen([sys.executable, "-c", WORKER, str(i), str(RUN_SECONDS),
@@ -132,9 +138,13 @@ def test_kills_restarts_and_a_zookeeper_outage_never_yield_wrong_bytes_or_hung_c
         hits, asked = sum(r["hits"] for r in results), sum(r["asked"] for r in results)
         assert hits >= 0.5 * asked, where  # two owners per block: a dead node costs little
         wait_for(lambda: all(stats(d)["membership"] == "joined" for d in nodes), 60)
-        for d in nodes:
+        for d, before in zip(nodes, baseline, strict=True):
             st = stats(d)
             assert st["pinned"] == 0 and st["pending"] == 0, (d.sections["node"]["id"], st, where)
+            after = memory.private_rss(d.pid)
+            print(f"{d.sections['node']['id']}: private RSS {before / memory.MiB:.1f} MiB before the load, "
+                  f"{after / memory.MiB:.1f} MiB after")
+            assert after - before <= RSS_BOUND, (d.sections["node"]["id"], before, after, where)
             assert d.alive()
     finally:
         for w in workers:

@@ -1,0 +1,119 @@
+"""Chaos with a cut network: three nodes on hosts of their own, links taken down under load.
+
+Each daemon runs in its own network namespace (``tests/netns.py``), with
+ZooKeeper on the bridge's address; the load is the writer-reader of
+``test_chaos`` (every byte encodes its key), one process per node, talking
+to its daemon over the Unix socket (which crosses namespaces). A seeded
+schedule takes one node's link down for longer than the session timeout
+(the others drop it from their view; it keeps serving its own clients) and
+another's for a moment (connections stall, no RST), then heals both.
+
+Asserted: no wrong byte loaded, no call slower than its timeout allows, a
+bounded miss rate; afterwards every node is back in the view, nothing is
+pinned or pending, and each daemon's private memory (``tests/memory.py``)
+is within ``RSS_BOUND`` of its baseline taken before the load. Skipped with
+the reason where namespaces cannot be made (not root, no ``ip``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import memory  # noqa: E402
+import netns  # noqa: E402
+import zk  # noqa: E402
+from test_chaos import TIMEOUT_MS, WORKER  # noqa: E402
+from test_cluster import stats, wait_for  # noqa: E402
+
+_why = zk.available() or netns.available()
+pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
+SEED = int(os.environ.get("EMS_CHAOS_SEED", "11"))
+RUN_SECONDS = 22.0
+LONG_CUT, SHORT_CUT = 6.0, 1.5  # seconds; the session timeout is 3
+RSS_BOUND = memory.allowed_growth(3, 2)  # 3 nodes, 2 connections per peer (the default): 80 MiB
+
+
+@pytest.fixture
+def hosts() -> Iterator[netns.Hosts]:
+    h = netns.Hosts(3).create()
+    yield h
+    h.destroy()
+
+
+def test_cut_links_under_load_never_yield_wrong_bytes_or_hung_calls_and_memory_returns(
+        hosts: netns.Hosts, emsd_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(SEED)
+    memory.measurable(monkeypatch)
+    server = zk.ZooKeeperServer(tmp_path / "zk", host=hosts.gateway).start()
+    workers: list[subprocess.Popen[str]] = []
+    try:
+        secret = tmp_path / "secret"
+        secret.write_text("netns-chaos-cluster-secret\n")
+        secret.chmod(0o600)
+        nodes = []
+        for i, addr in enumerate(hosts.addresses):
+            cluster = {"name": "cut", "zookeeper": server.hosts, "peer_listen": f"{addr}:11000",
+                       "secret_file": str(secret), "replicas": 2, "session_timeout": 3}
+            d = emsd_factory(start=False, pool={"size": "128MiB"}, metrics={"listen": f"{addr}:9400"},
+                             cluster=cluster)
+            d.prefix = hosts.prefix(i)
+            nodes.append(d.start())
+        wait_for(lambda: all(len(stats(d)["members"]) == 3 for d in nodes))
+        baseline = [memory.private_rss(d.pid) for d in nodes]
+
+        for i, d in enumerate(nodes):
+            env = {**os.environ, "EMS_SOCKET_DIR": str(d.socket_dir)}
+            workers.append(subprocess.Popen([sys.executable, "-c", WORKER, str(i), str(RUN_SECONDS),
+                                             str(TIMEOUT_MS)], env=env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True))
+        start = time.monotonic()
+        events = []
+        long_victim, short_victim = rng.sample(range(3), 2)
+        time.sleep(4.0)
+        for victim, seconds in ((long_victim, LONG_CUT), (short_victim, SHORT_CUT)):
+            hosts.cut(victim)
+            events.append(f"cut {nodes[victim].sections['node']['id']} at {time.monotonic() - start:.1f}s "
+                          f"for {seconds}s")
+            time.sleep(seconds)
+            hosts.heal(victim)
+            time.sleep(3.0)
+        results = []
+        for w in workers:
+            out, err = w.communicate(timeout=RUN_SECONDS + 60)
+            assert w.returncode == 0, err[-2000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        where = f"seed {SEED}, events {events}, results {results}"
+        print(where)
+        assert all(r["wrong"] == 0 for r in results), where
+        assert all(r["slowest"] < TIMEOUT_MS / 1000 * 2 + 1.5 for r in results), where  # save + load
+        assert all(r["saved"] > 10 for r in results), where
+        hits, asked = sum(r["hits"] for r in results), sum(r["asked"] for r in results)
+        assert hits >= 0.5 * asked, where  # two owners per block: a silent node costs little
+
+        wait_for(lambda: all(stats(d)["membership"] == "joined" and len(stats(d)["members"]) == 3
+                             for d in nodes), 60)
+        for d, before in zip(nodes, baseline, strict=True):
+            st = stats(d)
+            assert st["pinned"] == 0 and st["pending"] == 0, (d.sections["node"]["id"], st, where)
+            after = memory.private_rss(d.pid)
+            print(f"{d.sections['node']['id']}: private RSS {before / memory.MiB:.1f} MiB before the load, "
+                  f"{after / memory.MiB:.1f} MiB after")
+            assert after - before <= RSS_BOUND, (d.sections["node"]["id"], before, after, where)
+            assert d.alive()
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.communicate()
+        server.stop()
