@@ -552,14 +552,9 @@ class PeerServer:
 
     async def _get(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
                    header: dict[str, Any], payload: bytes) -> None:
-        ns_name = header.get("ns")
-        if not isinstance(ns_name, str):
-            raise FrameError("ns must be a namespace name")
-        keys, rest = _keys_of(header, payload)
-        if rest:
-            raise FrameError("unexpected bytes after the keys")
+        ns, keys = self._keyed(header, payload)
         store = self.access.store
-        pinned = self.access.pin(self.access.namespace_id(ns_name), keys)
+        pinned = self.access.pin(ns, keys)
         try:
             lengths = pinned.lengths.astype("<u8")
             await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": pinned.count,
@@ -570,14 +565,19 @@ class PeerServer:
 
     async def _has(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
                    header: dict[str, Any], payload: bytes) -> None:
+        ns, keys = self._keyed(header, payload)
+        count = self.access.store.exists(ns, keys)
+        await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": count})
+
+    def _keyed(self, header: dict[str, Any], payload: bytes) -> tuple[int, KeyBatch]:
+        """(local namespace id, keys) of a GET or HAS: a namespace name and nothing after the keys."""
         ns_name = header.get("ns")
         if not isinstance(ns_name, str):
             raise FrameError("ns must be a namespace name")
         keys, rest = _keys_of(header, payload)
         if rest:
             raise FrameError("unexpected bytes after the keys")
-        count = self.access.store.exists(self.access.namespace_id(ns_name), keys)
-        await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": count})
+        return self.access.namespace_id(ns_name), keys
 
     async def _put(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
                    header: dict[str, Any], payload: bytes, scratch: memoryview) -> None:

@@ -89,6 +89,18 @@ WORKER = textwrap.dedent("""
 """)
 
 
+def assert_settled(nodes: list[Any], baseline: list[int], where: str) -> None:
+    """After the chaos: every node alive, nothing pinned or pending, private RSS back near ``baseline``."""
+    for d, before in zip(nodes, baseline, strict=True):
+        st = stats(d)
+        assert st["pinned"] == 0 and st["pending"] == 0, (d.sections["node"]["id"], st, where)
+        after = memory.private_rss(d.pid)
+        print(f"{d.sections['node']['id']}: private RSS {before / memory.MiB:.1f} MiB before the load, "
+              f"{after / memory.MiB:.1f} MiB after")
+        assert after - before <= RSS_BOUND, (d.sections["node"]["id"], before, after, where)
+        assert d.alive()
+
+
 def test_kills_restarts_and_a_zookeeper_outage_never_yield_wrong_bytes_or_hung_calls(
         emsd_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(SEED)
@@ -138,14 +150,7 @@ def test_kills_restarts_and_a_zookeeper_outage_never_yield_wrong_bytes_or_hung_c
         hits, asked = sum(r["hits"] for r in results), sum(r["asked"] for r in results)
         assert hits >= 0.5 * asked, where  # two owners per block: a dead node costs little
         wait_for(lambda: all(stats(d)["membership"] == "joined" for d in nodes), 60)
-        for d, before in zip(nodes, baseline, strict=True):
-            st = stats(d)
-            assert st["pinned"] == 0 and st["pending"] == 0, (d.sections["node"]["id"], st, where)
-            after = memory.private_rss(d.pid)
-            print(f"{d.sections['node']['id']}: private RSS {before / memory.MiB:.1f} MiB before the load, "
-                  f"{after / memory.MiB:.1f} MiB after")
-            assert after - before <= RSS_BOUND, (d.sections["node"]["id"], before, after, where)
-            assert d.alive()
+        assert_settled(nodes, baseline, where)
     finally:
         for w in workers:
             if w.poll() is None:

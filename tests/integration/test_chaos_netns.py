@@ -11,7 +11,7 @@ another's for a moment (connections stall, no RST), then heals both.
 Asserted: no wrong byte loaded, no call slower than its timeout allows, a
 bounded miss rate; afterwards every node is back in the view, nothing is
 pinned or pending, and each daemon's private memory (``tests/memory.py``)
-is within ``RSS_BOUND`` of its baseline taken before the load. Skipped with
+is within ``test_chaos.RSS_BOUND`` of its baseline taken before the load. Skipped with
 the reason where namespaces cannot be made (not root, no ``ip``).
 """
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import memory  # noqa: E402
 import netns  # noqa: E402
 import zk  # noqa: E402
-from test_chaos import TIMEOUT_MS, WORKER  # noqa: E402
+from test_chaos import TIMEOUT_MS, WORKER, assert_settled  # noqa: E402
 from test_cluster import stats, wait_for  # noqa: E402
 
 _why = zk.available() or netns.available()
@@ -41,7 +41,6 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 SEED = int(os.environ.get("EMS_CHAOS_SEED", "11"))
 RUN_SECONDS = 22.0
 LONG_CUT, SHORT_CUT = 6.0, 1.5  # seconds; the session timeout is 3
-RSS_BOUND = memory.allowed_growth(3, 2)  # 3 nodes, 2 connections per peer (the default): 80 MiB
 
 
 @pytest.fixture
@@ -103,14 +102,7 @@ def test_cut_links_under_load_never_yield_wrong_bytes_or_hung_calls_and_memory_r
 
         wait_for(lambda: all(stats(d)["membership"] == "joined" and len(stats(d)["members"]) == 3
                              for d in nodes), 60)
-        for d, before in zip(nodes, baseline, strict=True):
-            st = stats(d)
-            assert st["pinned"] == 0 and st["pending"] == 0, (d.sections["node"]["id"], st, where)
-            after = memory.private_rss(d.pid)
-            print(f"{d.sections['node']['id']}: private RSS {before / memory.MiB:.1f} MiB before the load, "
-                  f"{after / memory.MiB:.1f} MiB after")
-            assert after - before <= RSS_BOUND, (d.sections["node"]["id"], before, after, where)
-            assert d.alive()
+        assert_settled(nodes, baseline, where)
     finally:
         for w in workers:
             if w.poll() is None:
