@@ -57,7 +57,7 @@ async def fetch_seconds(tls_pair: tuple[PeerTls, PeerTls] | None) -> float:
     owner, fetcher = Pool(), Pool()
     keys = list(range(1, BLOCKS + 1))
     owner.fill(keys)
-    server = PeerServer(owner.access, "b", SECRET, tls_pair[0] if tls_pair else None)
+    server = PeerServer(owner.access, "b", SECRET, tls=tls_pair[0] if tls_pair else None)
     _, port = await server.start("127.0.0.1", 0)
     conn = PeerConnection(fetcher.access, "a", SECRET, tls_pair[1] if tls_pair else None)
     try:

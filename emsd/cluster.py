@@ -104,7 +104,7 @@ class Cluster:
         extra = {} if rdma is None else {EXTRA_KEY: rdma.descriptor.to_extra()}
         self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL, extra)
         control = None if rdma is None else (lambda: rdma.serving(access))
-        self.server = PeerServer(access, node_id, secret, control, tls)
+        self.server = PeerServer(access, node_id, secret, control=control, tls=tls)
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
         self.membership: Membership = membership or ZooKeeperMembership(

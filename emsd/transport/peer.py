@@ -409,7 +409,7 @@ async def _receive_blocks(sock: socket.socket, access: PoolAccess,
 class PeerServer:
     """Serves this daemon's pool to authenticated peers over TCP (over mutual TLS with ``tls``)."""
 
-    def __init__(self, access: PoolAccess, node_id: str, secret: bytes,
+    def __init__(self, access: PoolAccess, node_id: str, secret: bytes, *,
                  control: Callable[[], ControlHandler] | None = None, tls: PeerTls | None = None) -> None:
         self.access = access
         self.node_id = node_id

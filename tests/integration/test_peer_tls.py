@@ -50,7 +50,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 async def tls_server(node: Node, tls: PeerTls | None) -> tuple[PeerServer, int]:
-    server = PeerServer(node.access, node.name, SECRET, tls)
+    server = PeerServer(node.access, node.name, SECRET, tls=tls)
     _, port = await server.start("127.0.0.1", 0)
     return server, port
 

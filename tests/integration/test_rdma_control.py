@@ -66,7 +66,7 @@ class Setup:
         fabric = FakeFabric()
         self.a, self.b = Node("a", fabric, **engine), Node("b", fabric)
         control = (lambda: self.b.endpoint.serving(self.b.access)) if serve_rdma else None
-        self.server = PeerServer(self.b.access, "b", SECRET, control)
+        self.server = PeerServer(self.b.access, "b", SECRET, control=control)
         self.transports = PeerTransports("auto", "")
         self.reports: list[str] = []
 

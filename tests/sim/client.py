@@ -102,7 +102,7 @@ class Client:
         header = {"op": int(Op.COMMIT), "c": int(new.size), "a": 0, "to": timeout_ms, "wr": keep}
         payload = handles[new].astype("<u4").tobytes()
         resp, _ = self.call(header, payload)
-        push = self.service.follow_up(header, payload, resp)
+        push = self.service.follow_up(self.session, header, payload, resp)
         if push is not None:
             resp = await push
         reached = tuple(resp.get("reached", b"\x01" * new.size))
@@ -144,7 +144,7 @@ class Client:
         start = loop.time()
         header = {"op": int(Op.DRAIN), "to": timeout_ms}
         resp, _ = self.call(header)
-        follow = self.service.follow_up(header, b"", resp)
+        follow = self.service.follow_up(self.session, header, b"", resp)
         if follow is not None:
             resp = await follow
         return resp, CallResult("drain", self.service.node_id, (), int(resp.get("moved", 0)), (),
