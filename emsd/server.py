@@ -307,6 +307,9 @@ class Daemon:
             self.ledger.close()
             self.ledger = None
         if self.region is not None:
-            self.region.close()
+            try:
+                self.region.close()
+            except BufferError:  # a transfer still holds a view: the process exit unmaps it
+                log.warning("the pool was still in use by a transfer at exit; left to the OS to unmap")
             self.region = None
         log.info("stopped")

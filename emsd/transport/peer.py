@@ -264,10 +264,10 @@ async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any,
 
 
 def _hang_up(sock: socket.socket) -> None:
-    """Close ``sock``; a TLS socket is shut down first, so a thread blocked on it wakes at once."""
-    if isinstance(sock, ssl.SSLSocket):
-        with contextlib.suppress(OSError):
-            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    """Shut ``sock`` down, then close it: a bulk thread blocked on it wakes at once (a bare
+    close would leave it blocked, holding views of the pool, until its kernel timeout)."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
     sock.close()
 
 

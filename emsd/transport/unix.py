@@ -131,9 +131,13 @@ class ControlProtocol(asyncio.Protocol):
         self.service.close(self.session)
         self._on_close(self)
 
-    def close(self) -> None:
+    def close(self) -> list[asyncio.Task[None]]:
+        """Hang up and cancel the peer work of requests in flight; the tasks to wait for."""
         if self.transport is not None:
             self.transport.close()
+        for task in self._tasks:
+            task.cancel()
+        return list(self._tasks)
 
 
 class UnixControlServer:
@@ -266,8 +270,9 @@ class UnixControlServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        for proto in list(self._conns):
-            proto.close()
+        pending = [task for proto in list(self._conns) for task in proto.close()]
+        if pending:  # each unwinds at once: its bulk threads stop when their sockets shut down
+            await asyncio.wait(pending, timeout=5.0)
         await asyncio.sleep(0)
         try:
             self.path.unlink()
