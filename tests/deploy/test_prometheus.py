@@ -97,12 +97,38 @@ def test_scrape_config_matches_the_rules_and_the_daemons_default() -> None:
 PROMETHEUS = shutil.which("prometheus")
 
 
-@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (Debian's prometheus package)")
+needs_prometheus = pytest.mark.skipif(PROMETHEUS is None,
+                                      reason="prometheus is not installed (Debian's prometheus package)")
+
+
+def start_prometheus(tmp_path: Path, metrics_port: int) -> tuple[subprocess.Popen[bytes], int]:
+    """A real Prometheus with the shipped config and rules, scraping ``metrics_port`` every second;
+    (the process, its API port). The caller terminates it."""
+    import shutil as sh
+    import socket
+
+    assert PROMETHEUS is not None
+    cfg = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    cfg["global"]["scrape_interval"] = cfg["global"]["evaluation_interval"] = "1s"
+    cfg["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{metrics_port}"]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    sh.copy(PROM / "emsd-rules.yml", tmp_path / "emsd-rules.yml")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - the child keeps it
+    server = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp_path / 'data'}",
+                               f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log)
+    log.close()
+    return server, port
+
+
+@needs_prometheus
 def test_a_real_prometheus_scrapes_emsd_with_the_shipped_config(emsd: Any, monkeypatch: Any,
                                                                 tmp_path: Path) -> None:
     """The shipped scrape config, pointed at a test daemon, run by a real Prometheus server."""
     import json
-    import shutil as sh
     import time
     import urllib.parse
     import urllib.request
@@ -111,20 +137,7 @@ def test_a_real_prometheus_scrapes_emsd_with_the_shipped_config(emsd: Any, monke
 
     from ems import CcConfig, Ems, EmsConfig
 
-    assert PROMETHEUS is not None
-    cfg = yaml.safe_load((PROM / "prometheus.yml").read_text())
-    cfg["global"]["scrape_interval"] = cfg["global"]["evaluation_interval"] = "1s"
-    cfg["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{emsd.metrics_port}"]
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    sh.copy(PROM / "emsd-rules.yml", tmp_path / "emsd-rules.yml")
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - the child keeps it
-    server = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={tmp_path / 'data'}",
-                               f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log)
-    log.close()
+    server, port = start_prometheus(tmp_path, emsd.metrics_port)
 
     def query(expr: str) -> list[Any]:
         url = f"http://127.0.0.1:{port}/api/v1/query?query={urllib.parse.quote(expr)}"
