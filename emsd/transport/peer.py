@@ -54,7 +54,7 @@ import os
 import socket
 import ssl
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -659,7 +659,7 @@ class PeerConnection:
             loop, sock = self._ready()
             rid = self._next_id()
             kt, raw = keys.to_wire()
-            try:
+            with self._closing_on_failure(f"GET from {self.peer_id}"):
                 await _send(loop, sock, {"id": rid, "op": OP_GET, "ns": ns_name, "n": len(keys), "kt": kt},
                             raw)
                 header, payload = await _recv_frame(loop, sock)
@@ -676,12 +676,6 @@ class PeerConnection:
                 self.last_bytes = int(lengths.sum())
                 return await _receive_blocks(sock, self.access, ns, keys.take(slice(0, count)),
                                              lengths, self._scratch)
-            except (OSError, FrameError, PeerError) as exc:
-                self.close()  # the stream is out of step
-                raise PeerError(f"GET from {self.peer_id} failed: {exc}") from None
-            except asyncio.CancelledError:
-                self.close()  # the caller's deadline struck mid-request: the stream is out of step
-                raise
 
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
         """Send local blocks (pool ``offsets``/``lengths``) to the peer; returns its leading stored count.
@@ -693,18 +687,12 @@ class PeerConnection:
             rid = self._next_id()
             kt, raw = keys.to_wire()
             lengths = lengths.astype("<u8")
-            try:
+            with self._closing_on_failure(f"PUT to {self.peer_id}"):
                 await _send(loop, sock, {"id": rid, "op": OP_PUT, "ns": ns_name, "n": len(keys), "kt": kt,
                                          "bulk": int(lengths.sum())}, raw, lengths.tobytes())
                 await _bulk(sock, _send_views, _views(self.access.pool, offsets, lengths))
                 header, _ = await _recv_frame(loop, sock)
                 _check_id(header, rid)
-            except (OSError, FrameError, PeerError) as exc:
-                self.close()
-                raise PeerError(f"PUT to {self.peer_id} failed: {exc}") from None
-            except asyncio.CancelledError:
-                self.close()
-                raise
             if header.get("st") != Status.OK or type(header.get("stored")) is not int:
                 raise PeerError(f"PUT refused: {header.get('msg')}")
             return int(header["stored"])
@@ -727,19 +715,27 @@ class PeerConnection:
         async with self._lock:
             loop, sock = self._ready()
             rid = self._next_id()
-            try:
+            with self._closing_on_failure(f"request {op} to {self.peer_id}"):
                 await _send(loop, sock, {"id": rid, "op": op, **fields}, *payload)
                 header, body = await _recv_frame(loop, sock)
                 _check_id(header, rid)
-            except (OSError, FrameError, PeerError) as exc:
-                self.close()
-                raise PeerError(f"request {op} to {self.peer_id} failed: {exc}") from None
-            except asyncio.CancelledError:
-                self.close()
-                raise
         if header.get("st") != Status.OK:
             raise PeerRefused(f"{self.peer_id} refused request {op}: {header.get('msg', 'no reason')}")
         return header, body
+
+    @contextlib.contextmanager
+    def _closing_on_failure(self, what: str) -> Iterator[None]:
+        """Close the link when the request inside fails or is cancelled (a cancel: the caller's
+        deadline struck mid-request): either way the stream is out of step. Failures become
+        ``PeerError("<what> failed: ...")``."""
+        try:
+            yield
+        except (OSError, FrameError, PeerError) as exc:
+            self.close()
+            raise PeerError(f"{what} failed: {exc}") from None
+        except asyncio.CancelledError:
+            self.close()
+            raise
 
     def _ready(self) -> tuple[asyncio.AbstractEventLoop, socket.socket]:
         if self.sock is None:
