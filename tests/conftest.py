@@ -186,3 +186,16 @@ def sdk_env(emsd: Emsd, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emsd]:
     Ems._reset()
     yield emsd
     Ems._reset()
+
+
+@pytest.fixture
+def zookeeper(tmp_path: Path) -> Iterator[Any]:
+    """A real ZooKeeper server (tests/zk.py) on a free loopback port; skips where there is none."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import zk
+
+    if zk.available() is not None:
+        pytest.skip(str(zk.available()))
+    server = zk.ZooKeeperServer(tmp_path / "zk").start()
+    yield server
+    server.stop()

@@ -24,13 +24,6 @@ BLOCK, BLOCKS = 4, 48
 
 
 @pytest.fixture
-def zookeeper(tmp_path: Path) -> Iterator[zk.ZooKeeperServer]:
-    server = zk.ZooKeeperServer(tmp_path / "zk").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 def cluster(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) -> Callable[..., list[Any]]:
     secret = tmp_path / "secret"
     secret.write_text("a-cluster-secret-of-some-length\n")

@@ -21,13 +21,6 @@ SESSION = 2.0
 
 
 @pytest.fixture
-def zookeeper(tmp_path: Path) -> Iterator[zk.ZooKeeperServer]:
-    server = zk.ZooKeeperServer(tmp_path / "zk").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 def members(zookeeper: zk.ZooKeeperServer) -> Iterator[Callable[..., ZooKeeperMembership]]:
     made: list[ZooKeeperMembership] = []
 

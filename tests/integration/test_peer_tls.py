@@ -138,15 +138,6 @@ def test_bad_tls_files_are_named(pki: Pki, tmp_path: Path) -> None:
 # -- two real daemons ------------------------------------------------------------------
 
 
-@pytest.fixture
-def zookeeper(tmp_path: Path) -> Iterator[zk.ZooKeeperServer]:
-    if zk.available() is not None:
-        pytest.skip(str(zk.available()))
-    server = zk.ZooKeeperServer(tmp_path / "zk").start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture(autouse=True)
 def _reset_sdk() -> Iterator[None]:
     yield

@@ -13,8 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402
+from test_cluster import stats, use, wait_for  # noqa: E402
 
-from ems import CcConfig, Ems, EmsConfig  # noqa: E402
-from ems.client import DaemonClient  # noqa: E402
-from emsd.transport.frames import Op  # noqa: E402
+from ems import Ems  # noqa: E402
 from emsd.transport.verbs import probe  # noqa: E402
 
 pytestmark = pytest.mark.skipif(zk.available() is not None, reason=str(zk.available()))
@@ -36,13 +34,6 @@ needs_no_device = pytest.mark.skipif(bool(DEVICES), reason=f"this machine has RD
 BLOCK, BLOCKS = 4, 24
 SLOTS = list(range(BLOCKS * BLOCK))
 KEYS = [5000 + i for i in range(BLOCKS)]
-
-
-@pytest.fixture
-def zookeeper(tmp_path: Path) -> Iterator[zk.ZooKeeperServer]:
-    server = zk.ZooKeeperServer(tmp_path / "zk").start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -63,29 +54,6 @@ def node(emsd_factory: Any, zookeeper: zk.ZooKeeperServer, secret: Path, transpo
     return emsd_factory(start=False, cluster={
         "name": "t", "zookeeper": zookeeper.hosts, "peer_listen": f"127.0.0.1:{zk.free_port()}",
         "secret_file": str(secret), "session_timeout": 4, "transport": transport})
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
-def stats(d: Any) -> dict[str, Any]:
-    client = DaemonClient(d.socket_dir / "emsd.sock")
-    client.connect({})
-    try:
-        return client.call(Op.STATS, {}, timeout=5)[0]
-    finally:
-        client.close()
-
-
-def use(d: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
-    Ems._reset()
-    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
-    return Ems.get_cc()
 
 
 def save_on_a_load_on_b(a: Any, b: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,53 +12,26 @@ import asyncio
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fake_verbs import FakeEngine, FakeFabric  # noqa: E402
+from test_peer import SECRET, blocks  # noqa: E402
+from test_peer import Node as TcpNode  # noqa: E402
 
 from emsd.pool.keys import KeyBatch  # noqa: E402
-from emsd.pool.store import BlockStore  # noqa: E402
-from emsd.transport.peer import OP_RDMA_PIN, PeerConnection, PeerServer, PoolAccess  # noqa: E402
+from emsd.transport.peer import OP_RDMA_PIN, PeerConnection, PeerServer  # noqa: E402
 from emsd.transport.rdma import RdmaEndpoint, SelectingLink  # noqa: E402
 from emsd.transport.selection import PeerPath, PeerTransports  # noqa: E402
 
-POOL, PAGE, CHUNK = 16 << 20, 4 << 20, 3 << 20  # 6 regions per pool: blocks cross region boundaries
-SECRET = b"cluster-secret-for-tests"
+CHUNK = 3 << 20  # test_peer's 16 MiB pool in 6 regions: blocks cross region boundaries
 
 
-class Node:
+class Node(TcpNode):
+    """test_peer's pool and store, plus a fake verbs engine and the pool registered with it."""
+
     def __init__(self, name: str, fabric: FakeFabric, **engine: object) -> None:
-        self.name = name
-        self.mem = bytearray(POOL)
-        self.store = BlockStore(POOL, PAGE)
-        self.names: dict[str, int] = {}
-        self.access = PoolAccess(self.store, memoryview(self.mem), self.ns)
+        super().__init__(name)
         self.engine = FakeEngine(fabric, name, **engine)  # type: ignore[arg-type]
         self.endpoint = RdmaEndpoint.register(self.engine, memoryview(self.mem), CHUNK)
-
-    def ns(self, name: str) -> int:
-        return self.names.setdefault(name, len(self.names))
-
-    def put_local(self, ns: str, keys: list[int], blocks: list[bytes]) -> None:
-        sizes = np.array([len(b) for b in blocks], np.uint64)
-        res = self.store.reserve(self.ns(ns), KeyBatch.from_user(keys), sizes)
-        for off, block in zip(res.offsets.tolist(), blocks, strict=True):
-            self.mem[off : off + len(block)] = block
-        self.store.commit(res.handles[res.status == 0])
-
-    def read(self, ns: str, keys: list[int]) -> list[bytes]:
-        pinned = self.store.pin(self.ns(ns), KeyBatch.from_user(keys))
-        try:
-            return [bytes(self.mem[o : o + n]) for o, n in
-                    zip(pinned.offsets.tolist(), pinned.lengths.tolist(), strict=True)]
-        finally:
-            self.store.release(pinned.handles)
-
-
-def blocks(n: int, size: int, seed: int) -> list[bytes]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
 
 
 class Setup:
