@@ -83,7 +83,7 @@ class ClusterConfig:
     advertise: str = ""  # the address peers dial; "" = peer_listen
     session_timeout: float = 10.0
     replicas: int = 1
-    vnodes: int = 160
+    vnodes: int = 512  # every node of a cluster must use the same value
     peer_connections: int = 2
     secret_file: str = ""  # file holding the cluster secret; required with zookeeper
     transport: str = "auto"  # peer data path: "auto" (RDMA where both ends can), "rdma" or "tcp"
