@@ -8,7 +8,8 @@
    working set (distinct blocks saved) and infinite-cache hit rate;
 2. sweeps pool capacities in process (``sim.in_store``: the daemon's own
    ``BlockStore``) for the eviction policies ``lru`` and ``prefix``, and
-   ``prefix`` with admission after 2 sightings;
+   ``prefix`` with admission after 2 sightings; and a 3-node cluster in
+   process (``sim.in_cluster``) with 160 and 512 ring points per node;
 3. replays the trace through the SDK against a real standalone daemon at
    25%, 50% and 100% of the working set, per policy, and against a real
    3-node cluster (ZooKeeper, peer transport; ``write_rcache`` off so that
@@ -132,6 +133,15 @@ def main() -> None:
         print(f"  in-process {label:>14}: " + " ".join(f"{f:.0%}:{h:.3f}" for f, h in
                                                        zip(fracs, sweep[label], strict=True)), flush=True)
     out["sweep"] = {"fractions": fracs, **sweep}
+    ring_fracs = [0.25, 0.5]
+    out["ring_sweep"] = {"fractions": ring_fracs, "nodes": 3}
+    for vnodes in (160, 512):
+        out["ring_sweep"][str(vnodes)] = [
+            float(sim.in_cluster(chained, 3, capacity(ws, f, 3), BLOCK_BYTES, PAGE, "prefix", vnodes).sum()
+                  / whole_blocks) for f in ring_fracs]
+        print(f"  in-process 3 nodes, {vnodes:>4} vnodes: " + " ".join(
+            f"{f:.0%}:{h:.3f}" for f, h in zip(ring_fracs, out["ring_sweep"][str(vnodes)], strict=True)),
+            flush=True)
 
     inf_hits = int(inf.sum() * BLOCK)
     with tempfile.TemporaryDirectory(dir=SHM, prefix="emsd-workload-") as tmp:

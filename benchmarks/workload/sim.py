@@ -85,3 +85,50 @@ def in_store(chained: list[Chained], capacity: int, block_bytes: int, page_size:
                             prev=prev)
         store.commit(res.handles[res.status == NEW])
     return hits
+
+
+def in_cluster(chained: list[Chained], nodes: int, capacity: int, block_bytes: int, page_size: int,
+               eviction: str, vnodes: int) -> np.ndarray:
+    """Hit blocks per request against ``nodes`` in-process ``BlockStore``s of ``capacity`` bytes
+    each, every block held by its primary owner on a ``Ring`` of ``vnodes`` points per node.
+
+    What the daemons do with ``write_rcache`` off, minus the network: a load
+    pins the prompt's blocks owner by owner in chain order (consecutive
+    blocks of one owner in one call, naming the block before as the
+    predecessor) up to the first miss; a save reserves the rest at their
+    owners the same way.
+    """
+    from emsd.placement import ClusterView, Member, Ring
+
+    ring = Ring.build(ClusterView.of([Member(f"n{i}", capacity) for i in range(nodes)]), vnodes=vnodes)
+    stores = [BlockStore(capacity, page_size, eviction=eviction) for _ in range(nodes)]
+    hits = np.zeros(len(chained), dtype=np.int64)
+    for i, c in enumerate(chained):
+        if not c.keys:
+            continue
+        keys = KeyBatch.from_user(c.keys)
+        owner = ring.owners("workload", keys)[:, 0]
+        held = []
+        for lo, hi in _runs(owner, 0, c.prompt_blocks):
+            store = stores[owner[lo]]
+            pinned = store.pin(0, keys.take(slice(lo, hi)), keys.take(slice(lo - 1, lo)) if lo else None)
+            held.append((store, pinned.handles))
+            hits[i] += pinned.count
+            if pinned.count < hi - lo:
+                break
+        for store, handles in held:
+            store.release(handles)
+        for lo, hi in _runs(owner, int(hits[i]), len(c.keys)):
+            store = stores[owner[lo]]
+            res = store.reserve(0, keys.take(slice(lo, hi)), np.full(hi - lo, block_bytes, dtype=np.uint64),
+                                admit=True, prev=keys.take(slice(lo - 1, lo)) if lo else None)
+            store.commit(res.handles[res.status == NEW])
+    return hits
+
+
+def _runs(owner: np.ndarray, lo: int, hi: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` cut into maximal runs of one owner."""
+    if lo >= hi:
+        return []
+    cuts = [lo, *(np.flatnonzero(np.diff(owner[lo:hi])) + lo + 1).tolist(), hi]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))

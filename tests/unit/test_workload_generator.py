@@ -63,6 +63,16 @@ def test_infinite_cache_hits_every_block_seen_before() -> None:
     assert np.array_equal(big, inf)  # a pool that holds everything is an infinite cache
 
 
+def test_in_process_cluster_of_one_node_is_the_store_and_a_big_one_the_infinite_cache() -> None:
+    chained = sim.chain(generate(SMALL, 3), 64)
+    small = 256 << 10
+    one = sim.in_cluster(chained, 1, small, 4096, 64 << 10, "prefix", 16)
+    assert np.array_equal(one, sim.in_store(chained, small, 4096, 64 << 10, "prefix"))
+    assert one.sum() < sim.infinite(chained).sum()  # the small pool does evict
+    big = sim.in_cluster(chained, 3, 64 << 20, 4096, 64 << 10, "prefix", 16)
+    assert np.array_equal(big, sim.infinite(chained))
+
+
 def test_ttft_model_falls_further_the_longer_the_context() -> None:
     model, load = ModelCost(), LoadCost(0.001, 10e9)
     without, with_cache = ttft_curve(model, load, np.array([1000, 10_000, 100_000]), 100)
