@@ -21,10 +21,10 @@ Balance (measured in tests/unit/test_placement.py): with 512 virtual nodes
 per member (the default) and equal capacities, every node's share of
 20,000 random keys stays within 12% of 1/N for N = 2..8 (8% measured; 13%
 with 160, the default before 2026-11-23). Balance is pool space: the
-fullest node evicts first: on the workload benchmark's traffic (three
-seeds, in process), a 3-node cluster at 25% of the working set lost 0.9-3.2
-hit-rate points against one node of the same total size with 160 points,
-0.3-1.3 with 512. Building costs about
+fullest node evicts first: on the workload benchmark's traffic (seeds
+1-3, ``sim.in_cluster``), a 3-node cluster at 25% of the working set loses
+0.7-2.3 hit-rate points against one node of the same total size with 160
+points, 0.3-1.1 with 512. Building costs about
 0.7 ms per member (blake2b per point). When one node joins N others, the keys
 that move are those the newcomer now owns, about 1/(N+1) of them, and they
 all move to it; when a node leaves, only its keys move.
