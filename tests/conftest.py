@@ -189,6 +189,16 @@ def sdk_env(emsd: Emsd, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emsd]:
 
 
 @pytest.fixture
+def reset_sdk() -> Iterator[None]:
+    """Forget the ``ems`` SDK's process-wide connection after the test
+    (``pytestmark = pytest.mark.usefixtures("reset_sdk")`` in a module)."""
+    from ems.ems import Ems
+
+    yield
+    Ems._reset()
+
+
+@pytest.fixture
 def zookeeper(tmp_path: Path) -> Iterator[Any]:
     """A real ZooKeeper server (tests/zk.py) on a free loopback port; skips where there is none."""
     sys.path.insert(0, str(Path(__file__).parent))

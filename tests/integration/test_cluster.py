@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,8 @@ from ems import CcConfig, CcKvOption, Ems, EmsConfig  # noqa: E402
 from ems.client import DaemonClient  # noqa: E402
 from emsd.transport.frames import Op  # noqa: E402
 
-pytestmark = pytest.mark.skipif(zk.available() is not None, reason=str(zk.available()))
+pytestmark = [pytest.mark.skipif(zk.available() is not None, reason=str(zk.available())),
+              pytest.mark.usefixtures("reset_sdk")]
 BLOCK, BLOCKS = 4, 48
 
 
@@ -72,12 +73,6 @@ def kv(seed: int) -> list[list[torch.Tensor]]:
 
 SLOTS = list(range(BLOCKS * BLOCK))
 KEYS = [1000 + i for i in range(BLOCKS)]
-
-
-@pytest.fixture(autouse=True)
-def _reset_sdk() -> Iterator[None]:
-    yield
-    Ems._reset()
 
 
 def test_saved_on_one_node_loads_on_another_with_identical_bytes(cluster: Any, monkeypatch: Any) -> None:

@@ -22,10 +22,11 @@ import netns  # noqa: E402
 import zk  # noqa: E402
 from test_cluster import BLOCK, BLOCKS, SLOTS, kv, stats, use, wait_for  # noqa: E402
 
-from ems import CcKvOption, Ems  # noqa: E402
+from ems import CcKvOption  # noqa: E402
 
 _why = zk.available() or netns.available()
-pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
+pytestmark = [pytest.mark.skipif(_why is not None, reason=str(_why)),
+              pytest.mark.usefixtures("reset_sdk")]
 
 
 @pytest.fixture
@@ -33,12 +34,6 @@ def hosts() -> Iterator[netns.Hosts]:
     h = netns.Hosts(2).create()
     yield h
     h.destroy()
-
-
-@pytest.fixture(autouse=True)
-def _reset_sdk() -> Iterator[None]:
-    yield
-    Ems._reset()
 
 
 def test_nodes_on_separate_hosts_share_blocks_and_survive_a_cut_link(

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,7 @@ def emsctl(*args: str, socket_dir: Path | None = None) -> subprocess.CompletedPr
                           text=True, timeout=120)
 
 
-@pytest.fixture(autouse=True)
-def _reset_sdk() -> Iterator[None]:
-    yield
-    Ems._reset()
+pytestmark = pytest.mark.usefixtures("reset_sdk")
 
 
 def test_status_stats_owner_and_config_check_on_a_standalone_node(emsd: Any, monkeypatch: Any,

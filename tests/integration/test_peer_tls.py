@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,12 @@ import zk  # noqa: E402
 from test_cluster import BLOCK, BLOCKS, KEYS, SLOTS, kv, stats, use, wait_for  # noqa: E402
 from test_peer import SECRET, Node, blocks  # noqa: E402
 
-from ems import Ems  # noqa: E402
 from emsd.pool.keys import KeyBatch  # noqa: E402
 from emsd.transport.peer import PeerConnection, PeerError, PeerServer  # noqa: E402
 from emsd.transport.tls import PeerTls  # noqa: E402
 
-pytestmark = pytest.mark.skipif(certs.available() is not None, reason=str(certs.available()))
+pytestmark = [pytest.mark.skipif(certs.available() is not None, reason=str(certs.available())),
+              pytest.mark.usefixtures("reset_sdk")]
 
 
 class Pki:
@@ -136,12 +135,6 @@ def test_bad_tls_files_are_named(pki: Pki, tmp_path: Path) -> None:
 
 
 # -- two real daemons ------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def _reset_sdk() -> Iterator[None]:
-    yield
-    Ems._reset()
 
 
 def test_two_daemons_move_blocks_over_mutual_tls(pki: Pki, zookeeper: zk.ZooKeeperServer, emsd_factory: Any,

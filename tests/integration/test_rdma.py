@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402
 from test_cluster import stats, use, wait_for  # noqa: E402
 
-from ems import Ems  # noqa: E402
 from emsd.transport.verbs import probe  # noqa: E402
 
-pytestmark = pytest.mark.skipif(zk.available() is not None, reason=str(zk.available()))
+pytestmark = [pytest.mark.skipif(zk.available() is not None, reason=str(zk.available())),
+              pytest.mark.usefixtures("reset_sdk")]
 DEVICES, NO_DEVICE_WHY = probe()
 needs_device = pytest.mark.skipif(not DEVICES, reason=f"needs an RDMA device: {NO_DEVICE_WHY}")
 needs_no_device = pytest.mark.skipif(bool(DEVICES), reason=f"this machine has RDMA devices {DEVICES}")
@@ -42,12 +41,6 @@ def secret(tmp_path: Path) -> Path:
     path.write_text("a-cluster-secret-of-some-length\n")
     os.chmod(path, 0o600)
     return path
-
-
-@pytest.fixture(autouse=True)
-def _reset_sdk() -> Iterator[None]:
-    yield
-    Ems._reset()
 
 
 def node(emsd_factory: Any, zookeeper: zk.ZooKeeperServer, secret: Path, transport: str) -> Any:
