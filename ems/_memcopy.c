@@ -30,6 +30,14 @@
  *   visible once the call returns. nontemporal=-1 chooses automatically (on
  *   for batches of at least BIG_BATCH_BYTES), 0 forces memcpy, 1 streaming.
  *   Other architectures always use memcpy.
+ * - The streaming loop also reads its source with non-temporal prefetches
+ *   (PREFETCHNTA, NT_PREFETCH bytes ahead), so that tens of MiB read once do
+ *   not flush the L2 and L3 caches: the code and data of whatever runs next
+ *   (the daemon answering the COMMIT that follows a save, the caller's own
+ *   Python) stay cached. Same copy speed; measured on the VM below, the
+ *   daemon's handling of a 32-block RESERVE right after a 64 MiB streaming
+ *   copy took 0.45-0.55 ms without the prefetches and 0.32-0.34 ms with them
+ *   (0.2 ms with hot caches).
  *
  * Measured on a 2-core AMD EPYC VM, a cold 128 MiB batch of 4096 scattered
  * 32 KiB segments: memcpy 10-11 GB/s on one thread, 15-16.5 GB/s on two;
@@ -48,6 +56,7 @@
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#include <xmmintrin.h>
 #define HAVE_NT 1
 #else
 #define HAVE_NT 0
@@ -57,6 +66,7 @@
 #define MAX_AUTO_THREADS 4 /* a few threads saturate the memory bus; more only contend */
 #define BIG_BATCH_BYTES ((uint64_t)4 << 20) /* threads and streaming stores pay off above this */
 #define NT_MIN_SEGMENT 1024                 /* shorter segments: plain memcpy */
+#define NT_PREFETCH 1024                    /* bytes ahead of the source read by PREFETCHNTA */
 
 typedef struct {
     const uint64_t *dst;
@@ -70,7 +80,9 @@ typedef struct {
 } part_t;
 
 #if HAVE_NT
-/* memcpy with streaming stores for the whole 64-byte lines of the destination. */
+/* memcpy with streaming stores for the whole 64-byte lines of the destination; the source is
+ * prefetched with the non-temporal hint (a prefetch past the end of the source is harmless: it
+ * never faults). */
 static void copy_stream(char *d, const char *s, size_t n) {
     size_t head = (64 - ((uintptr_t)d & 63)) & 63;
     if (head > n) {
@@ -81,6 +93,7 @@ static void copy_stream(char *d, const char *s, size_t n) {
     s += head;
     n -= head;
     for (; n >= 64; d += 64, s += 64, n -= 64) {
+        _mm_prefetch(s + NT_PREFETCH, _MM_HINT_NTA);
         __m128i a = _mm_loadu_si128((const __m128i *)s);
         __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
