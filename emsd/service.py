@@ -357,8 +357,8 @@ class Service:
         if FAULTS is not None and FAULTS.at("pool.reserve") is not None:
             fit = 0  # injected: as if the pool were full of pinned blocks
         evicted = self.store.evicted_total
-        res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], admit=True,
-                                 prev=_prev_key(h))
+        res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
+                                 admit=True, prev=_prev_key(h))
         if fit < n:  # over the tenant's quota even after evicting its own blocks: the rest fail
             res = _pad_failed(res, n)
         if self.store.evicted_total > evicted and self._pressure.due():
@@ -575,10 +575,15 @@ def _own(pending: set[int], handles: np.ndarray, what: str) -> None:
             raise RequestError(Status.INVALID_ARGUMENT, f"{what} of handle {handle} not reserved here")
 
 
+_OP_NAMES = {int(op): op.name.lower() for op in Op}
+
+
 def _op_name(op: object) -> str:
+    """The metrics label of an opcode ("unknown" for anything else): a dict lookup, far
+    cheaper than ``Op(op)`` on every request."""
     try:
-        return Op(op).name.lower()  # type: ignore[arg-type]
-    except ValueError:
+        return _OP_NAMES.get(op, "unknown")  # type: ignore[call-overload]
+    except TypeError:  # unhashable
         return "unknown"
 
 

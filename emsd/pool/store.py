@@ -226,15 +226,22 @@ class BlockStore:
         sizes = np.asarray(sizes)
         ids = self.index.find(ns, keys)
         need = ids == EMPTY
-        if np.count_nonzero(need) > 1:
-            absent = np.flatnonzero(need)
-            need[absent[~first_occurrences(keys.take(absent))]] = False
-        bad = need & ~((sizes >= 1) & (sizes <= self.max_block))
-        cut = int(bad.argmax()) if bad.any() else n
+        absent = int(np.count_nonzero(need))
+        if absent == n:  # the usual save: every key new, so none present (fewer steps: see below)
+            if n > 1:
+                need = first_occurrences(keys)
+        elif absent > 1:
+            pos = np.flatnonzero(need)
+            need[pos[~first_occurrences(keys.take(pos))]] = False
+        if int(sizes.min()) >= 1 and int(sizes.max()) <= self.max_block:
+            cut = n  # every size is valid (the usual case: one test instead of five)
+        else:
+            bad = need & ~((sizes >= 1) & (sizes <= self.max_block))
+            cut = int(bad.argmax()) if bad.any() else n
         if admit and ns in self._admit_after:
             cut = min(cut, self._admission_cut(ns, keys, need))
         todo = np.flatnonzero(need[:cut])
-        present = ids[ids != EMPTY]
+        present = _NO_U4 if absent == n else ids[ids != EMPTY]
         if present.size:
             np.add.at(self.index.pins, present, _ONE)  # keep them through this call's evictions
         try:
@@ -246,7 +253,7 @@ class BlockStore:
         status[todo[:made]] = Status.NEW
         if self._chain:
             self._stamp_chain(chain_stamps(stamp, n, self._below(ns, prev)), ids, todo[:made],
-                              handles, cut)
+                              handles, cut if present.size else 0)
         elif present.size:
             self.index.last_used[present[self.index.state.take(present) == READY]] = stamp
         return Reservation(status, handles, offsets)
@@ -263,13 +270,16 @@ class BlockStore:
 
     def _stamp_chain(self, stamps: np.ndarray, ids: np.ndarray, new: np.ndarray, handles: np.ndarray,
                      cut: int) -> None:
-        """Prefix policy: stamp a reserve's READY and NEW keys by position, head newest.
+        """Prefix policy: stamp a reserve's READY and NEW keys by position, head newest
+        (the READY ones among the first ``cut``: 0 when the batch had none present).
 
         A key twice in the batch, or already newer, keeps the newer stamp.
         """
         idx = self.index
         if new.size:
             idx.last_used[handles[new]] = stamps[new]
+        if cut == 0:
+            return
         pos = np.flatnonzero(ids[:cut] >= FIRST_ID)
         pos = pos[idx.state.take(ids[pos]) == READY]
         if pos.size:
@@ -501,7 +511,7 @@ class BlockStore:
         if self.ledger is not None and ids.size:
             idx = self.index
             self.ledger.record(ids, idx.w0[ids], idx.rest[ids], idx.offset[ids], idx.length[ids],
-                               idx.cached[ids], self.sums_of(ids))
+                               idx.cached[ids], 0 if self.sums is None else self.sums_of(ids))
 
     def ns_bytes(self, ns: int) -> int:
         """Committed bytes of namespace ``ns``."""
@@ -606,6 +616,10 @@ class BlockStore:
             ids = q.ids[q.pos : q.pos + k - got]
             stamps = q.stamps[q.pos : q.pos + k - got]
             q.pos += ids.size
+            if scanned:  # queued by this call's scan: nothing has changed since, all eligible
+                out.append(ids)
+                got += ids.size
+                continue
             ok = (idx.state[ids] == READY) & (idx.pins[ids] == 0) & (idx.last_used[ids] == stamps)
             ok &= self._class_of(ids) == cls
             out.append(ids[ok])
