@@ -256,6 +256,8 @@ def layout_signature(layers: list[list[TensorInfo]]) -> str:
 
 def _int_array(values: Any, name: str) -> np.ndarray:
     """A request argument (sequence, numpy array or torch tensor, on any device) as int64."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+        return values  # already canonical (``ems.requests`` makes these): the usual case
     if _is_torch_tensor(values):
         values = values.detach().cpu().numpy()
     arr = np.asarray(values)
@@ -374,9 +376,8 @@ class KvLayout:
     def check_slots(self, slots: np.ndarray) -> None:
         """Every slot in ``[0, num_slots)``, else INVALID_ARGUMENT naming the first bad one."""
         s = _int_array(slots, "slot_mapping")
-        bad = (s < 0) | (s >= self.num_slots)
-        if bad.any():
-            i = _first_bad(bad)
+        if s.size and (int(s.min()) < 0 or int(s.max()) >= self.num_slots):
+            i = _first_bad((s < 0) | (s >= self.num_slots))
             raise invalid(
                 f"slot_mapping[{i}] = {int(s[i])} is out of range [0, {self.num_slots}) "
                 f"(num_blocks {self.num_blocks} * block_size {self.block_size})"

@@ -365,14 +365,18 @@ class Service:
             st = self.store.stats()
             log.info("evicting under pressure: %s blocks evicted since start (%d MiB used of %d)",
                      dict(st.evictions), st.bytes_used >> 20, st.capacity >> 20)
-        new = res.status == SlotStatus.NEW
-        s.pending.update(res.handles[new].tolist())
-        self.metrics.reserved(int(new.sum()), int(sizes[new].sum()),
-                              int((res.status == SlotStatus.FAILED).sum()))
+        if not res.status.any():  # every key NEW (0): the usual save of new blocks
+            s.pending.update(res.handles.tolist())
+            self.metrics.reserved(n, int(sizes.sum()), 0)
+        else:
+            new = res.status == SlotStatus.NEW
+            s.pending.update(res.handles[new].tolist())
+            self.metrics.reserved(int(new.sum()), int(sizes[new].sum()),
+                                  int((res.status == SlotStatus.FAILED).sum()))
         return {"n": n}, [
-            res.offsets.astype("<u8").tobytes(),
-            res.handles.astype("<u4").tobytes(),
-            res.status.astype(np.uint8).tobytes(),
+            np.asarray(res.offsets, dtype="<u8").tobytes(),  # no copy when already so (x86)
+            np.asarray(res.handles, dtype="<u4").tobytes(),
+            np.asarray(res.status, dtype=np.uint8).tobytes(),
         ]
 
     def _fit_quota(self, tenant: str, quota: int, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:

@@ -469,6 +469,7 @@ class BlockIndex:
 
 
 _ARANGE = np.arange(4096)
+_SET_CHECK = 256  # first_occurrences: up to this many keys, a Python set finds repeated first words
 _MMAP_MIN = 1 << 20
 
 
@@ -497,6 +498,8 @@ def first_occurrences(keys: KeyBatch) -> np.ndarray:
     mask = np.ones(n, dtype=bool)
     if n < 2:
         return mask
+    if n <= _SET_CHECK and len(set(keys.words[:, 0].tolist())) == n:
+        return mask  # distinct first words, told by a set: fewer steps than a sort for a few keys
     w0 = np.sort(keys.words[:, 0])
     if not (w0[1:] == w0[:-1]).any():
         return mask  # distinct first words: no repeats (the usual case, cheap)

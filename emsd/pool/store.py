@@ -587,6 +587,13 @@ class BlockStore:
         have = parts[0].size
         while have < k:
             victims = self._lru(cls, k - have)
+            if victims.size and self.slabs.classes[cls].top == 0:
+                # The class's free stack is empty, so the chunks freed now are exactly the ones
+                # alloc_many would hand out next (last in, first out): pass them on directly.
+                more = self._evict(victims, "lru", reuse=True)[::-1]
+                parts.append(more)
+                have += more.size
+                continue
             if victims.size:
                 self._evict(victims, "lru")
             elif not self._steal_page(cls):
@@ -652,14 +659,23 @@ class BlockStore:
         self.slabs.release_page(page)
         return True
 
-    def _evict(self, ids: np.ndarray, reason: str) -> None:
-        """Drop READY unpinned entries (distinct ids: a repeat would free a chunk twice)."""
+    def _evict(self, ids: np.ndarray, reason: str, reuse: bool = False) -> np.ndarray:
+        """Drop READY unpinned entries (distinct ids: a repeat would free a chunk twice).
+
+        Their chunks go back to the allocator, or with ``reuse`` stay allocated for the
+        caller to give to new entries: returns their byte offsets then (else an empty array).
+        """
         if self.ledger is not None:
             self.ledger.forget(ids)  # first: a crash from here on must not bring them back
         self._ns_add(ids, -1)
-        self._free_chunks(ids)
+        if reuse:
+            kept = self.index.offset.take(ids).astype(np.uint64) * self._unit
+        else:
+            self._free_chunks(ids)
+            kept = _NO_U8
         self.index.remove(ids)
         self._evictions[reason] = self._evictions.get(reason, 0) + int(ids.size)
+        return kept
 
     def _free_chunks(self, ids: np.ndarray) -> None:
         if ids.size == 0:
