@@ -397,13 +397,21 @@ class Service:
         if len(p) != 4 * (nc + na):
             raise RequestError(Status.INVALID_ARGUMENT, f"handles: expected {4 * (nc + na)} bytes")
         handles = np.frombuffer(p, dtype="<u4").astype(np.uint32)
+        listed = handles.tolist()
         commit, abort = handles[:nc], handles[nc:]
-        _own(s.pending, commit, "commit")
-        _own(s.pending, abort, "abort")
-        s.pending.difference_update(handles.tolist())
+        _own(s.pending, listed[:nc], "commit")
+        _own(s.pending, listed[nc:], "abort")
+        s.pending.difference_update(listed)
         if nc and self.checksums is not None:
             self.checksums.seal(commit)  # the client has written them: digest before they are READY
-        done = self.store.commit(commit) if nc else 0
+        done = 0
+        if nc:
+            # Reserved by this session and not ended: PENDING entries (only the session ends
+            # them). A handle listed twice is committed once.
+            distinct = dict.fromkeys(listed[:nc])
+            if len(distinct) < nc:
+                commit = np.fromiter(distinct, dtype=np.uint32, count=len(distinct))
+            done = self.store.commit_reserved(commit)
         if na:
             self.store.abort(abort)
         return {"committed": int(done)}, []
@@ -573,8 +581,8 @@ def _timeout(header: dict[str, Any]) -> float:
     return budget - min(budget / 5, 0.1)
 
 
-def _own(pending: set[int], handles: np.ndarray, what: str) -> None:
-    for handle in handles.tolist():
+def _own(pending: set[int], handles: list[int], what: str) -> None:
+    for handle in handles:
         if handle not in pending:
             raise RequestError(Status.INVALID_ARGUMENT, f"{what} of handle {handle} not reserved here")
 
