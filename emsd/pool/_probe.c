@@ -23,6 +23,13 @@
  * out[i] = the table slot holding entry ids[i] (int64), or -1 if the walk
  * from its home slot meets an EMPTY slot first (not in the table).
  *
+ * eligible(state, pins, offset, page_owner, units_per_page, cls, out) -> count
+ *
+ * The eviction scan's filter (store._scan): writes to out, ascending, the ids
+ * of the entries that are READY (2), unpinned and on a page of class cls
+ * (page_owner[offset // units_per_page] == cls), over the first out.size ids;
+ * returns how many.
+ *
  * The hash is the one index.hash_keys computes with numpy (uint64 arithmetic
  * wraps in both). Every id and slot is bounds-checked: a corrupt table reads
  * as a miss, never as an out-of-bounds access. Same results as the numpy
@@ -216,7 +223,46 @@ static PyObject *slots_of(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *eligible(PyObject *self, PyObject *args) {
+    PyObject *obj[5];
+    unsigned long long upp;
+    int cls;
+    if (!PyArg_ParseTuple(args, "OOOOKiO", &obj[0], &obj[1], &obj[2], &obj[3], &upp, &cls, &obj[4]))
+        return NULL;
+    static const Py_ssize_t itemsize[5] = {1, 4, 4, 4, 4};
+    static const char *name[5] = {"state", "pins", "offset", "page_owner", "out"};
+    Py_buffer buf[5];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 5; got++)
+        if (get_buf(obj[got], &buf[got], itemsize[got], got == 4, name[got]) < 0)
+            goto done;
+    Py_ssize_t n = buf[4].len / 4, pages = buf[3].len / 4;
+    if (buf[0].len < n || buf[1].len / 4 < n || buf[2].len / 4 < n || upp < 1) {
+        PyErr_SetString(PyExc_ValueError, "eligible: array sizes do not match");
+        goto done;
+    }
+    const uint8_t *state = buf[0].buf;
+    const uint32_t *pins = buf[1].buf, *offset = buf[2].buf;
+    const int32_t *owner = buf[3].buf;
+    uint32_t *out = buf[4].buf;
+    Py_ssize_t count = 0;
+    for (Py_ssize_t id = 0; id < n; id++) {
+        if (state[id] != 2 || pins[id] != 0)
+            continue;
+        unsigned long long page = offset[id] / upp;
+        if (page < (unsigned long long)pages && owner[page] == cls)
+            out[count++] = (uint32_t)id;
+    }
+    result = PyLong_FromSsize_t(count);
+done:
+    while (got-- > 0)
+        PyBuffer_Release(&buf[got]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"eligible", eligible, METH_VARARGS, "eligible(state, pins, offset, page_owner, units_per_page, cls, out)"},
     {"find", find, METH_VARARGS, "find(table, w0, rest, words, tags, ns, shift, out, prefix)"},
     {"place", place, METH_VARARGS, "place(table, w0, rest, ids, shift, limit) -> tombstones reused or -1"},
     {"slots_of", slots_of, METH_VARARGS, "slots_of(table, w0, rest, ids, shift, out)"},

@@ -76,6 +76,11 @@ from emsd.pool.keys import KeyBatch
 from emsd.pool.ledger import Ledger
 from emsd.pool.slab import SlabAllocator, SlabError
 
+try:  # the eviction scan's filter in C (with the index's loops); numpy gives the same ids
+    from emsd.pool import _probe  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - extension not built
+    _probe = None  # type: ignore[assignment]
+
 CLOCK_LIMIT = (1 << 32) - 1
 LRU_QUEUE_FRACTION = 16  # a scan queues the oldest 1/16 of the eligible entries
 _READY = np.uint8(READY)  # numpy scalars: with them numpy skips a slow conversion
@@ -642,8 +647,13 @@ class BlockStore:
         """A fresh queue of the oldest eligible entries of ``cls``, none of ``taken``."""
         idx = self.index
         hw = idx.high_water
-        ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
-        ids = ids[self._class_of(ids) == cls]
+        if _probe is not None and idx.use_c:  # the same filter in one pass
+            ids = np.empty(hw, dtype=np.uint32)
+            ids = ids[: _probe.eligible(idx.state, idx.pins, idx.offset, self.slabs.page_owner,
+                                        self._units_per_page, cls, ids)]
+        else:
+            ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
+            ids = ids[self._class_of(ids) == cls]
         if taken.size:
             ids = ids[~np.isin(ids, taken)]
         victims = copies_first(idx.last_used, idx.cached, ids, max(need, ids.size // self.lru_queue_fraction))
