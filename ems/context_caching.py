@@ -203,21 +203,22 @@ class ContextCaching:
             raise
         _, payload = client.wait(pending, _left(deadline))
         offsets, handles, status = _split_reservation(payload, n)
-        failed = np.flatnonzero(status == _FAILED)
-        good = int(failed[0]) if failed.size else n
-        new = np.flatnonzero(status[:good] == _NEW)
+        if not status.any():  # every key NEW (0): the usual save of new blocks
+            good, new, keys, mine = n, np.arange(n), None, payload[8 * n : 12 * n]
+        else:
+            failed = np.flatnonzero(status == _FAILED)
+            good = int(failed[0]) if failed.size else n
+            new = keys = np.flatnonzero(status[:good] == _NEW)
+            offsets, mine = offsets[new], handles[new].astype("<u4").tobytes()
         if new.size:
             try:
-                segs = layout.place(plan, client.pool_addr, offsets[new], None if new.size == n else new,
-                                    pool_size=client.pool_size)
+                segs = layout.place(plan, client.pool_addr, offsets, keys, pool_size=client.pool_size)
                 layout.copy(segs, client.pool_addr, client.pool_size, to_pool=True)
             except BaseException:
-                client.send_noreply(Op.COMMIT, {"c": 0, "a": int(new.size)},
-                                    [handles[new].astype("<u4").tobytes()])
+                client.send_noreply(Op.COMMIT, {"c": 0, "a": int(new.size)}, [mine])
                 raise
             commit = {"c": int(new.size), "a": 0, "wr": opt.write_rcache, **_budget(deadline)}
-            answer, _ = client.call(Op.COMMIT, commit, [handles[new].astype("<u4").tobytes()],
-                                    timeout=_remaining(deadline))
+            answer, _ = client.call(Op.COMMIT, commit, [mine], timeout=_remaining(deadline))
             reached = answer.get("reached")
             if isinstance(reached, bytes) and len(reached) == new.size:
                 lost = new[np.frombuffer(reached, dtype=np.uint8) == 0]  # not at their owner

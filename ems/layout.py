@@ -256,8 +256,11 @@ def layout_signature(layers: list[list[TensorInfo]]) -> str:
 
 def _int_array(values: Any, name: str) -> np.ndarray:
     """A request argument (sequence, numpy array or torch tensor, on any device) as int64."""
-    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
-        return values  # already canonical (``ems.requests`` makes these): the usual case
+    if type(values) is np.ndarray and values.ndim == 1:  # the usual cases, in fewer steps
+        if values.dtype == np.int64:
+            return values  # canonical already (``ems.requests`` makes these)
+        if values.dtype == np.uint64 and values.size and int(values.max()) <= _INT64_MAX:
+            return values.view(np.int64)  # e.g. the daemon's offsets: the same numbers
     if _is_torch_tensor(values):
         values = values.detach().cpu().numpy()
     arr = np.asarray(values)
@@ -271,6 +274,9 @@ def _int_array(values: Any, name: str) -> np.ndarray:
         i = int(np.argmax(arr > np.iinfo(np.int64).max))
         raise invalid(f"{name}[{i}] = {int(arr[i])} is too large")
     return arr.astype(np.int64, copy=False)
+
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def _first_bad(mask: np.ndarray) -> int:
