@@ -738,11 +738,12 @@ class BlockStore:
         """Add (sign 1) or remove (sign -1) entries' lengths to their namespaces."""
         if ids.size == 0:
             return
-        ns = self.index.ns_of(ids)
-        lengths = self.index.length[ids].astype(np.int64)
-        if ns.min() == ns.max():
-            totals = {int(ns[0]): int(lengths.sum())}
+        nstag = self.index.rest[ids, 6]  # ns << 8 | tag: one namespace when min and max agree
+        if int(nstag.min()) >> 8 == int(nstag.max()) >> 8:
+            totals = {int(nstag[0]) >> 8: int(self.index.length[ids].sum(dtype=np.int64))}
         else:
+            ns = self.index.ns_of(ids)
+            lengths = self.index.length[ids].astype(np.int64)
             u, inv = np.unique(ns, return_inverse=True)
             sums = np.zeros(u.size, dtype=np.int64)
             np.add.at(sums, inv, lengths)
