@@ -18,7 +18,10 @@
  *   talking to the daemon) keep running while hundreds of MiB are copied.
  * - Big batches are split over a few threads. The split is by bytes, not by
  *   segments, and may cut a segment in two, so one huge segment is split as
- *   well as many small ones. threads=0 picks automatically: one thread below
+ *   well as many small ones: into pieces of about PIECE_BYTES that the
+ *   threads take in turn (an atomic counter), so that a thread that starts
+ *   late or loses its core for a while does not hold the copy up (an equal
+ *   share per thread did). threads=0 picks automatically: one thread below
  *   BIG_BATCH_BYTES, else min(MAX_AUTO_THREADS, CPUs in the affinity mask).
  * - Big batches are copied with non-temporal (streaming) stores on x86-64:
  *   the destination is not read first (no read-for-ownership), so a copy
@@ -50,6 +53,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -67,6 +71,8 @@
 #define BIG_BATCH_BYTES ((uint64_t)4 << 20) /* threads and streaming stores pay off above this */
 #define NT_MIN_SEGMENT 1024                 /* shorter segments: plain memcpy */
 #define NT_PREFETCH 1024                    /* bytes ahead of the source read by PREFETCHNTA */
+#define PIECE_BYTES ((uint64_t)1 << 20)     /* threads take a big copy in pieces of about this */
+#define MAX_PIECES 256
 
 typedef struct {
     const uint64_t *dst;
@@ -133,11 +139,6 @@ static void copy_part(const part_t *p) {
 #endif
 }
 
-static void *copy_part_thread(void *arg) {
-    copy_part((const part_t *)arg);
-    return NULL;
-}
-
 /*
  * Cut the byte stream [0, total) into `nparts` ranges of nearly equal size and
  * describe each as a part_t. Requires n >= 1 and total > 0.
@@ -191,10 +192,31 @@ static int auto_threads(uint64_t total) {
     return cpus > MAX_AUTO_THREADS ? MAX_AUTO_THREADS : (cpus < 1 ? 1 : cpus);
 }
 
-/* Run the copy over `nthreads` threads (the caller's thread does the first part). */
+/* The pieces of one copy and the next one to take; every thread takes pieces until none is left. */
+typedef struct {
+    const part_t *parts;
+    int nparts;
+    atomic_int next;
+} queue_t;
+
+static void *take_pieces(void *arg) {
+    queue_t *q = (queue_t *)arg;
+    int k;
+    while ((k = atomic_fetch_add(&q->next, 1)) < q->nparts) {
+        copy_part(&q->parts[k]);
+    }
+    return NULL;
+}
+
+/*
+ * Run the copy over `nthreads` threads (the caller's thread is one of them). The bytes are cut
+ * into pieces of about PIECE_BYTES that the threads take in turn, so a thread that starts late
+ * or is preempted (another process on its core) leaves its share to the others instead of
+ * holding the whole copy up.
+ */
 static int run_copy(const uint64_t *dst, const uint64_t *src, const uint64_t *len, Py_ssize_t n,
                     uint64_t total, int nthreads, int nontemporal) {
-    part_t parts[MAX_THREADS];
+    part_t parts[MAX_PIECES];
     pthread_t tids[MAX_THREADS];
     int started = 0;
     if (nthreads <= 1 || n == 0 || total == 0) {
@@ -204,18 +226,25 @@ static int run_copy(const uint64_t *dst, const uint64_t *src, const uint64_t *le
         }
         return 0;
     }
-    split_parts(dst, src, len, n, total, nthreads, nontemporal, parts);
+    uint64_t pieces = total / PIECE_BYTES;
+    if (pieces > MAX_PIECES) {
+        pieces = MAX_PIECES;
+    }
+    if (pieces < (uint64_t)nthreads) {
+        pieces = (uint64_t)nthreads;
+    }
+    if (pieces > total) {
+        pieces = total;
+    }
+    split_parts(dst, src, len, n, total, (int)pieces, nontemporal, parts);
+    queue_t q = {parts, (int)pieces, 0};
     for (int k = 1; k < nthreads; k++) {
-        if (pthread_create(&tids[k], NULL, copy_part_thread, &parts[k]) != 0) {
-            break;
+        if (pthread_create(&tids[k], NULL, take_pieces, &q) != 0) {
+            break; /* the threads that did start (and this one) take every piece */
         }
         started = k;
     }
-    copy_part(&parts[0]);
-    /* Parts whose thread could not start are done here, in order. */
-    for (int k = started + 1; k < nthreads; k++) {
-        copy_part(&parts[k]);
-    }
+    take_pieces(&q);
     for (int k = 1; k <= started; k++) {
         pthread_join(tids[k], NULL);
     }
