@@ -18,7 +18,10 @@
  *   talking to the daemon) keep running while hundreds of MiB are copied.
  * - Big batches are split over a few threads. The split is by bytes, not by
  *   segments, and may cut a segment in two, so one huge segment is split as
- *   well as many small ones. threads=0 picks automatically: one thread below
+ *   well as many small ones: into pieces of about PIECE_BYTES that the
+ *   threads take in turn (an atomic counter), so that a thread that starts
+ *   late or loses its core for a while does not hold the copy up (an equal
+ *   share per thread did). threads=0 picks automatically: one thread below
  *   BIG_BATCH_BYTES, else min(MAX_AUTO_THREADS, CPUs in the affinity mask).
  * - Big batches are copied with non-temporal (streaming) stores on x86-64:
  *   the destination is not read first (no read-for-ownership), so a copy
@@ -30,6 +33,14 @@
  *   visible once the call returns. nontemporal=-1 chooses automatically (on
  *   for batches of at least BIG_BATCH_BYTES), 0 forces memcpy, 1 streaming.
  *   Other architectures always use memcpy.
+ * - The streaming loop also reads its source with non-temporal prefetches
+ *   (PREFETCHNTA, NT_PREFETCH bytes ahead), so that tens of MiB read once do
+ *   not flush the L2 and L3 caches: the code and data of whatever runs next
+ *   (the daemon answering the COMMIT that follows a save, the caller's own
+ *   Python) stay cached. Same copy speed; measured on the VM below, the
+ *   daemon's handling of a 32-block RESERVE right after a 64 MiB streaming
+ *   copy took 0.45-0.55 ms without the prefetches and 0.32-0.34 ms with them
+ *   (0.2 ms with hot caches).
  *
  * Measured on a 2-core AMD EPYC VM, a cold 128 MiB batch of 4096 scattered
  * 32 KiB segments: memcpy 10-11 GB/s on one thread, 15-16.5 GB/s on two;
@@ -42,12 +53,14 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#include <xmmintrin.h>
 #define HAVE_NT 1
 #else
 #define HAVE_NT 0
@@ -57,6 +70,9 @@
 #define MAX_AUTO_THREADS 4 /* a few threads saturate the memory bus; more only contend */
 #define BIG_BATCH_BYTES ((uint64_t)4 << 20) /* threads and streaming stores pay off above this */
 #define NT_MIN_SEGMENT 1024                 /* shorter segments: plain memcpy */
+#define NT_PREFETCH 1024                    /* bytes ahead of the source read by PREFETCHNTA */
+#define PIECE_BYTES ((uint64_t)1 << 20)     /* threads take a big copy in pieces of about this */
+#define MAX_PIECES 256
 
 typedef struct {
     const uint64_t *dst;
@@ -70,7 +86,9 @@ typedef struct {
 } part_t;
 
 #if HAVE_NT
-/* memcpy with streaming stores for the whole 64-byte lines of the destination. */
+/* memcpy with streaming stores for the whole 64-byte lines of the destination; the source is
+ * prefetched with the non-temporal hint (a prefetch past the end of the source is harmless: it
+ * never faults). */
 static void copy_stream(char *d, const char *s, size_t n) {
     size_t head = (64 - ((uintptr_t)d & 63)) & 63;
     if (head > n) {
@@ -81,6 +99,7 @@ static void copy_stream(char *d, const char *s, size_t n) {
     s += head;
     n -= head;
     for (; n >= 64; d += 64, s += 64, n -= 64) {
+        _mm_prefetch(s + NT_PREFETCH, _MM_HINT_NTA);
         __m128i a = _mm_loadu_si128((const __m128i *)s);
         __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
@@ -118,11 +137,6 @@ static void copy_part(const part_t *p) {
         _mm_sfence(); /* order the streaming stores before anything that follows */
     }
 #endif
-}
-
-static void *copy_part_thread(void *arg) {
-    copy_part((const part_t *)arg);
-    return NULL;
 }
 
 /*
@@ -178,10 +192,31 @@ static int auto_threads(uint64_t total) {
     return cpus > MAX_AUTO_THREADS ? MAX_AUTO_THREADS : (cpus < 1 ? 1 : cpus);
 }
 
-/* Run the copy over `nthreads` threads (the caller's thread does the first part). */
+/* The pieces of one copy and the next one to take; every thread takes pieces until none is left. */
+typedef struct {
+    const part_t *parts;
+    int nparts;
+    atomic_int next;
+} queue_t;
+
+static void *take_pieces(void *arg) {
+    queue_t *q = (queue_t *)arg;
+    int k;
+    while ((k = atomic_fetch_add(&q->next, 1)) < q->nparts) {
+        copy_part(&q->parts[k]);
+    }
+    return NULL;
+}
+
+/*
+ * Run the copy over `nthreads` threads (the caller's thread is one of them). The bytes are cut
+ * into pieces of about PIECE_BYTES that the threads take in turn, so a thread that starts late
+ * or is preempted (another process on its core) leaves its share to the others instead of
+ * holding the whole copy up.
+ */
 static int run_copy(const uint64_t *dst, const uint64_t *src, const uint64_t *len, Py_ssize_t n,
                     uint64_t total, int nthreads, int nontemporal) {
-    part_t parts[MAX_THREADS];
+    part_t parts[MAX_PIECES];
     pthread_t tids[MAX_THREADS];
     int started = 0;
     if (nthreads <= 1 || n == 0 || total == 0) {
@@ -191,18 +226,25 @@ static int run_copy(const uint64_t *dst, const uint64_t *src, const uint64_t *le
         }
         return 0;
     }
-    split_parts(dst, src, len, n, total, nthreads, nontemporal, parts);
+    uint64_t pieces = total / PIECE_BYTES;
+    if (pieces > MAX_PIECES) {
+        pieces = MAX_PIECES;
+    }
+    if (pieces < (uint64_t)nthreads) {
+        pieces = (uint64_t)nthreads;
+    }
+    if (pieces > total) {
+        pieces = total;
+    }
+    split_parts(dst, src, len, n, total, (int)pieces, nontemporal, parts);
+    queue_t q = {parts, (int)pieces, 0};
     for (int k = 1; k < nthreads; k++) {
-        if (pthread_create(&tids[k], NULL, copy_part_thread, &parts[k]) != 0) {
-            break;
+        if (pthread_create(&tids[k], NULL, take_pieces, &q) != 0) {
+            break; /* the threads that did start (and this one) take every piece */
         }
         started = k;
     }
-    copy_part(&parts[0]);
-    /* Parts whose thread could not start are done here, in order. */
-    for (int k = started + 1; k < nthreads; k++) {
-        copy_part(&parts[k]);
-    }
+    take_pieces(&q);
     for (int k = 1; k <= started; k++) {
         pthread_join(tids[k], NULL);
     }

@@ -75,6 +75,16 @@ class _Slot:
         self.late = late
 
 
+class Pending:
+    """A request sent by ``DaemonClient.submit`` whose answer ``wait`` returns."""
+
+    __slots__ = ("rid", "slot")
+
+    def __init__(self, rid: int, slot: _Slot) -> None:
+        self.rid = rid
+        self.slot = slot
+
+
 class DaemonClient:
     """A connection to the local emsd plus the mapped pool."""
 
@@ -165,13 +175,27 @@ class DaemonClient:
         matching ``EmsErrorCode``. ``late`` runs if the answer arrives after the
         call gave up.
         """
+        return self.wait(self.submit(op, fields, payload, late), timeout)
+
+    def submit(self, op: Op, fields: dict[str, Any], payload: Sequence[bytes] = (),
+               late: Late | None = None) -> Pending:
+        """Send one request without waiting: ``call`` in two halves, so that the
+        caller can work while the daemon answers. Every ``Pending`` must be passed
+        to ``wait`` (which gives up at once with ``timeout=0``, leaving ``late`` to
+        undo the request). Raises ``EmsException`` if the request cannot be sent.
+        """
         rid = next(self._ids)
         slot = _Slot(late)
         with self._cond:
             self._slots[rid] = slot
         self._send(rid, op, fields, payload)
+        return Pending(rid, slot)
+
+    def wait(self, pending: Pending, timeout: float | None = None) -> tuple[dict[str, Any], bytes]:
+        """The answer to a ``submit``ted request, as ``call`` returns it; raises like ``call``."""
+        slot = pending.slot
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._wait(slot, rid, deadline)
+        self._wait(slot, pending.rid, deadline)
         if slot.error is not None:
             raise slot.error
         st = slot.header.get("st", Status.INTERNAL)

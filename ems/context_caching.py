@@ -31,6 +31,7 @@ Decisions the spec leaves open:
 from __future__ import annotations
 
 import array
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -191,24 +192,33 @@ class ContextCaching:
         ns = self._ns(client, deadline)
         sizes = layout.block_bytes(req.counts).astype("<u8")
         kt, raw = req.keys.to_wire()
-        _, payload = client.call(Op.RESERVE, {"ns": ns, "n": n, "kt": kt, **_prev(req)},
-                                 [raw, sizes.tobytes()],
-                                 timeout=_remaining(deadline), late=_abort_late(client, n))
+        _remaining(deadline)  # a call whose time is up reserves nothing
+        pending = client.submit(Op.RESERVE, {"ns": ns, "n": n, "kt": kt, **_prev(req)},
+                                [raw, sizes.tobytes()], late=_abort_late(client, n))
+        try:
+            plan = layout.plan(req.slots, req.counts)  # while the daemon reserves
+        except BaseException:
+            with contextlib.suppress(EmsException):  # undo the reservation, keep the first error
+                _abort_late(client, n)({}, client.wait(pending, _left(deadline))[1])
+            raise
+        _, payload = client.wait(pending, _left(deadline))
         offsets, handles, status = _split_reservation(payload, n)
-        failed = np.flatnonzero(status == _FAILED)
-        good = int(failed[0]) if failed.size else n
-        new = np.flatnonzero(status[:good] == _NEW)
+        if not status.any():  # every key NEW (0): the usual save of new blocks
+            good, new, keys, mine = n, np.arange(n), None, payload[8 * n : 12 * n]
+        else:
+            failed = np.flatnonzero(status == _FAILED)
+            good = int(failed[0]) if failed.size else n
+            new = keys = np.flatnonzero(status[:good] == _NEW)
+            offsets, mine = offsets[new], handles[new].astype("<u4").tobytes()
         if new.size:
             try:
-                slots, counts = _select(req, new)
-                layout.save(client.pool_addr, slots, counts, offsets[new], pool_size=client.pool_size)
+                segs = layout.place(plan, client.pool_addr, offsets, keys, pool_size=client.pool_size)
+                layout.copy(segs, client.pool_addr, client.pool_size, to_pool=True)
             except BaseException:
-                client.send_noreply(Op.COMMIT, {"c": 0, "a": int(new.size)},
-                                    [handles[new].astype("<u4").tobytes()])
+                client.send_noreply(Op.COMMIT, {"c": 0, "a": int(new.size)}, [mine])
                 raise
             commit = {"c": int(new.size), "a": 0, "wr": opt.write_rcache, **_budget(deadline)}
-            answer, _ = client.call(Op.COMMIT, commit, [handles[new].astype("<u4").tobytes()],
-                                    timeout=_remaining(deadline))
+            answer, _ = client.call(Op.COMMIT, commit, [mine], timeout=_remaining(deadline))
             reached = answer.get("reached")
             if isinstance(reached, bytes) and len(reached) == new.size:
                 lost = new[np.frombuffer(reached, dtype=np.uint8) == 0]  # not at their owner
@@ -225,8 +235,16 @@ class ContextCaching:
         kt, raw = req.keys.to_wire()
         pin = {"ns": ns, "n": n, "kt": kt, "lo": opt.read_local_only, "wr": opt.write_rcache,
                **_budget(deadline), **_prev(req)}
-        header, payload = client.call(Op.PIN, pin, [raw], timeout=_remaining(deadline),
-                                      late=_release_late(client))
+        _remaining(deadline)  # a call whose time is up pins nothing
+        pending = client.submit(Op.PIN, pin, [raw], late=_release_late(client))
+        try:
+            plan = layout.plan(req.slots, req.counts, req.skip)  # while the daemon pins
+        except BaseException:
+            with contextlib.suppress(EmsException):  # drop the pins, keep the first error
+                header, payload = client.wait(pending, _left(deadline))
+                _release_late(client)(header, payload)
+            raise
+        header, payload = client.wait(pending, _left(deadline))
         count = int(header["count"])
         offsets = np.frombuffer(payload, dtype="<u8", count=count)
         lengths = np.frombuffer(payload, dtype="<u8", count=count, offset=8 * count)
@@ -236,11 +254,9 @@ class ContextCaching:
             wrong = np.flatnonzero(lengths != expected)
             hits = int(wrong[0]) if wrong.size else count
             if hits:
-                idx = np.arange(hits)
-                slots, counts = _select(req, idx)
-                skip = None if req.skip is None else req.skip[:hits]
-                layout.load(client.pool_addr, slots, counts, offsets[:hits], skip,
-                            pool_size=client.pool_size)
+                keys = None if hits == n else np.arange(hits)
+                segs = layout.place(plan, client.pool_addr, offsets[:hits], keys, pool_size=client.pool_size)
+                layout.copy(segs, client.pool_addr, client.pool_size, to_pool=False)
         finally:
             if count:
                 client.send_noreply(Op.RELEASE, {}, [handles])
@@ -302,6 +318,11 @@ def _remaining(deadline: float | None) -> float | None:
     return left
 
 
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (0 once it passed: a wait then gives up at once)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def _budget(deadline: float | None) -> dict[str, int]:
     """The ``to`` field: milliseconds the daemon may spend on peers for this request."""
     if deadline is None:
@@ -324,18 +345,6 @@ def _split_reservation(payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray, 
     handles = np.frombuffer(payload, dtype="<u4", count=n, offset=8 * n)
     status = np.frombuffer(payload, dtype=np.uint8, count=n, offset=12 * n)
     return offsets, handles, status
-
-
-def _select(req: BatchRequest, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(slots, counts) of the keys at indices ``keys`` (in order)."""
-    counts = req.counts[keys]
-    if keys.size == len(req.counts):
-        return req.slots, counts
-    starts = np.cumsum(req.counts) - req.counts
-    total = int(counts.sum())
-    run_starts = np.cumsum(counts) - counts
-    idx = np.repeat(starts[keys] - run_starts, counts) + np.arange(total)
-    return req.slots[idx], counts
 
 
 def _abort_late(client: DaemonClient, n: int) -> Callable[[dict[str, Any], bytes], None]:

@@ -49,7 +49,10 @@ reverse; ``load``'s ``skip[j]`` leading positions of key ``j`` are not written
 back (a token-mask prefix that is already in the tensors). Both compute, with
 vectorised numpy and no per-block Python loop, the (destination, source,
 length) address triple of every segment and issue ONE batched
-``ems.copy.copy_segments`` call that moves the bytes exactly once. A segment
+``ems.copy.copy_segments`` call that moves the bytes exactly once. The work
+is split in two: ``plan`` computes everything that does not depend on where
+the keys' values are in the pool (a save runs it while the daemon reserves),
+``place`` adds the places (and may keep only some keys). A segment
 is a *run*: a maximal sequence of positions of one key whose slot addresses
 are consecutive in a tensor, so a whole vLLM block becomes one memcpy per
 tensor. Runs depend only on a tensor's (stride0, stride1, row_bytes), so they
@@ -79,7 +82,9 @@ from ems.buffer import KvBufferWrapper
 from ems.common.exception import EmsErrorCode, EmsException, invalid
 from ems.copy import copy_segments
 
-__all__ = ["KvLayout", "TensorInfo", "register_pool_for_cuda", "unregister_pool_for_cuda"]
+__all__ = [
+    "CopyPlan", "KvLayout", "Segments", "TensorInfo", "register_pool_for_cuda", "unregister_pool_for_cuda",
+]
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,11 @@ def layout_signature(layers: list[list[TensorInfo]]) -> str:
 
 def _int_array(values: Any, name: str) -> np.ndarray:
     """A request argument (sequence, numpy array or torch tensor, on any device) as int64."""
+    if type(values) is np.ndarray and values.ndim == 1:  # the usual cases, in fewer steps
+        if values.dtype == np.int64:
+            return values  # canonical already (``ems.requests`` makes these)
+        if values.dtype == np.uint64 and values.size and int(values.max()) <= _INT64_MAX:
+            return values.view(np.int64)  # e.g. the daemon's offsets: the same numbers
     if _is_torch_tensor(values):
         values = values.detach().cpu().numpy()
     arr = np.asarray(values)
@@ -266,15 +276,18 @@ def _int_array(values: Any, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
 def _first_bad(mask: np.ndarray) -> int:
     return int(np.argmax(mask))
 
 
-@dataclass(frozen=True)
-class _Request:
-    slots: np.ndarray  # int64 [N]
-    counts: np.ndarray  # int64 [K]
-    offsets: np.ndarray  # int64 [K]
+def _check_pool_addr(pool_addr: Any) -> None:
+    if isinstance(pool_addr, bool) or not isinstance(pool_addr, int | np.integer):
+        raise invalid(f"pool_addr must be an int address, got {type(pool_addr).__name__}")
+    if pool_addr <= 0:
+        raise invalid(f"pool_addr must be a positive address, got {pool_addr}")
 
 
 @dataclass(frozen=True)
@@ -285,6 +298,26 @@ class Segments:
     pool_addr: np.ndarray  # int64
     length: np.ndarray  # int64
     tensor: np.ndarray  # int64 index into KvLayout.tensors
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """A request's segments before the pool places of its keys are known.
+
+    Segment ``i`` moves ``length[i]`` bytes between ``tensor_addr[i]`` and the
+    pool at ``offsets[key[i]] + block_off[i]``, ``key[i]`` being the index of
+    its key in the request and ``block_off[i]`` the byte offset inside that
+    key's value (the block layout above). ``counts`` are the request's slots
+    per key. Built by ``KvLayout.plan`` from validated arguments, so that a
+    save can plan while the daemon reserves and only add the places after.
+    """
+
+    tensor_addr: np.ndarray  # int64
+    block_off: np.ndarray  # int64
+    length: np.ndarray  # int64
+    tensor: np.ndarray  # int64 index into KvLayout.tensors
+    key: np.ndarray  # int64 index into counts
+    counts: np.ndarray  # int64 [K]
 
 
 # ---------------------------------------------------------------------------
@@ -349,39 +382,87 @@ class KvLayout:
     def check_slots(self, slots: np.ndarray) -> None:
         """Every slot in ``[0, num_slots)``, else INVALID_ARGUMENT naming the first bad one."""
         s = _int_array(slots, "slot_mapping")
-        bad = (s < 0) | (s >= self.num_slots)
-        if bad.any():
-            i = _first_bad(bad)
+        if s.size and (int(s.min()) < 0 or int(s.max()) >= self.num_slots):
+            i = _first_bad((s < 0) | (s >= self.num_slots))
             raise invalid(
                 f"slot_mapping[{i}] = {int(s[i])} is out of range [0, {self.num_slots}) "
                 f"(num_blocks {self.num_blocks} * block_size {self.block_size})"
             )
 
-    def _request(self, slots: Any, counts: Any, offsets: Any, pool_size: int | None) -> _Request:
+    # -- segments -----------------------------------------------------------
+
+    def plan(self, slots: Any, counts: Any, skip: Any = None) -> CopyPlan:
+        """Validate a request's slots, counts and (loads) skip and compute its
+        segments relative to each key's place in the pool (vectorised; no copy).
+
+        ``skip[j]`` leading positions of key ``j`` get no segment. Raises
+        INVALID_ARGUMENT naming the first bad argument.
+        """
         s = _int_array(slots, "slot_mapping")
         c = _int_array(counts, "counts")
-        o = _int_array(offsets, "offsets")
-        if len(o) != len(c):
-            raise invalid(f"offsets has {len(o)} entries but counts has {len(c)}; must be equal")
         if (c < 0).any():
             i = _first_bad(c < 0)
             raise invalid(f"counts[{i}] = {int(c[i])} must be >= 0")
         if int(c.sum()) != len(s):
             raise invalid(f"sum(counts) = {int(c.sum())} must equal len(slot_mapping) = {len(s)}")
+        self.check_slots(s)
+        key, pos = _positions(c)
+        if skip is not None:
+            sk = _int_array(skip, "skip")
+            if len(sk) != len(c):
+                raise invalid(f"skip has {len(sk)} entries but counts has {len(c)}; must be equal")
+            bad = (sk < 0) | (sk > c)
+            if bad.any():
+                i = _first_bad(bad)
+                raise invalid(f"skip[{i}] = {int(sk[i])} must be in [0, counts[{i}]]")
+            keep = pos >= sk[key]
+            key, pos, s = key[keep], pos[keep], s[keep]
+        block, within = np.divmod(s, self.block_size)
+        parts = [_group_segments(g, c, key, pos, block, within) for g in self._groups]
+        cols = parts[0] if len(parts) == 1 else [np.concatenate([p[k] for p in parts]) for k in range(5)]
+        return CopyPlan(cols[0], cols[1], cols[2], cols[3], cols[4], c)
+
+    def place(
+        self,
+        plan: CopyPlan,
+        pool_addr: int,
+        offsets: Any,
+        keys: np.ndarray | None = None,
+        *,
+        pool_size: int | None = None,
+    ) -> Segments:
+        """The segments of ``plan``'s keys ``keys`` (ascending indices; None: all) with
+        their values at byte ``offsets`` (one per key of ``keys``) in the pool mapped
+        at ``pool_addr``. ``pool_size``, when given, bounds-checks every key's range.
+
+        Raises INVALID_ARGUMENT before anything is computed on bad arguments.
+        """
+        _check_pool_addr(pool_addr)
+        o = _int_array(offsets, "offsets")
+        counts = plan.counts if keys is None else plan.counts[keys]
+        if len(o) != len(counts):
+            raise invalid(f"offsets has {len(o)} entries but counts has {len(counts)}; must be equal")
         if (o < 0).any():
             i = _first_bad(o < 0)
             raise invalid(f"offsets[{i}] = {int(o[i])} must be >= 0")
-        if pool_size is not None and len(c):
-            end = o + c * self.slot_bytes
+        if pool_size is not None and len(o):
+            end = o + counts * self.slot_bytes
             if (end > pool_size).any():
                 i = _first_bad(end > pool_size)
+                k = i if keys is None else int(keys[i])
                 raise invalid(
-                    f"key {i}: pool range [{int(o[i])}, {int(end[i])}) exceeds the pool size {pool_size}"
+                    f"key {k}: pool range [{int(o[i])}, {int(end[i])}) exceeds the pool size {pool_size}"
                 )
-        self.check_slots(s)
-        return _Request(s, c, o)
-
-    # -- segments -----------------------------------------------------------
+        if keys is None or len(keys) == len(plan.counts):
+            return Segments(plan.tensor_addr, int(pool_addr) + o[plan.key] + plan.block_off,
+                            plan.length, plan.tensor)
+        at = np.zeros(len(plan.counts), dtype=np.int64)
+        at[keys] = o
+        kept = np.zeros(len(plan.counts), dtype=bool)
+        kept[keys] = True
+        m = kept[plan.key]
+        return Segments(plan.tensor_addr[m], int(pool_addr) + at[plan.key[m]] + plan.block_off[m],
+                        plan.length[m], plan.tensor[m])
 
     def segments(
         self,
@@ -393,28 +474,14 @@ class KvLayout:
         *,
         pool_size: int | None = None,
     ) -> Segments:
-        """Validate a request and compute all its copy segments (vectorised; no copy)."""
-        if isinstance(pool_addr, bool) or not isinstance(pool_addr, int | np.integer):
-            raise invalid(f"pool_addr must be an int address, got {type(pool_addr).__name__}")
-        if pool_addr <= 0:
-            raise invalid(f"pool_addr must be a positive address, got {pool_addr}")
-        req = self._request(slots, counts, offsets, pool_size)
-        key, pos = _positions(req.counts)
-        if skip is not None:
-            sk = _int_array(skip, "skip")
-            if len(sk) != len(req.counts):
-                raise invalid(f"skip has {len(sk)} entries but counts has {len(req.counts)}; must be equal")
-            bad = (sk < 0) | (sk > req.counts)
-            if bad.any():
-                i = _first_bad(bad)
-                raise invalid(f"skip[{i}] = {int(sk[i])} must be in [0, counts[{i}]]")
-            keep = pos >= sk[key]
-            key, pos, slot = key[keep], pos[keep], req.slots[keep]
-        else:
-            slot = req.slots
-        block, within = np.divmod(slot, self.block_size)
-        parts = [_group_segments(g, int(pool_addr), req, key, pos, block, within) for g in self._groups]
-        return Segments(*(np.concatenate([p[k] for p in parts]) for k in range(4)))
+        """Validate a request and compute all its copy segments (vectorised; no copy):
+        ``place(plan(slots, counts, skip), pool_addr, offsets)``."""
+        _check_pool_addr(pool_addr)
+        o = _int_array(offsets, "offsets")
+        c = _int_array(counts, "counts")
+        if len(o) != len(c):  # named before the slots: the offsets are the request's places
+            raise invalid(f"offsets has {len(o)} entries but counts has {len(c)}; must be equal")
+        return self.place(self.plan(slots, c, skip), pool_addr, o, pool_size=pool_size)
 
     # -- copies -------------------------------------------------------------
 
@@ -434,11 +501,8 @@ class KvLayout:
         range (required for CUDA layouts, which register the pool page-locked).
         Raises INVALID_ARGUMENT before any byte moves on bad arguments.
         """
-        segs = self.segments(pool_addr, slots, counts, offsets, pool_size=pool_size)
-        if self.device == "cuda":
-            self._copy_cuda(segs, pool_addr, pool_size, to_pool=True)
-        else:
-            copy_segments(segs.pool_addr, segs.tensor_addr, segs.length)
+        self.copy(self.segments(pool_addr, slots, counts, offsets, pool_size=pool_size), pool_addr,
+                  pool_size, to_pool=True)
 
     def load(
         self,
@@ -456,9 +520,16 @@ class KvLayout:
         tensors (0 <= skip[j] <= counts[j]). When a slot appears more than once
         among the written positions, which copy lands last is unspecified.
         """
-        segs = self.segments(pool_addr, slots, counts, offsets, skip, pool_size=pool_size)
+        self.copy(self.segments(pool_addr, slots, counts, offsets, skip, pool_size=pool_size), pool_addr,
+                  pool_size, to_pool=False)
+
+    def copy(self, segs: Segments, pool_addr: int, pool_size: int | None, *, to_pool: bool) -> None:
+        """Move the bytes of ``segs`` (from ``segments`` or ``place``): into the pool
+        mapped at ``pool_addr`` (``to_pool``) or out of it, in one batched call."""
         if self.device == "cuda":
-            self._copy_cuda(segs, pool_addr, pool_size, to_pool=False)
+            self._copy_cuda(segs, pool_addr, pool_size, to_pool=to_pool)
+        elif to_pool:
+            copy_segments(segs.pool_addr, segs.tensor_addr, segs.length)
         else:
             copy_segments(segs.tensor_addr, segs.pool_addr, segs.length)
 
@@ -526,14 +597,14 @@ def _positions(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _group_segments(
     g: _GeometryGroup,
-    pool_addr: int,
-    req: _Request,
+    counts: np.ndarray,
     key: np.ndarray,
     pos: np.ndarray,
     block: np.ndarray,
     within: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of one geometry group, broadcast over its tensors (key-major, then tensor)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of one geometry group, broadcast over its tensors (key-major, then tensor):
+    (tensor address, offset in the key's value, length, tensor index, key index)."""
     rel = block * g.stride0 + within * g.stride1  # slot address relative to a tensor's base
     m = len(rel)
     starts_run = np.ones(m, dtype=bool)
@@ -542,15 +613,12 @@ def _group_segments(
     rows = np.diff(np.append(first, m))  # rows per run
     rkey = key[first]
     tensor_addr = rel[first][:, None] + g.base[None, :]
-    pool_side = (
-        pool_addr
-        + req.offsets[rkey][:, None]
-        + req.counts[rkey][:, None] * g.prefix[None, :]
-        + (pos[first] * g.row_bytes)[:, None]
-    )
-    length = np.broadcast_to((rows * g.row_bytes)[:, None], tensor_addr.shape)
-    tensor = np.broadcast_to(g.tensor[None, :], tensor_addr.shape)
-    return tensor_addr.ravel(), pool_side.ravel(), length.ravel(), tensor.ravel()
+    block_off = counts[rkey][:, None] * g.prefix[None, :] + (pos[first] * g.row_bytes)[:, None]
+    shape = tensor_addr.shape
+    length = np.broadcast_to((rows * g.row_bytes)[:, None], shape)
+    tensor = np.broadcast_to(g.tensor[None, :], shape)
+    keys = np.broadcast_to(rkey[:, None], shape)
+    return tensor_addr.ravel(), block_off.ravel(), length.ravel(), tensor.ravel(), keys.ravel()
 
 
 # ---------------------------------------------------------------------------

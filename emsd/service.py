@@ -357,22 +357,26 @@ class Service:
         if FAULTS is not None and FAULTS.at("pool.reserve") is not None:
             fit = 0  # injected: as if the pool were full of pinned blocks
         evicted = self.store.evicted_total
-        res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], admit=True,
-                                 prev=_prev_key(h))
+        res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
+                                 admit=True, prev=_prev_key(h))
         if fit < n:  # over the tenant's quota even after evicting its own blocks: the rest fail
             res = _pad_failed(res, n)
         if self.store.evicted_total > evicted and self._pressure.due():
             st = self.store.stats()
             log.info("evicting under pressure: %s blocks evicted since start (%d MiB used of %d)",
                      dict(st.evictions), st.bytes_used >> 20, st.capacity >> 20)
-        new = res.status == SlotStatus.NEW
-        s.pending.update(res.handles[new].tolist())
-        self.metrics.reserved(int(new.sum()), int(sizes[new].sum()),
-                              int((res.status == SlotStatus.FAILED).sum()))
+        if not res.status.any():  # every key NEW (0): the usual save of new blocks
+            s.pending.update(res.handles.tolist())
+            self.metrics.reserved(n, int(sizes.sum()), 0)
+        else:
+            new = res.status == SlotStatus.NEW
+            s.pending.update(res.handles[new].tolist())
+            self.metrics.reserved(int(new.sum()), int(sizes[new].sum()),
+                                  int((res.status == SlotStatus.FAILED).sum()))
         return {"n": n}, [
-            res.offsets.astype("<u8").tobytes(),
-            res.handles.astype("<u4").tobytes(),
-            res.status.astype(np.uint8).tobytes(),
+            np.asarray(res.offsets, dtype="<u8").tobytes(),  # no copy when already so (x86)
+            np.asarray(res.handles, dtype="<u4").tobytes(),
+            np.asarray(res.status, dtype=np.uint8).tobytes(),
         ]
 
     def _fit_quota(self, tenant: str, quota: int, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
@@ -393,13 +397,21 @@ class Service:
         if len(p) != 4 * (nc + na):
             raise RequestError(Status.INVALID_ARGUMENT, f"handles: expected {4 * (nc + na)} bytes")
         handles = np.frombuffer(p, dtype="<u4").astype(np.uint32)
+        listed = handles.tolist()
         commit, abort = handles[:nc], handles[nc:]
-        _own(s.pending, commit, "commit")
-        _own(s.pending, abort, "abort")
-        s.pending.difference_update(handles.tolist())
+        _own(s.pending, listed[:nc], "commit")
+        _own(s.pending, listed[nc:], "abort")
+        s.pending.difference_update(listed)
         if nc and self.checksums is not None:
             self.checksums.seal(commit)  # the client has written them: digest before they are READY
-        done = self.store.commit(commit) if nc else 0
+        done = 0
+        if nc:
+            # Reserved by this session and not ended: PENDING entries (only the session ends
+            # them). A handle listed twice is committed once.
+            distinct = dict.fromkeys(listed[:nc])
+            if len(distinct) < nc:
+                commit = np.fromiter(distinct, dtype=np.uint32, count=len(distinct))
+            done = self.store.commit_reserved(commit)
         if na:
             self.store.abort(abort)
         return {"committed": int(done)}, []
@@ -569,16 +581,21 @@ def _timeout(header: dict[str, Any]) -> float:
     return budget - min(budget / 5, 0.1)
 
 
-def _own(pending: set[int], handles: np.ndarray, what: str) -> None:
-    for handle in handles.tolist():
+def _own(pending: set[int], handles: list[int], what: str) -> None:
+    for handle in handles:
         if handle not in pending:
             raise RequestError(Status.INVALID_ARGUMENT, f"{what} of handle {handle} not reserved here")
 
 
+_OP_NAMES = {int(op): op.name.lower() for op in Op}
+
+
 def _op_name(op: object) -> str:
+    """The metrics label of an opcode ("unknown" for anything else): a dict lookup, far
+    cheaper than ``Op(op)`` on every request."""
     try:
-        return Op(op).name.lower()  # type: ignore[arg-type]
-    except ValueError:
+        return _OP_NAMES.get(op, "unknown")  # type: ignore[call-overload]
+    except TypeError:  # unhashable
         return "unknown"
 
 

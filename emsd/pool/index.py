@@ -304,10 +304,26 @@ class BlockIndex:
         self.cached[ids] = 0
         self._count += k
         try:
-            self._place(ids, hash_keys(words, knt))
+            if self._c_probe():
+                self._place_c(ids)
+            else:
+                self._place(ids, hash_keys(words, knt))
         except _Crowded:
             self._rebuild(self.home_size)
         return ids
+
+    def _c_probe(self) -> bool:
+        """Whether the C loops (``_probe``) may stand in for the numpy ones: built, not
+        turned off, and the hash is the one they compute."""
+        return _probe is not None and self.use_c and hash_keys is _C_HASH
+
+    def _place_c(self, ids: np.ndarray) -> None:
+        """``_place`` in C, key by key (the hashes from the stored keys); raises ``_Crowded``."""
+        tombs = _probe.place(self.table, self.w0, self.rest, np.ascontiguousarray(ids, dtype=np.uint32),
+                             int(self._shift), self.table.size - WINDOW)
+        if tombs < 0:
+            raise _Crowded
+        self._tombs -= tombs
 
     def _make_room(self, k: int) -> None:
         """Grow the entry arrays and rebuild the table so that ``k`` more fit."""
@@ -407,7 +423,9 @@ class BlockIndex:
                     # in chunks, so that the temporaries stay small (and off the RSS)
                     hi = min(lo + _REBUILD_CHUNK, self.high_water)
                     live = (np.flatnonzero(self.state[lo:hi] != FREE) + lo).astype(np.uint32)
-                    if live.size:
+                    if live.size and self._c_probe():
+                        self._place_c(live)
+                    elif live.size:
                         self._place(live, hash_keys(self._words(live), self.nstag[live]))
                 return
             except _Crowded:
@@ -432,6 +450,13 @@ class BlockIndex:
 
     def _slots_of(self, ids: np.ndarray) -> np.ndarray:
         """Table slot holding each live entry id."""
+        if self._c_probe():
+            out = np.empty(ids.size, dtype=np.int64)
+            _probe.slots_of(self.table, self.w0, self.rest, np.ascontiguousarray(ids, dtype=np.uint32),
+                            int(self._shift), out)
+            if ids.size and int(out.min()) < 0:
+                raise ValueError("an entry is missing from the table")
+            return out
         h = hash_keys(self._words(ids), self.rest[ids, 6])
         start = (h >> self._shift).astype(np.int64)
         hit = self._windows[start] == ids[:, None]
@@ -469,6 +494,7 @@ class BlockIndex:
 
 
 _ARANGE = np.arange(4096)
+_SET_CHECK = 256  # first_occurrences: up to this many keys, a Python set finds repeated first words
 _MMAP_MIN = 1 << 20
 
 
@@ -497,6 +523,8 @@ def first_occurrences(keys: KeyBatch) -> np.ndarray:
     mask = np.ones(n, dtype=bool)
     if n < 2:
         return mask
+    if n <= _SET_CHECK and len(set(keys.words[:, 0].tolist())) == n:
+        return mask  # distinct first words, told by a set: fewer steps than a sort for a few keys
     w0 = np.sort(keys.words[:, 0])
     if not (w0[1:] == w0[:-1]).any():
         return mask  # distinct first words: no repeats (the usual case, cheap)

@@ -118,7 +118,7 @@ class KeyBatch:
         if kt == KT_INT:
             if len(data) != 8 * n:
                 raise KeyError_(f"int key payload has {len(data)} bytes, expected {8 * n}")
-            return cls.from_ints(np.frombuffer(data, dtype="<u8").astype(np.uint64))
+            return cls.from_ints(np.frombuffer(data, dtype="<u8"))  # copied into the words
         if kt == KT_TAGGED:
             if len(data) != TAGGED_ITEMSIZE * n:
                 raise KeyError_(

@@ -76,6 +76,11 @@ from emsd.pool.keys import KeyBatch
 from emsd.pool.ledger import Ledger
 from emsd.pool.slab import SlabAllocator, SlabError
 
+try:  # the eviction scan's filter in C (with the index's loops); numpy gives the same ids
+    from emsd.pool import _probe  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - extension not built
+    _probe = None  # type: ignore[assignment]
+
 CLOCK_LIMIT = (1 << 32) - 1
 LRU_QUEUE_FRACTION = 16  # a scan queues the oldest 1/16 of the eligible entries
 _READY = np.uint8(READY)  # numpy scalars: with them numpy skips a slow conversion
@@ -226,15 +231,22 @@ class BlockStore:
         sizes = np.asarray(sizes)
         ids = self.index.find(ns, keys)
         need = ids == EMPTY
-        if np.count_nonzero(need) > 1:
-            absent = np.flatnonzero(need)
-            need[absent[~first_occurrences(keys.take(absent))]] = False
-        bad = need & ~((sizes >= 1) & (sizes <= self.max_block))
-        cut = int(bad.argmax()) if bad.any() else n
+        absent = int(np.count_nonzero(need))
+        if absent == n:  # the usual save: every key new, so none present (fewer steps: see below)
+            if n > 1:
+                need = first_occurrences(keys)
+        elif absent > 1:
+            pos = np.flatnonzero(need)
+            need[pos[~first_occurrences(keys.take(pos))]] = False
+        if int(sizes.min()) >= 1 and int(sizes.max()) <= self.max_block:
+            cut = n  # every size is valid (the usual case: one test instead of five)
+        else:
+            bad = need & ~((sizes >= 1) & (sizes <= self.max_block))
+            cut = int(bad.argmax()) if bad.any() else n
         if admit and ns in self._admit_after:
             cut = min(cut, self._admission_cut(ns, keys, need))
         todo = np.flatnonzero(need[:cut])
-        present = ids[ids != EMPTY]
+        present = _NO_U4 if absent == n else ids[ids != EMPTY]
         if present.size:
             np.add.at(self.index.pins, present, _ONE)  # keep them through this call's evictions
         try:
@@ -246,7 +258,7 @@ class BlockStore:
         status[todo[:made]] = Status.NEW
         if self._chain:
             self._stamp_chain(chain_stamps(stamp, n, self._below(ns, prev)), ids, todo[:made],
-                              handles, cut)
+                              handles, cut if present.size else 0)
         elif present.size:
             self.index.last_used[present[self.index.state.take(present) == READY]] = stamp
         return Reservation(status, handles, offsets)
@@ -263,13 +275,16 @@ class BlockStore:
 
     def _stamp_chain(self, stamps: np.ndarray, ids: np.ndarray, new: np.ndarray, handles: np.ndarray,
                      cut: int) -> None:
-        """Prefix policy: stamp a reserve's READY and NEW keys by position, head newest.
+        """Prefix policy: stamp a reserve's READY and NEW keys by position, head newest
+        (the READY ones among the first ``cut``: 0 when the batch had none present).
 
         A key twice in the batch, or already newer, keeps the newer stamp.
         """
         idx = self.index
         if new.size:
             idx.last_used[handles[new]] = stamps[new]
+        if cut == 0:
+            return
         pos = np.flatnonzero(ids[:cut] >= FIRST_ID)
         pos = pos[idx.state.take(ids[pos]) == READY]
         if pos.size:
@@ -293,7 +308,12 @@ class BlockStore:
         Handles that are not PENDING are ignored; returns how many were
         committed.
         """
-        h = self._in_state(handles, PENDING)
+        return self.commit_reserved(self._in_state(handles, PENDING))
+
+    def commit_reserved(self, h: np.ndarray) -> int:
+        """``commit`` of entries ``h`` (uint32) that the caller knows to be distinct and
+        PENDING (the daemon: handles its session reserved and has not ended yet), without
+        checking them again. Returns how many were committed."""
         if h.size == 0:
             return 0
         self.index.state[h] = READY
@@ -501,7 +521,7 @@ class BlockStore:
         if self.ledger is not None and ids.size:
             idx = self.index
             self.ledger.record(ids, idx.w0[ids], idx.rest[ids], idx.offset[ids], idx.length[ids],
-                               idx.cached[ids], self.sums_of(ids))
+                               idx.cached[ids], 0 if self.sums is None else self.sums_of(ids))
 
     def ns_bytes(self, ns: int) -> int:
         """Committed bytes of namespace ``ns``."""
@@ -577,6 +597,13 @@ class BlockStore:
         have = parts[0].size
         while have < k:
             victims = self._lru(cls, k - have)
+            if victims.size and self.slabs.classes[cls].top == 0:
+                # The class's free stack is empty, so the chunks freed now are exactly the ones
+                # alloc_many would hand out next (last in, first out): pass them on directly.
+                more = self._evict(victims, "lru", reuse=True)[::-1]
+                parts.append(more)
+                have += more.size
+                continue
             if victims.size:
                 self._evict(victims, "lru")
             elif not self._steal_page(cls):
@@ -606,6 +633,10 @@ class BlockStore:
             ids = q.ids[q.pos : q.pos + k - got]
             stamps = q.stamps[q.pos : q.pos + k - got]
             q.pos += ids.size
+            if scanned:  # queued by this call's scan: nothing has changed since, all eligible
+                out.append(ids)
+                got += ids.size
+                continue
             ok = (idx.state[ids] == READY) & (idx.pins[ids] == 0) & (idx.last_used[ids] == stamps)
             ok &= self._class_of(ids) == cls
             out.append(ids[ok])
@@ -616,8 +647,13 @@ class BlockStore:
         """A fresh queue of the oldest eligible entries of ``cls``, none of ``taken``."""
         idx = self.index
         hw = idx.high_water
-        ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
-        ids = ids[self._class_of(ids) == cls]
+        if _probe is not None and idx.use_c:  # the same filter in one pass
+            ids = np.empty(hw, dtype=np.uint32)
+            ids = ids[: _probe.eligible(idx.state, idx.pins, idx.offset, self.slabs.page_owner,
+                                        self._units_per_page, cls, ids)]
+        else:
+            ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
+            ids = ids[self._class_of(ids) == cls]
         if taken.size:
             ids = ids[~np.isin(ids, taken)]
         victims = copies_first(idx.last_used, idx.cached, ids, max(need, ids.size // self.lru_queue_fraction))
@@ -638,14 +674,23 @@ class BlockStore:
         self.slabs.release_page(page)
         return True
 
-    def _evict(self, ids: np.ndarray, reason: str) -> None:
-        """Drop READY unpinned entries (distinct ids: a repeat would free a chunk twice)."""
+    def _evict(self, ids: np.ndarray, reason: str, reuse: bool = False) -> np.ndarray:
+        """Drop READY unpinned entries (distinct ids: a repeat would free a chunk twice).
+
+        Their chunks go back to the allocator, or with ``reuse`` stay allocated for the
+        caller to give to new entries: returns their byte offsets then (else an empty array).
+        """
         if self.ledger is not None:
             self.ledger.forget(ids)  # first: a crash from here on must not bring them back
         self._ns_add(ids, -1)
-        self._free_chunks(ids)
+        if reuse:
+            kept = self.index.offset.take(ids).astype(np.uint64) * self._unit
+        else:
+            self._free_chunks(ids)
+            kept = _NO_U8
         self.index.remove(ids)
         self._evictions[reason] = self._evictions.get(reason, 0) + int(ids.size)
+        return kept
 
     def _free_chunks(self, ids: np.ndarray) -> None:
         if ids.size == 0:
@@ -693,11 +738,12 @@ class BlockStore:
         """Add (sign 1) or remove (sign -1) entries' lengths to their namespaces."""
         if ids.size == 0:
             return
-        ns = self.index.ns_of(ids)
-        lengths = self.index.length[ids].astype(np.int64)
-        if ns.min() == ns.max():
-            totals = {int(ns[0]): int(lengths.sum())}
+        nstag = self.index.rest[ids, 6]  # ns << 8 | tag: one namespace when min and max agree
+        if int(nstag.min()) >> 8 == int(nstag.max()) >> 8:
+            totals = {int(nstag[0]) >> 8: int(self.index.length[ids].sum(dtype=np.int64))}
         else:
+            ns = self.index.ns_of(ids)
+            lengths = self.index.length[ids].astype(np.int64)
             u, inv = np.unique(ns, return_inverse=True)
             sums = np.zeros(u.size, dtype=np.int64)
             np.add.at(sums, inv, lengths)

@@ -125,34 +125,51 @@ class FrameDecoder:
         self._broken = False
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """The whole frames completed by ``data`` (which the caller may reuse after).
+
+        With nothing buffered (the usual case: one read, whole requests), frames are
+        parsed straight from ``data`` and only an incomplete tail is kept.
+        """
         if self._broken:
             raise FrameError("stream already broken")
-        self._buf += data
+        buf = self._buf
+        if buf:
+            buf += data
+            src: bytes | bytearray | memoryview = buf
+        else:
+            src = data
         frames: list[Frame] = []
+        pos = 0
         try:
             while True:
-                frame = self._next()
+                frame, end = self._next(src, pos)
                 if frame is None:
-                    return frames
+                    break
                 frames.append(frame)
+                pos = end
         except FrameError:
             self._broken = True
-            self._buf.clear()
+            buf.clear()
             raise
+        if src is buf:
+            del buf[:pos]
+        elif pos < len(src):
+            buf += src[pos:]
+        return frames
 
-    def _next(self) -> Frame | None:
-        buf = self._buf
-        if len(buf) < PREFIX.size:
-            return None
-        header_len, payload_len = PREFIX.unpack_from(buf)
+    @staticmethod
+    def _next(buf: bytes | bytearray | memoryview, pos: int) -> tuple[Frame | None, int]:
+        """The frame at ``pos`` of ``buf`` and where it ends, or (None, pos) if incomplete."""
+        if len(buf) - pos < PREFIX.size:
+            return None, pos
+        header_len, payload_len = PREFIX.unpack_from(buf, pos)
         check_lengths(header_len, payload_len)
-        end = PREFIX.size + header_len + payload_len
+        start = pos + PREFIX.size
+        end = start + header_len + payload_len
         if len(buf) < end:
-            return None
-        header = decode_header(bytes(buf[PREFIX.size : PREFIX.size + header_len]))
-        payload = bytes(buf[PREFIX.size + header_len : end])
-        del buf[:end]
-        return Frame(header, payload)
+            return None, pos
+        header = decode_header(bytes(buf[start : start + header_len]))
+        return Frame(header, bytes(buf[start + header_len : end])), end
 
     @property
     def buffered(self) -> int:

@@ -340,3 +340,63 @@ def test_json_logs_are_one_object_per_line_with_a_startup_summary(emsd_factory: 
     assert len(ready) == 1
     for fact in ("pool 64 MiB shm", "warm restart new", "standalone", "transport none", "metrics 127.0.0.1:"):
         assert fact in ready[0], ready[0]
+
+
+def _wait_for_stats(client: DaemonClient, ok: Any) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while True:
+        stats, _ = client.call(Op.STATS, {}, timeout=5)
+        if ok(stats):
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_a_save_or_load_failing_while_the_daemon_answers_leaves_nothing_held(
+        sdk_env: Any, monkeypatch: Any, op: str) -> None:
+    """The SDK plans its copy while the daemon reserves (or pins): if planning fails, the
+    reservation is aborted (the pins dropped) and the planning error is what the caller sees."""
+    from ems.layout import KvLayout
+
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+    cc = Ems.get_cc()
+    cc.register_kvcache([[torch.ones(8, BLOCK, 8)]])
+    assert cc.save(list(range(8)), hashes=[1, 2], offsets=[4, 4]).success == 2
+
+    def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("planning failed")
+
+    monkeypatch.setattr(KvLayout, "plan", broken)
+    call = cc.save if op == "save" else cc.load
+    with pytest.raises(RuntimeError, match="planning failed"):
+        call(list(range(8)), hashes=[3, 4] if op == "save" else [1, 2], offsets=[4, 4])
+    stats = _wait_for_stats(Ems._current_client(), lambda s: s["pending"] == 0 and s["pinned"] == 0)
+    assert stats["entries"] == 2  # the save's keys were never committed
+    monkeypatch.undo()
+    assert cc.exists([1, 2, 3]).success == 2
+
+
+def test_a_submitted_request_given_up_at_once_is_undone_by_its_late_callback(sdk_env: Any) -> None:
+    """``wait(timeout=0)`` gives up before anyone read the answer; when the answer comes, the
+    ``late`` callback aborts the reservation, as for a call that timed out."""
+    from ems.context_caching import _abort_late
+    from emsd.pool.keys import KeyBatch
+
+    client = DaemonClient(sdk_env.socket_dir / "emsd.sock")
+    client.connect({})
+    try:
+        ns = client.call(Op.NAMESPACE, {"name": "n"}, timeout=5)[0]["ns"]
+        kt, raw = KeyBatch.from_user([7, 8]).to_wire()
+        sizes = struct.pack("<2Q", 64, 64)
+        pending = client.submit(Op.RESERVE, {"ns": ns, "n": 2, "kt": kt}, [raw, sizes],
+                                late=_abort_late(client, 2))
+        with pytest.raises(EmsException) as info:
+            client.wait(pending, timeout=0)
+        assert info.value.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
+        stats = _wait_for_stats(client, lambda s: s["pending"] == 0)  # the answer came, then the abort
+        assert stats["entries"] == 0
+        header, payload = client.wait(client.submit(Op.EXISTS, {"ns": ns, "n": 2, "kt": kt}, [raw]), 5)
+        assert header["count"] == 0
+    finally:
+        client.close()

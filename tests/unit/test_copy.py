@@ -143,3 +143,28 @@ def test_extension_validates_raw_buffers_itself() -> None:
         _memcopy.copy_segments(ok, ok, ok, threads=_memcopy.max_threads() + 1)
     with pytest.raises(TypeError, match="C-contiguous"):
         _memcopy.copy_segments(np.zeros(4, dtype=np.uint64)[::2], ok, ok)
+
+
+@needs_c
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_big_batch_taken_in_pieces_by_several_threads_copies_every_byte(seed: int) -> None:
+    """Several MiB in segments of odd sizes: cut into ~1 MiB pieces (some cutting a segment,
+    some several segments) that the threads take in turn."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 700_000, size=40).astype(np.uint64)
+    lengths[::7] = 0
+    total = int(lengths.sum())
+    src = rng.integers(0, 256, size=total, dtype=np.uint8)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    perm = rng.permutation(lengths.size)  # destinations in another order, with 3-byte gaps
+    dst = np.zeros(total + 3 * lengths.size, dtype=np.uint8)
+    dst_starts = np.empty(lengths.size, dtype=np.int64)
+    dst_starts[perm] = np.concatenate([[0], np.cumsum(lengths[perm] + 3)[:-1]])
+    for threads, nontemporal in ((2, 1), (3, 0), (8, -1)):
+        dst[:] = 0
+        ems_copy.copy_segments_c((dst.ctypes.data + dst_starts).astype(np.uint64),
+                                 (src.ctypes.data + starts).astype(np.uint64), lengths, threads, nontemporal)
+        for i in range(lengths.size):
+            a, b, n = int(dst_starts[i]), int(starts[i]), int(lengths[i])
+            assert np.array_equal(dst[a : a + n], src[b : b + n])
+        assert int(dst.astype(np.int64).sum()) == int(src.astype(np.int64).sum())

@@ -37,6 +37,23 @@ def test_frames_round_trip_whatever_the_chunking(frames: list, chunk: int) -> No
     assert dec.buffered == 0
 
 
+@given(st.lists(st.tuples(headers, st.binary(max_size=300)), max_size=8), st.integers(1, 700))
+@settings(max_examples=100)
+def test_frames_survive_a_read_buffer_that_is_reused(frames: list, chunk: int) -> None:
+    """As the SDK reads: views into one buffer, overwritten by the next read."""
+    stream = b"".join(encode(h, p) for h, p in frames)
+    dec = FrameDecoder()
+    scratch = bytearray(chunk)
+    got = []
+    for i in range(0, len(stream), chunk):
+        part = stream[i : i + chunk]
+        scratch[: len(part)] = part
+        got += dec.feed(memoryview(scratch)[: len(part)])
+        scratch[:] = b"\xff" * chunk
+    assert [(f.header, f.payload) for f in got] == frames
+    assert dec.buffered == 0
+
+
 @given(headers, st.lists(st.binary(max_size=50), max_size=4))
 def test_encode_parts_equals_encode(header: dict, parts: list) -> None:
     assert b"".join(encode_parts(header, *parts)) == encode(header, b"".join(parts))

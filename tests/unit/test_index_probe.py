@@ -63,3 +63,50 @@ def test_c_probe_refuses_mismatched_arrays() -> None:
     with pytest.raises(TypeError):
         index_mod._probe.find(idx.table, idx.w0, idx.rest, batch.words, batch.tags, 0,
                               int(idx._shift), np.empty(2, np.uint64), False)
+
+
+def _table_holds(idx: BlockIndex) -> None:
+    """Every live entry once in the table, tombstones counted, and the numpy probe (which
+    knows nothing of how the C loop placed them) finds every key."""
+    live = idx.live_ids()
+    table = idx.table
+    assert np.array_equal(np.sort(table[table >= 2]), np.sort(live))
+    assert idx._tombs == int(np.count_nonzero(table == 1))
+    use_c, idx.use_c = idx.use_c, False
+    for ns in np.unique(idx.ns_of(live)).tolist():
+        mine = live[idx.ns_of(live) == ns]
+        assert np.array_equal(idx.find(ns, idx.keys_of(mine)), mine)
+    idx.use_c = use_c
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), keys), max_size=400, unique=True),
+       st.lists(st.integers(0, 10_000), max_size=6), st.booleans())
+@settings(max_examples=80, deadline=None)
+def test_c_place_and_slots_of_keep_a_valid_table(entries: list, cuts: list, use_c: bool) -> None:
+    """Inserts and removes in batches (tombstones, their reuse, rebuilds as the table grows),
+    with the C loops or the numpy ones: the table stays a valid probe table."""
+    idx = BlockIndex()
+    idx.use_c = use_c
+    live: list[int] = []
+    for step, start in enumerate(range(0, len(entries), 50)):
+        for ns in range(3):
+            chunk = [k for n, k in entries[start : start + 50] if n == ns]
+            if chunk:
+                got, _ = idx.insert(ns, KeyBatch.from_user(chunk), np.zeros(len(chunk), np.uint64),
+                                    np.ones(len(chunk), np.uint32), READY, 1)
+                live += got.tolist()
+        if live and cuts:
+            gone = live[: cuts[step % len(cuts)] % len(live) + 1 : 2]
+            live = [x for x in live if x not in set(gone)]
+            idx.remove(np.array(gone, dtype=np.uint32))
+        _table_holds(idx)
+
+
+def test_c_place_and_slots_of_refuse_ids_that_are_not_entries() -> None:
+    idx = BlockIndex()
+    for bad in (np.array([0], np.uint32), np.array([idx.capacity], np.uint32)):
+        with pytest.raises(ValueError):
+            index_mod._probe.place(idx.table, idx.w0, idx.rest, bad, int(idx._shift), idx.table.size)
+        with pytest.raises(ValueError):
+            index_mod._probe.slots_of(idx.table, idx.w0, idx.rest, bad, int(idx._shift),
+                                      np.empty(1, np.int64))

@@ -307,6 +307,51 @@ def test_load_skip_leaves_the_leading_positions_untouched() -> None:
     assert kv[0][1].ravel().tolist() == [100, 100, 100, -3, -4, -5, -6, -7]
 
 
+def _mixed_layout() -> KvLayout:
+    """Two geometry groups (dense and K/V interleaved), so segments are not key-major overall."""
+    dense = [np.zeros((8, 4, 3), np.float16) for _ in range(2)]
+    parent = np.zeros((8, 2, 4, 3), np.float16)
+    return KvLayout.from_kvcache([dense, [parent[:, 0], parent[:, 1]]])
+
+
+def _as_set(segs: Any) -> set[tuple[int, int, int, int]]:
+    cols = (segs.tensor_addr, segs.pool_addr, segs.length, segs.tensor)
+    return set(zip(*(c.tolist() for c in cols), strict=True))
+
+
+def test_plan_then_place_gives_the_segments_of_the_request() -> None:
+    layout = _mixed_layout()
+    slots = np.array([4, 5, 6, 7, 13, 12, 20, 21, 22, 23, 24])  # runs broken by order and blocks
+    counts, offsets, skip = [4, 2, 5], [0, 4096, 8192], [1, 0, 2]
+    plan = layout.plan(slots, counts, skip)
+    placed = layout.place(plan, 0x10000, offsets, pool_size=1 << 20)
+    want = layout.segments(0x10000, slots, counts, offsets, skip, pool_size=1 << 20)
+    assert _as_set(placed) == _as_set(want) and len(placed.length) == len(want.length)
+
+
+def test_place_keeps_only_the_keys_given_with_their_offsets() -> None:
+    layout = _mixed_layout()
+    slots = np.arange(12)
+    plan = layout.plan(slots, [4, 4, 4])
+    kept = layout.place(plan, 0x10000, [500, 9000], np.array([0, 2]))
+    want = layout.segments(0x10000, np.concatenate([slots[:4], slots[8:]]), [4, 4], [500, 9000])
+    assert _as_set(kept) == _as_set(want)
+
+
+def test_place_checks_the_offsets_and_names_the_requests_key() -> None:
+    layout = _mixed_layout()
+    plan = layout.plan(np.arange(8), [4, 4])
+    size = 4 * layout.slot_bytes
+    with pytest.raises(EmsException, match="offsets has 1 entries but counts has 2"):
+        layout.place(plan, 0x10000, [0])
+    with pytest.raises(EmsException, match=r"offsets\[0\] = -1 must be >= 0"):
+        layout.place(plan, 0x10000, [-1], np.array([1]))
+    with pytest.raises(EmsException, match=r"key 1: pool range \[1, "):
+        layout.place(plan, 0x10000, [1], np.array([1]), pool_size=size)
+    with pytest.raises(EmsException, match="pool_addr must be a positive address"):
+        layout.place(plan, 0, [0, size])
+
+
 def test_empty_request_copies_nothing() -> None:
     layout = KvLayout.from_kvcache(kv_numpy())
     layout.save(0x1000, [], [], [])

@@ -652,3 +652,21 @@ def test_a_predecessor_that_is_not_stored_bounds_nothing() -> None:
     res = store.reserve(0, kb(3), sizes(1), prev=kb(99))
     h3 = int(res.handles[0])
     assert store.index.last_used[h3] > store.index.last_used[store.index.find(0, kb(1))[0]]
+
+
+def test_the_eviction_scan_finds_the_same_entries_in_c_and_numpy() -> None:
+    """READY, unpinned, of the class: ``_scan`` with the C filter and with numpy alike."""
+    store = BlockStore(16 * PAGE, PAGE)
+    for i in range(12):  # three sizes of class, some PENDING, some pinned, some evicted
+        res = store.reserve(0, kb(*range(10 * i, 10 * i + 6)), sizes(6, (256, 512, 1024)[i % 3]))
+        if i % 4:
+            store.commit(res.handles[res.status == NEW])
+    store.pin(0, kb(*range(0, 40, 3)))
+    queues = []
+    for use_c in (True, False):
+        store.index.use_c = use_c
+        store._queues.clear()
+        queues.append([(q.ids.tolist(), q.stamps.tolist())
+                       for q in (store._scan(cls, 10**6, np.zeros(0, np.uint32))  # need: all
+                                 for cls in range(len(store.slabs.classes)))])
+    assert queues[0] == queues[1] and any(ids for ids, _ in queues[0])
