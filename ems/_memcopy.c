@@ -38,9 +38,9 @@
  *   not flush the L2 and L3 caches: the code and data of whatever runs next
  *   (the daemon answering the COMMIT that follows a save, the caller's own
  *   Python) stay cached. Same copy speed; measured on the VM below, the
- *   daemon's handling of a 32-block RESERVE right after a 64 MiB streaming
- *   copy took 0.45-0.55 ms without the prefetches and 0.32-0.34 ms with them
- *   (0.2 ms with hot caches).
+ *   daemon's RESERVE handler for 32 blocks (run in one process with the
+ *   copy) took 0.45-0.55 ms right after a 64 MiB streaming copy without the
+ *   prefetches, 0.32-0.34 ms with them, 0.2 ms with hot caches.
  *
  * Measured on a 2-core AMD EPYC VM, a cold 128 MiB batch of 4096 scattered
  * 32 KiB segments: memcpy 10-11 GB/s on one thread, 15-16.5 GB/s on two;

@@ -406,6 +406,10 @@ class KvLayout:
         if int(c.sum()) != len(s):
             raise invalid(f"sum(counts) = {int(c.sum())} must equal len(slot_mapping) = {len(s)}")
         self.check_slots(s)
+        if skip is None:
+            blocks = self._whole_blocks(s, c)
+            if blocks is not None:
+                return self._plan_blocks(blocks, c)
         key, pos = _positions(c)
         if skip is not None:
             sk = _int_array(skip, "skip")
@@ -420,6 +424,36 @@ class KvLayout:
         block, within = np.divmod(s, self.block_size)
         parts = [_group_segments(g, c, key, pos, block, within) for g in self._groups]
         cols = parts[0] if len(parts) == 1 else [np.concatenate([p[k] for p in parts]) for k in range(5)]
+        return CopyPlan(cols[0], cols[1], cols[2], cols[3], cols[4], c)
+
+    def _whole_blocks(self, s: np.ndarray, c: np.ndarray) -> np.ndarray | None:
+        """The block of each key when every key covers one whole block in order (the usual
+        request: vLLM's full blocks), else None (the general path decides)."""
+        bs = self.block_size
+        if not len(c) or int(c.min()) != bs or int(c.max()) != bs:
+            return None
+        rows = s.reshape(len(c), bs)
+        first = rows[:, 0]
+        if bs > 1 and ((first % bs).any() or (rows != first[:, None] + np.arange(bs)).any()):
+            return None
+        return first // bs if bs > 1 else first
+
+    def _plan_blocks(self, blocks: np.ndarray, c: np.ndarray) -> CopyPlan:
+        """``plan`` for whole blocks: one segment per key and tensor where a block's rows are
+        contiguous, the same segments the general path finds (key-major, then tensor)."""
+        bs, parts = self.block_size, []
+        k = len(blocks)
+        for g in self._groups:
+            if bs > 1 and g.stride1 != g.row_bytes:  # rows apart: the general path's runs
+                key, pos = _positions(c)
+                parts.append(_group_segments(g, c, key, pos, *np.divmod(blocks.repeat(bs) * bs + pos, bs)))
+                continue
+            shape = (k, g.tensor.size)
+            tensor_addr = (blocks * g.stride0)[:, None] + g.base[None, :]
+            parts.append((tensor_addr.ravel(), np.broadcast_to(g.prefix * bs, shape).ravel(),
+                          np.full(tensor_addr.size, bs * g.row_bytes, dtype=np.int64),
+                          np.broadcast_to(g.tensor, shape).ravel(), np.arange(k).repeat(g.tensor.size)))
+        cols = parts[0] if len(parts) == 1 else [np.concatenate([p[j] for p in parts]) for j in range(5)]
         return CopyPlan(cols[0], cols[1], cols[2], cols[3], cols[4], c)
 
     def place(

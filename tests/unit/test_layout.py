@@ -329,6 +329,30 @@ def test_plan_then_place_gives_the_segments_of_the_request() -> None:
     assert _as_set(placed) == _as_set(want) and len(placed.length) == len(want.length)
 
 
+@pytest.mark.parametrize("bs", [1, 4])
+def test_whole_block_requests_plan_the_same_segments_as_the_general_path(bs: int, monkeypatch: Any) -> None:
+    """Every kind of tensor (rows contiguous or not, blocks reversed or inner) in one layout."""
+    kinds = [make_numpy(k, 8, bs, (3,), "float16").obj for k in NUMPY_KINDS]
+    layout = KvLayout.from_kvcache([kinds[:2], kinds[2:]])
+    blocks = np.array([5, 0, 7, 2])
+    slots = (blocks[:, None] * bs + np.arange(bs)).ravel()
+    counts = np.full(4, bs)
+    fast = layout.plan(slots, counts)
+    monkeypatch.setattr(KvLayout, "_whole_blocks", lambda *_: None)
+    slow = layout.plan(slots, counts)
+    for field in ("tensor_addr", "block_off", "length", "tensor", "key"):
+        assert getattr(fast, field).tolist() == getattr(slow, field).tolist(), field
+
+
+def test_requests_that_are_not_whole_blocks_take_the_general_path() -> None:
+    layout = KvLayout.from_kvcache(kv_numpy(layers=1, nb=4, bs=4))
+    s = np.arange(16)
+    assert layout._whole_blocks(s, np.full(4, 4)) is not None
+    assert layout._whole_blocks(s[::-1].copy(), np.full(4, 4)) is None  # positions out of order
+    assert layout._whole_blocks(s + 2, np.full(4, 4)) is None  # not from a block's start
+    assert layout._whole_blocks(s[:8], np.array([4, 2, 2])) is None  # partial blocks
+
+
 def test_place_keeps_only_the_keys_given_with_their_offsets() -> None:
     layout = _mixed_layout()
     slots = np.arange(12)
