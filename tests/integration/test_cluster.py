@@ -75,6 +75,22 @@ SLOTS = list(range(BLOCKS * BLOCK))
 KEYS = [1000 + i for i in range(BLOCKS)]
 
 
+def load_equal(d: Any, src: list[list[torch.Tensor]], keys: list[int],
+               monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Load ``keys`` (one block of ``src``'s dim-1 size each) through daemon ``d`` into zeroed
+    copies of ``src``: every key must hit and every byte equal ``src``. Returns the SDK
+    handle, still pointed at ``d``."""
+    n, block = len(keys), src[0][0].shape[1]
+    cc = use(d, monkeypatch)
+    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
+    cc.register_kvcache(dst)
+    res = cc.load(list(range(n * block)), hashes=keys, offsets=[block] * n)
+    assert (res.success, res.total) == (n, n)
+    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
+    assert all(torch.equal(x, y) for x, y in pairs)
+    return cc
+
+
 def test_saved_on_one_node_loads_on_another_with_identical_bytes(cluster: Any, monkeypatch: Any) -> None:
     a, b = cluster(2)
     src = kv(1)
@@ -82,13 +98,7 @@ def test_saved_on_one_node_loads_on_another_with_identical_bytes(cluster: Any, m
     cc.register_kvcache(src)
     assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
 
-    cc = use(b, monkeypatch)
-    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
-    cc.register_kvcache(dst)
-    res = cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS)
-    assert (res.success, res.total) == (BLOCKS, BLOCKS)
-    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
-    assert all(torch.equal(x, y) for x, y in pairs)
+    cc = load_equal(b, src, KEYS, monkeypatch)
     # What b fetched stays as a read cache: now it is there even for read_local_only.
     local = cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(read_local_only=True))
     assert local.success == BLOCKS

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import netns  # noqa: E402
 import zk  # noqa: E402
-from test_cluster import BLOCK, BLOCKS, SLOTS, kv, stats, use, wait_for  # noqa: E402
+from test_cluster import BLOCK, BLOCKS, SLOTS, kv, load_equal, stats, use, wait_for  # noqa: E402
 
 from ems import CcKvOption  # noqa: E402
 
@@ -64,12 +63,7 @@ def test_nodes_on_separate_hosts_share_blocks_and_survive_a_cut_link(
         held_b = stats(b)["entries"]
         assert 0 < held_b < 2 * BLOCKS  # b owns a share: those blocks crossed the link
 
-        cc = use(b, monkeypatch)
-        dst = [[torch.zeros_like(t) for t in layer] for layer in src]
-        cc.register_kvcache(dst)
-        assert cc.load(SLOTS, hashes=keys, offsets=[BLOCK] * BLOCKS).success == BLOCKS
-        pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
-        assert all(torch.equal(x, y) for x, y in pairs)
+        cc = load_equal(b, src, keys, monkeypatch)
 
         hosts.cut(0)  # a's link down: no RST, no answer, just silence
         t0 = time.monotonic()

@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402
-from test_cluster import BLOCK, BLOCKS, KEYS, SLOTS, kv, stats, use, wait_for  # noqa: E402
+from test_cluster import BLOCK, BLOCKS, KEYS, SLOTS, kv, load_equal, stats, use, wait_for  # noqa: E402
 
 from ems import CcConfig, CcKvOption, Ems  # noqa: E402
 from ems.namespace import namespace_name  # noqa: E402
@@ -110,11 +109,6 @@ def test_drain_moves_a_nodes_share_to_the_others_before_it_stops(emsd_factory: A
         assert stats(b)["entries"] == BLOCKS  # b now holds the whole share
         Ems._reset()
         assert a.terminate() == 0
-        cc = use(b, monkeypatch)
-        dst = [[torch.zeros_like(t) for t in layer] for layer in src]
-        cc.register_kvcache(dst)
-        assert cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
-        pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
-        assert all(torch.equal(x, y) for x, y in pairs)
+        load_equal(b, src, KEYS, monkeypatch)
     finally:
         server.stop()

@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import certs  # noqa: E402
 import zk  # noqa: E402
-from test_cluster import BLOCK, BLOCKS, KEYS, SLOTS, kv, stats, use, wait_for  # noqa: E402
+from test_cluster import BLOCK, BLOCKS, KEYS, SLOTS, kv, load_equal, stats, use, wait_for  # noqa: E402
 from test_peer import SECRET, Node, blocks  # noqa: E402
 
 from emsd.pool.keys import KeyBatch  # noqa: E402
@@ -157,13 +156,7 @@ def test_two_daemons_move_blocks_over_mutual_tls(pki: Pki, zookeeper: zk.ZooKeep
     cc = use(a, monkeypatch)
     cc.register_kvcache(src)
     assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
-    cc = use(b, monkeypatch)
-    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
-    cc.register_kvcache(dst)
-    res = cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS)
-    assert (res.success, res.total) == (BLOCKS, BLOCKS)
-    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
-    assert all(torch.equal(x, y) for x, y in pairs)
+    load_equal(b, src, KEYS, monkeypatch)
     # Blocks crossed in both directions: a pushed b's share, b fetched a's.
     assert stats(a)["cached"] > 0 and stats(b)["cached"] > 0
 

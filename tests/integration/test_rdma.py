@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402
-from test_cluster import stats, use, wait_for  # noqa: E402
+from test_cluster import load_equal, stats, use, wait_for  # noqa: E402
 
 from emsd.transport.verbs import probe  # noqa: E402
 
@@ -56,12 +56,7 @@ def save_on_a_load_on_b(a: Any, b: Any, monkeypatch: pytest.MonkeyPatch) -> None
     cc = use(a, monkeypatch)
     cc.register_kvcache(src)
     assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
-    cc = use(b, monkeypatch)
-    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
-    cc.register_kvcache(dst)
-    assert cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
-    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
-    assert all(torch.equal(x, y) for x, y in pairs)
+    load_equal(b, src, KEYS, monkeypatch)
 
 
 def peer_id(d: Any) -> str:
