@@ -89,6 +89,43 @@ WORKER = textwrap.dedent("""
 """)
 
 
+def start_workers(workers: list[subprocess.Popen[str]], nodes: list[Any], seconds: float) -> None:
+    """Start one ``WORKER`` per node (saving and loading through it for ``seconds``), appended
+    to ``workers`` as each starts, so that a caller's cleanup sees every one."""
+    for i, d in enumerate(nodes):
+        env = {**os.environ, "EMS_SOCKET_DIR": str(d.socket_dir)}
+        workers.append(subprocess.Popen([sys.executable, "-c", WORKER, str(i), str(seconds), str(TIMEOUT_MS)],
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+
+
+def assert_workers_ok(workers: list[subprocess.Popen[str]], seconds: float, seed: int,
+                      events: list[str]) -> str:
+    """Wait for the workers and check what they saw: no wrong byte, no call slower than its
+    timeout allows, saves going through and at least half the loads hitting (two owners per
+    block: a dead or silent node costs little). Returns the run's description for later checks."""
+    results = []
+    for w in workers:
+        out, err = w.communicate(timeout=seconds + 60)
+        assert w.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    where = f"seed {seed}, events {events}, results {results}"
+    print(where)
+    assert all(r["wrong"] == 0 for r in results), where
+    assert all(r["slowest"] < TIMEOUT_MS / 1000 * 2 + 1.5 for r in results), where  # save + load
+    assert all(r["saved"] > 10 for r in results), where
+    hits, asked = sum(r["hits"] for r in results), sum(r["asked"] for r in results)
+    assert hits >= 0.5 * asked, where
+    return where
+
+
+def stop_workers(workers: list[subprocess.Popen[str]]) -> None:
+    """Kill the workers still running (a failed run)."""
+    for w in workers:
+        if w.poll() is None:
+            w.kill()
+            w.communicate()
+
+
 def assert_settled(nodes: list[Any], baseline: list[int], where: str) -> None:
     """After the chaos: every node alive, nothing pinned or pending, private RSS back near ``baseline``."""
     for d, before in zip(nodes, baseline, strict=True):
@@ -118,11 +155,7 @@ def test_kills_restarts_and_a_zookeeper_outage_never_yield_wrong_bytes_or_hung_c
             d.start()
         wait_for(lambda: all(len(stats(d)["members"]) == 3 for d in nodes))
         baseline = [memory.private_rss(d.pid) for d in nodes]
-        for i, d in enumerate(nodes):
-            env = {**os.environ, "EMS_SOCKET_DIR": str(d.socket_dir)}
-            workers.append(subprocess.Popen([sys.executable, "-c", WORKER, str(i), str(RUN_SECONDS),
-                                             str(TIMEOUT_MS)], env=env, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True))
+        start_workers(workers, nodes, RUN_SECONDS)
         start = time.monotonic()
         events = []
         time.sleep(4.0)
@@ -137,23 +170,9 @@ def test_kills_restarts_and_a_zookeeper_outage_never_yield_wrong_bytes_or_hung_c
         events.append(f"zookeeper down at {time.monotonic() - start:.1f}s")
         time.sleep(4.0)
         server.start()
-        results = []
-        for w in workers:
-            out, err = w.communicate(timeout=RUN_SECONDS + 60)
-            assert w.returncode == 0, err[-2000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        where = f"seed {SEED}, events {events}, results {results}"
-        assert all(r["wrong"] == 0 for r in results), where
-        assert all(r["slowest"] < TIMEOUT_MS / 1000 * 2 + 1.5 for r in results), where  # save + load
-        assert all(r["saved"] > 10 for r in results), where
-        print(where)
-        hits, asked = sum(r["hits"] for r in results), sum(r["asked"] for r in results)
-        assert hits >= 0.5 * asked, where  # two owners per block: a dead node costs little
+        where = assert_workers_ok(workers, RUN_SECONDS, SEED, events)
         wait_for(lambda: all(stats(d)["membership"] == "joined" for d in nodes), 60)
         assert_settled(nodes, baseline, where)
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.communicate()
+        stop_workers(workers)
         server.stop()
