@@ -103,3 +103,64 @@ def test_namespaces_place_the_same_key_independently() -> None:
     keys = KeyBatch.from_user([42])
     positions = {int(key_positions(f"model-{i}", keys)[0]) for i in range(50)}
     assert len(positions) == 50
+
+
+def test_placement_is_a_wire_contract_these_owners_never_change() -> None:
+    """Every node of a cluster must place a key alike, across versions: a change of the
+    point hash, the key mix or the walk would send keys to nodes that do not hold them.
+    (Values from the ring as first released; also what the code of 2026-11-23 gives.)"""
+    ring = Ring.build(view(4), replicas=2)
+    got = ring.owner_ids("model-x", KeyBatch.from_user([1, -1, b"digest" * 5, 2**63 + 7, b"", 12345]))
+    assert got == [["node-3", "node-2"], ["node-1", "node-0"], ["node-1", "node-0"],
+                   ["node-0", "node-2"], ["node-1", "node-3"], ["node-1", "node-3"]]
+
+
+def _next_distinct_by_walking(owner: list[int], r: int) -> list[list[int]]:
+    """The definition, one point at a time: from each point clockwise, the first r distinct owners."""
+    n = len(owner)
+    out = []
+    for i in range(n):
+        found: list[int] = []
+        j = i
+        while len(found) < r:
+            if owner[j % n] not in found:
+                found.append(owner[j % n])
+            j += 1
+        out.append(found)
+    return out
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 6))
+@settings(max_examples=200, deadline=None)
+def test_next_distinct_matches_walking_the_ring(owner: list[int], r: int) -> None:
+    from emsd.placement.ring import _next_distinct
+
+    r = min(r, len(set(owner)))
+    got = _next_distinct(np.array(owner, dtype=np.int32), r)
+    assert got.tolist() == _next_distinct_by_walking(owner, r)
+
+
+def test_a_rebuild_hashes_only_new_members_and_the_point_cache_is_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from emsd.placement import ring as ring_mod
+
+    monkeypatch.setattr(ring_mod, "_points_cache", {})
+    monkeypatch.setattr(ring_mod, "POINT_CACHE_MEMBERS", 6)
+    hashed: list[str] = []
+    real = ring_mod._point
+    monkeypatch.setattr(ring_mod, "_point", lambda text: hashed.append(text) or real(text))
+    first = Ring.build(view(5), vnodes=8)
+    assert len(hashed) == 5 * 8
+    hashed.clear()
+    grown = Ring.build(view(6), vnodes=8)  # one member joins: only its points are hashed
+    assert {t.split("#")[0] for t in hashed} == {"node-5"} and len(hashed) == 8
+    assert np.array_equal(first.points, Ring.build(view(5), vnodes=8).points)
+    hashed.clear()
+    weighted = Ring.build(ClusterView.of([*view(5).members, Member("node-5", 8 * GiB)]), vnodes=8)
+    assert {t.split("#")[0] for t in hashed} <= {"node-0", "node-1", "node-2", "node-3", "node-4",
+                                                  "node-5"}  # more points: only the extra ones
+    assert len(hashed) == len(set(hashed)) and all(int(t.split("#")[1]) >= 8 for t in hashed)
+    assert weighted.points.size > grown.points.size
+    Ring.build(view(4, start=10), vnodes=8)  # four more members: the oldest asked for are dropped
+    assert len(ring_mod._points_cache) == 6
+    assert "node-10" in ring_mod._points_cache and "node-0" not in ring_mod._points_cache
