@@ -87,6 +87,9 @@ class ClusterConfig:
     peer_connections: int = 2
     secret_file: str = ""  # file holding the cluster secret; required with zookeeper
     transport: str = "auto"  # peer data path: "auto" (RDMA where both ends can), "rdma" or "tcp"
+    rdma_device: str = ""  # RDMA device name ("mlx5_0"); "" = the first one found
+    rdma_port: int = 1
+    rdma_gid_index: int | None = None  # the port's GID table entry; None ("auto") = verbs.choose_gid_index
     tls_cert: str = ""  # PEM certificate for peer connections; the three tls_* set together or not at all
     tls_key: str = ""  # its private key (PEM)
     tls_ca: str = ""  # the cluster CA (PEM): peers must present a certificate it signed
@@ -305,13 +308,24 @@ def _cluster(t: dict[str, Any]) -> ClusterConfig:
     transport = t.get("transport", d.transport)
     if transport not in ("auto", "rdma", "tcp"):
         raise ConfigError("cluster.transport", f'must be "auto", "rdma" or "tcp" (got {transport!r})')
+    device = t.get("rdma_device", d.rdma_device)
+    if not isinstance(device, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{0,64}", device):
+        raise ConfigError("cluster.rdma_device",
+                          f"must be a device name as ibv_devices lists it (got {device!r})")
+    port = t.get("rdma_port", d.rdma_port)
+    if type(port) is not int or not 1 <= port <= 255:
+        raise ConfigError("cluster.rdma_port", f"must be an integer in 1..255 (got {port!r})")
+    gid = t.get("rdma_gid_index", "auto")
+    if gid != "auto" and (type(gid) is not int or not 0 <= gid <= 1023):
+        raise ConfigError("cluster.rdma_gid_index", f'must be "auto" or an integer in 0..1023 (got {gid!r})')
     if zk and not secret:
         raise ConfigError("cluster.secret_file", "is required when cluster.zookeeper is set "
                           "(peers authenticate with the secret it holds)")
     tls = _tls(t)
     return ClusterConfig(name=name, zookeeper=zk, peer_listen=t.get("peer_listen", d.peer_listen),
                          advertise=t.get("advertise", d.advertise), session_timeout=float(timeout),
-                         secret_file=secret, transport=transport, tls_cert=tls["tls_cert"],
+                         secret_file=secret, transport=transport, rdma_device=device, rdma_port=port,
+                         rdma_gid_index=None if gid == "auto" else gid, tls_cert=tls["tls_cert"],
                          tls_key=tls["tls_key"], tls_ca=tls["tls_ca"], **ints)
 
 

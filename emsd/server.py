@@ -176,7 +176,9 @@ class Daemon:
             return None, 'cluster.transport is "tcp"'
         from emsd.transport.rdma import open_endpoint
 
-        endpoint, why = open_endpoint(pool)
+        c = self.config.cluster
+        endpoint, why = open_endpoint(pool, device=c.rdma_device, port=c.rdma_port,
+                                      gid_index=c.rdma_gid_index)
         if endpoint is None:
             if mode == "rdma":
                 raise StartupError(f'cluster.transport: "rdma" needs an RDMA device, but: {why} '
@@ -184,8 +186,9 @@ class Daemon:
             log.info("transport: TCP only (%s)", why)
         else:
             info = endpoint.descriptor.port
-            log.info("transport: RDMA on %s port %d (gid %s), %d MiB registered in %d regions",
-                     info.device, info.port, info.gid, endpoint.size >> 20, len(endpoint.local))
+            log.info("transport: RDMA on %s port %d (gid %s, index %s), %d MiB registered in %d regions",
+                     info.device, info.port, info.gid, getattr(endpoint.engine, "gid_index", "?"),
+                     endpoint.size >> 20, len(endpoint.local))
         return endpoint, why
 
     def _transport(self) -> str:

@@ -118,19 +118,25 @@ class RdmaEndpoint:
         self.engine.close()
 
 
-def open_endpoint(pool: memoryview, open_engine: Callable[[str], VerbsEngine] | None = None
+def open_endpoint(pool: memoryview, open_engine: Callable[..., VerbsEngine] | None = None,
+                  device: str = "", port: int = 1, gid_index: int | None = None
                   ) -> tuple[RdmaEndpoint | None, str]:
-    """An endpoint on the first RDMA device, or (None, why not). Never raises."""
+    """An endpoint on RDMA ``device`` (""): the first one found) ``port``, with GID table entry
+    ``gid_index`` (None: chosen by ``verbs.choose_gid_index``), or (None, why not). Never raises.
+    ``open_engine(device, port, gid_index)`` defaults to ``PyverbsEngine``."""
     from emsd.transport.verbs import PyverbsEngine, probe
 
     devices, why = probe()
     if not devices:
         return None, why
+    name = device or devices[0]
+    if name not in devices:
+        return None, f"no RDMA device {name!r} (found {', '.join(devices)})"
     try:
-        engine = (open_engine or PyverbsEngine)(devices[0])
+        engine = (open_engine or PyverbsEngine)(name, port, gid_index)
         return RdmaEndpoint.register(engine, pool), ""
     except RdmaError as exc:
-        return None, f"RDMA device {devices[0]}: {exc}"
+        return None, f"RDMA device {name}: {exc}"
 
 
 # -- moving work requests --------------------------------------------------------

@@ -25,6 +25,7 @@ import importlib.machinery
 import importlib.util
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -32,7 +33,6 @@ from types import ModuleType
 from typing import Any, Protocol
 
 DEBIAN_DIST = Path("/usr/lib/python3/dist-packages")
-GID_INDEX = 0  # the port's first GID (RoCE v2 deployments may need another: docs/transports.md)
 
 
 class RdmaError(Exception):
@@ -96,6 +96,46 @@ class PortInfo:
     mtu: int  # path MTU in bytes (256..4096)
     max_sge: int
     max_wr: int
+
+
+@dataclass(frozen=True)
+class GidEntry:
+    """One row of a port's GID table, as ``choose_gid_index`` sees it."""
+
+    index: int
+    gid: str  # "xxxx:xxxx:...:xxxx", 8 groups
+    roce_v2: bool  # RoCE v2 (UDP/IP encapsulated); False: InfiniBand or RoCE v1
+
+
+def choose_gid_index(entries: Sequence[GidEntry], ethernet: bool) -> int:
+    """The GID index this port's queue pairs should use (``cluster.rdma_gid_index = "auto"``).
+
+    InfiniBand: the lowest index with a non-zero GID (the port GID). Ethernet
+    (RoCE): the best non-zero entry, the lowest index among equals: RoCE v2
+    with an IPv4-mapped address (``::ffff:a.b.c.d``: routed like the host's
+    IPv4 traffic), then RoCE v2 with a global IPv6 address, then RoCE v2
+    link-local, then RoCE v1. Raises ``RdmaError`` when every GID is zero.
+    """
+    ranked = [(_gid_rank(e, ethernet), e.index) for e in entries if not _is_zero(e.gid)]
+    if not ranked:
+        raise RdmaError("the port has no non-zero GID (set cluster.rdma_gid_index, see show_gids)")
+    return min(ranked)[1]
+
+
+def _gid_rank(e: GidEntry, ethernet: bool) -> int:
+    """0 = best. On InfiniBand every GID ranks alike."""
+    if not ethernet:
+        return 0
+    if not e.roce_v2:
+        return 3
+    groups = e.gid.lower().split(":")
+    if groups[:5] == ["0000"] * 5 and groups[5] == "ffff":
+        return 0
+    return 2 if int(groups[0], 16) & 0xFFC0 == 0xFE80 else 1
+
+
+def _is_zero(gid: str) -> bool:
+    return all(c in "0:" for c in gid)
 
 
 @dataclass(frozen=True)
@@ -196,9 +236,12 @@ _MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 
 
 class PyverbsEngine:  # pragma: no cover - needs an RDMA device; tests/integration/test_rdma.py
-    """``VerbsEngine`` on one device port with pyverbs: one PD, one CQ per QP."""
+    """``VerbsEngine`` on one device port with pyverbs: one PD, one CQ per QP.
 
-    def __init__(self, device: str, port: int = 1) -> None:
+    ``gid_index``: the port's GID table entry to use; None picks one
+    (``choose_gid_index``)."""
+
+    def __init__(self, device: str, port: int = 1, gid_index: int | None = None) -> None:
         load_pyverbs()
         from pyverbs.device import Context
         from pyverbs.pd import PD
@@ -208,10 +251,12 @@ class PyverbsEngine:  # pragma: no cover - needs an RDMA device; tests/integrati
             self.pd = PD(self.ctx)
             attr = self.ctx.query_device()
             pattr = self.ctx.query_port(port)
-            gid = self.ctx.query_gid(port, GID_INDEX)
+            if gid_index is None:
+                gid_index = choose_gid_index(self._gid_table(port), ethernet=self._ethernet(pattr))
+            gid = self.ctx.query_gid(port, gid_index)
         except Exception as exc:
             raise RdmaError(f"cannot open RDMA device {device!r} port {port}: {exc}") from None
-        self.device, self.port = device, port
+        self.device, self.port, self.gid_index = device, port, gid_index
         self._info = PortInfo(device=device, port=port, gid=str(gid), lid=int(pattr.lid),
                               mtu=_MTU_BYTES.get(int(pattr.active_mtu), 1024),
                               max_sge=int(attr.max_sge), max_wr=int(attr.max_qp_wr))
@@ -221,6 +266,19 @@ class PyverbsEngine:  # pragma: no cover - needs an RDMA device; tests/integrati
 
     def port_info(self) -> PortInfo:
         return self._info
+
+    def _gid_table(self, port: int) -> list[GidEntry]:
+        import pyverbs.enums as e
+
+        rows = self.ctx.query_gid_table(4096)  # every port's valid entries (ibv_query_gid_table)
+        return [GidEntry(int(r.gid_index), str(r.gid_str), int(r.gid_type) == e.IBV_GID_TYPE_ROCE_V2)
+                for r in rows if int(r.port_num) == port]
+
+    @staticmethod
+    def _ethernet(pattr: Any) -> bool:
+        import pyverbs.enums as e
+
+        return int(pattr.link_layer) == e.IBV_LINK_LAYER_ETHERNET
 
     def register(self, offset: int, addr: int, length: int) -> MemoryRegion:
         import pyverbs.enums as e
@@ -260,7 +318,7 @@ class PyverbsEngine:  # pragma: no cover - needs an RDMA device; tests/integrati
 
         handle, _, psn = qp
         try:
-            gr = GlobalRoute(dgid=GID(remote.gid), sgid_index=GID_INDEX)
+            gr = GlobalRoute(dgid=GID(remote.gid), sgid_index=self.gid_index)
             ah = AHAttr(port_num=self.port, is_global=1, gr=gr, dlid=remote.lid)
             attr = QPAttr(port_num=self.port)
             attr.path_mtu = self._active_mtu
