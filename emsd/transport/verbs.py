@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import ipaddress
 import sys
 import threading
 from collections.abc import Sequence
@@ -114,28 +115,30 @@ def choose_gid_index(entries: Sequence[GidEntry], ethernet: bool) -> int:
     (RoCE): the best non-zero entry, the lowest index among equals: RoCE v2
     with an IPv4-mapped address (``::ffff:a.b.c.d``: routed like the host's
     IPv4 traffic), then RoCE v2 with a global IPv6 address, then RoCE v2
-    link-local, then RoCE v1. Raises ``RdmaError`` when every GID is zero.
+    link-local, then RoCE v1. A GID that is not an IPv6 address in either
+    notation is skipped. Raises ``RdmaError`` when no entry is usable.
     """
-    ranked = [(_gid_rank(e, ethernet), e.index) for e in entries if not _is_zero(e.gid)]
+    ranked = [(rank, e.index) for e in entries if (rank := _gid_rank(e, ethernet)) is not None]
     if not ranked:
-        raise RdmaError("the port has no non-zero GID (set cluster.rdma_gid_index, see show_gids)")
+        raise RdmaError("the port has no usable GID (set cluster.rdma_gid_index, see show_gids)")
     return min(ranked)[1]
 
 
-def _gid_rank(e: GidEntry, ethernet: bool) -> int:
-    """0 = best. On InfiniBand every GID ranks alike."""
+def _gid_rank(e: GidEntry, ethernet: bool) -> int | None:
+    """0 = best; None: a zero or unreadable GID. On InfiniBand every GID ranks alike."""
+    try:
+        addr = ipaddress.IPv6Address(e.gid)
+    except ValueError:
+        return None
+    if int(addr) == 0:
+        return None
     if not ethernet:
         return 0
     if not e.roce_v2:
         return 3
-    groups = e.gid.lower().split(":")
-    if groups[:5] == ["0000"] * 5 and groups[5] == "ffff":
+    if addr.ipv4_mapped is not None:
         return 0
-    return 2 if int(groups[0], 16) & 0xFFC0 == 0xFE80 else 1
-
-
-def _is_zero(gid: str) -> bool:
-    return all(c in "0:" for c in gid)
+    return 2 if addr.is_link_local else 1
 
 
 @dataclass(frozen=True)
@@ -256,7 +259,7 @@ class PyverbsEngine:  # pragma: no cover - needs an RDMA device; tests/integrati
             gid = self.ctx.query_gid(port, gid_index)
         except Exception as exc:
             raise RdmaError(f"cannot open RDMA device {device!r} port {port}: {exc}") from None
-        self.device, self.port, self.gid_index = device, port, gid_index
+        self.device, self.port, self.gid_index = device, port, gid_index  # logged at start
         self._info = PortInfo(device=device, port=port, gid=str(gid), lid=int(pattr.lid),
                               mtu=_MTU_BYTES.get(int(pattr.active_mtu), 1024),
                               max_sge=int(attr.max_sge), max_wr=int(attr.max_qp_wr))

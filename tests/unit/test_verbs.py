@@ -85,11 +85,12 @@ def test_roce_picks_v2_with_an_ipv4_address_as_show_gids_would_suggest() -> None
 
 def test_a_port_with_only_zero_gids_is_refused_with_what_to_set() -> None:
     with pytest.raises(RdmaError, match="rdma_gid_index"):
-        choose_gid_index([GidEntry(0, ZERO, True)], ethernet=True)
+        choose_gid_index([GidEntry(0, ZERO, True), GidEntry(1, "garbage", True)], ethernet=True)
     assert choose_gid_index([GidEntry(0, ZERO, True), GidEntry(1, LINK_LOCAL, False)], ethernet=False) == 1
 
 
-_GIDS = st.sampled_from([LINK_LOCAL, V4_MAPPED, GLOBAL_V6, ZERO, V4_MAPPED.upper()])
+_GIDS = st.sampled_from([LINK_LOCAL, V4_MAPPED, GLOBAL_V6, ZERO, V4_MAPPED.upper(), "::ffff:10.0.1.2",
+                         "fe80::a1b:2cff:fe3d:4e5f", "not a gid", "::"])
 _ENTRY = st.builds(GidEntry, st.integers(0, 255), _GIDS, st.booleans())
 
 
@@ -97,14 +98,14 @@ def _rank(e: GidEntry, ethernet: bool) -> int:
     """The rule of the docstring, spelled out differently: lower is better."""
     if not ethernet:
         return 0
-    order = {V4_MAPPED: 0, GLOBAL_V6: 1, LINK_LOCAL: 2}
+    order = {V4_MAPPED: 0, "::ffff:10.0.1.2": 0, GLOBAL_V6: 1, LINK_LOCAL: 2, "fe80::a1b:2cff:fe3d:4e5f": 2}
     return order[e.gid.lower()] if e.roce_v2 else 3
 
 
 @given(st.lists(_ENTRY, min_size=1, max_size=12, unique_by=lambda e: e.index), st.booleans())
 @settings(max_examples=200, deadline=None)
 def test_the_chosen_gid_is_nonzero_and_no_entry_ranks_better(table: list[GidEntry], ethernet: bool) -> None:
-    usable = [e for e in table if e.gid != ZERO]
+    usable = [e for e in table if e.gid not in (ZERO, "::", "not a gid")]
     if not usable:
         with pytest.raises(RdmaError):
             choose_gid_index(table, ethernet)
