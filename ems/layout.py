@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -422,9 +423,7 @@ class KvLayout:
             keep = pos >= sk[key]
             key, pos, s = key[keep], pos[keep], s[keep]
         block, within = np.divmod(s, self.block_size)
-        parts = [_group_segments(g, c, key, pos, block, within) for g in self._groups]
-        cols = parts[0] if len(parts) == 1 else [np.concatenate([p[k] for p in parts]) for k in range(5)]
-        return CopyPlan(cols[0], cols[1], cols[2], cols[3], cols[4], c)
+        return _joined_plan([_group_segments(g, c, key, pos, block, within) for g in self._groups], c)
 
     def _whole_blocks(self, s: np.ndarray, c: np.ndarray) -> np.ndarray | None:
         """The block of each key when every key covers one whole block in order (the usual
@@ -453,8 +452,7 @@ class KvLayout:
             parts.append((tensor_addr.ravel(), np.broadcast_to(g.prefix * bs, shape).ravel(),
                           np.full(tensor_addr.size, bs * g.row_bytes, dtype=np.int64),
                           np.broadcast_to(g.tensor, shape).ravel(), np.arange(k).repeat(g.tensor.size)))
-        cols = parts[0] if len(parts) == 1 else [np.concatenate([p[j] for p in parts]) for j in range(5)]
-        return CopyPlan(cols[0], cols[1], cols[2], cols[3], cols[4], c)
+        return _joined_plan(parts, c)
 
     def place(
         self,
@@ -627,6 +625,13 @@ def _positions(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     starts = np.cumsum(counts) - counts
     pos = np.arange(n, dtype=np.int64) - starts[key]
     return key, pos
+
+
+def _joined_plan(parts: Sequence[tuple[np.ndarray, ...]], counts: np.ndarray) -> CopyPlan:
+    """One ``CopyPlan`` from the per-group segment columns (``_group_segments``' five), in
+    group order."""
+    cols = parts[0] if len(parts) == 1 else [np.concatenate([p[j] for p in parts]) for j in range(5)]
+    return CopyPlan(cols[0], cols[1], cols[2], cols[3], cols[4], counts)
 
 
 def _group_segments(
