@@ -684,7 +684,7 @@ class BlockStore:
             self.ledger.forget(ids)  # first: a crash from here on must not bring them back
         self._ns_add(ids, -1)
         if reuse:
-            kept = self.index.offset.take(ids).astype(np.uint64) * self._unit
+            kept = self._byte_offsets(ids)
         else:
             self._free_chunks(ids)
             kept = _NO_U8
@@ -695,7 +695,7 @@ class BlockStore:
     def _free_chunks(self, ids: np.ndarray) -> None:
         if ids.size == 0:
             return
-        offs = self.index.offset.take(ids).astype(np.uint64) * self._unit
+        offs = self._byte_offsets(ids)
         classes = self.slabs.class_of_offsets(offs)
         lo, hi = int(classes.min()), int(classes.max())
         if lo == hi:
@@ -703,6 +703,10 @@ class BlockStore:
             return
         for cls in np.unique(classes).tolist():
             self.slabs.free_many(cls, offs[classes == cls])
+
+    def _byte_offsets(self, ids: np.ndarray) -> np.ndarray:
+        """Where entries' chunks start in the region, in bytes (uint64)."""
+        return self.index.offset.take(ids).astype(np.uint64) * self._unit
 
     def _class_of(self, ids: np.ndarray) -> np.ndarray:
         return self.slabs.page_owner[self.index.offset[ids] // self._units_per_page]
