@@ -8,8 +8,10 @@
    working set (distinct blocks saved) and infinite-cache hit rate;
 2. sweeps pool capacities in process (``sim.in_store``: the daemon's own
    ``BlockStore``) for the eviction policies ``lru`` and ``prefix``, and
-   ``prefix`` with admission after 2 sightings; and a 3-node cluster in
-   process (``sim.in_cluster``) with 160 and 512 ring points per node;
+   ``prefix`` with admission after 2 sightings, and the offline reference
+   (``sim.belady``: evicts what is needed furthest in the future); and a
+   3-node cluster in process (``sim.in_cluster``) with 160 and 512 ring
+   points per node;
 3. replays the trace through the SDK against a real standalone daemon at
    25%, 50% and 100% of the working set, per policy, and against a real
    3-node cluster (ZooKeeper, peer transport; ``write_rcache`` off so that
@@ -132,6 +134,10 @@ def main() -> None:
                                            admit).sum() / whole_blocks) for f in fracs]
         print(f"  in-process {label:>14}: " + " ".join(f"{f:.0%}:{h:.3f}" for f, h in
                                                        zip(fracs, sweep[label], strict=True)), flush=True)
+    sweep["belady"] = [float(sim.belady(chained, capacity(ws, f) // BLOCK_BYTES).sum() / whole_blocks)
+                       for f in fracs]
+    print("  offline belady (knows the future): " + " ".join(
+        f"{f:.0%}:{h:.3f}" for f, h in zip(fracs, sweep["belady"], strict=True)), flush=True)
     out["sweep"] = {"fractions": fracs, **sweep}
     ring_fracs = [0.25, 0.5]
     out["ring_sweep"] = {"fractions": ring_fracs, "nodes": 3}
@@ -210,6 +216,7 @@ def plot(out: dict[str, Any], solo: Any, req_with: np.ndarray, req_without: np.n
                 ax.scatter([r["fraction"] * 100 for r in rows], [r["hit_rate"] for r in rows],
                            marker=marker, s=90, facecolors=face or "black", edgecolors="black",
                            label=f"{policy}, {'standalone' if nodes == 1 else '3-node cluster'} daemon")
+    ax.plot(fr, out["sweep"]["belady"], "k:", marker="x", label="Belady (offline: knows the future)")
     ax.axhline(out["infinite_hit_rate"], color="grey", ls=":", label="infinite cache")
     ax.set_xlabel("pool capacity, % of the working set")
     ax.set_ylabel("token hit rate")

@@ -8,11 +8,15 @@ loaded block as its predecessor). ``infinite`` keeps every block ever saved:
 the best any cache can do. ``in_store`` drives ``emsd.pool.store.BlockStore``
 (the daemon's synchronous core, same code) with a given capacity, eviction
 policy and admission threshold, which is fast enough to sweep many
-capacities; the real-daemon replays check it at a few points.
+capacities; the real-daemon replays check it at a few points. ``belady``
+is the offline reference: a cache that evicts what is needed furthest in the
+future.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +64,42 @@ def infinite(chained: list[Chained]) -> np.ndarray:
             h += 1
         hits[i] = h
         seen.update(c.keys)
+    return hits
+
+
+def belady(chained: list[Chained], blocks: int) -> np.ndarray:
+    """Hit blocks per request with a cache of ``blocks`` blocks that knows the future.
+
+    An offline reference, not a policy the pool could run: when a save needs
+    room it evicts the stored blocks (those just saved included: that is not
+    caching them) whose next use as a prompt block comes furthest in the
+    future, never-used-again first (Belady's MIN). A load counts only its
+    leading hits, and for such chained hits MIN by next use is not proven
+    optimal, so this is a reference point ("what knowing the future is
+    worth here"), not a strict upper bound.
+    """
+    uses: dict[bytes, list[int]] = {}
+    for i, c in enumerate(chained):
+        for k in c.keys[: c.prompt_blocks]:
+            uses.setdefault(k, []).append(i)
+    never = len(chained)
+    stored: dict[bytes, int] = {}  # key -> its next use (request index; ``never`` for none)
+    heap: list[tuple[int, bytes]] = []  # (-next use, key); stale entries skipped when popped
+    hits = np.zeros(len(chained), dtype=np.int64)
+    for i, c in enumerate(chained):
+        h = 0
+        while h < c.prompt_blocks and c.keys[h] in stored:
+            h += 1
+        hits[i] = h
+        for k in c.keys:
+            later = uses.get(k, ())
+            j = bisect.bisect_right(later, i)
+            stored[k] = later[j] if j < len(later) else never
+            heapq.heappush(heap, (-stored[k], k))
+        while len(stored) > blocks:
+            nxt, k = heapq.heappop(heap)
+            if stored.get(k) == -nxt:
+                del stored[k]
     return hits
 
 

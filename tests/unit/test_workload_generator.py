@@ -80,3 +80,27 @@ def test_ttft_model_falls_further_the_longer_the_context() -> None:
     assert (np.diff(ratio) < 0).all()
     assert float(ttft(model, load, 1000, 0)) == float(model.prefill_s(1000, 0))
     assert model.kv_bytes_per_token == 131072
+
+
+def _request(keys: list[bytes], prompt_blocks: int) -> sim.Chained:
+    return sim.Chained(keys, prompt_blocks, prompt_blocks * 64)
+
+
+def test_belady_keeps_the_block_needed_again_where_lru_does_not() -> None:
+    # One block of room: a is saved, then a one-off b, then a is loaded. Knowing the
+    # future, the cache does not keep b (never used again); LRU keeps b and loses a.
+    chained = [_request([b"a"], 0), _request([b"b"], 0), _request([b"a"], 1)]
+    assert sim.belady(chained, 1).tolist() == [0, 0, 1]
+    assert sim.in_store(chained, 4096, 4096, 4096, "lru").tolist() == [0, 0, 0]
+    assert sim.belady(chained, 0).tolist() == [0, 0, 0]
+
+
+def test_belady_is_the_infinite_cache_when_everything_fits_and_beats_the_store_when_not() -> None:
+    chained = sim.chain(generate(SMALL, 3), 64)
+    ws = sim.working_set(chained)
+    assert np.array_equal(sim.belady(chained, ws), sim.infinite(chained))
+    for blocks in (ws // 10, ws // 4):
+        offline = int(sim.belady(chained, blocks).sum())
+        assert offline < sim.infinite(chained).sum()
+        for policy in ("lru", "prefix"):
+            assert offline >= sim.in_store(chained, blocks * 4096, 4096, 4096, policy).sum()
