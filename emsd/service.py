@@ -80,6 +80,7 @@ class Session:
     tenant: str = DEFAULT_TENANT  # who the HELLO proved to be
     fetched: set[int] = field(default_factory=set)  # copies fetched for the PIN being handled
     transient: set[int] = field(default_factory=set)  # pinned copies to drop on release (wr off)
+    parsed: tuple[bytes, tuple[Any, Any, Any], tuple[int, KeyBatch, bytes]] | None = None  # Service._keys
 
 
 Response = tuple[dict[str, Any], list[bytes]]
@@ -534,8 +535,19 @@ class Service:
     # -- helpers ---------------------------------------------------------------
 
     def _keys(self, s: Session, h: dict[str, Any], p: bytes) -> tuple[int, KeyBatch, bytes]:
-        """(namespace, keys, rest of payload) of a keyed request; checks every field."""
+        """(namespace, keys, rest of payload) of a keyed request; checks every field.
+
+        A request looked at twice (a PIN by ``remote_fetch`` then its handler, an
+        EXISTS by its handler then ``follow_up``) is parsed once: the session keeps
+        the last answer with the payload object it came from. Payloads are
+        immutable ``bytes`` and a session's namespaces are never closed, so the
+        same object with the same fields gives the same answer (an empty payload,
+        which may be one shared object, is always parsed).
+        """
         ns, n, kt = h.get("ns"), h.get("n"), h.get("kt")
+        memo = s.parsed
+        if p and memo is not None and memo[0] is p and memo[1] == (ns, n, kt):
+            return memo[2]
         if type(ns) is not int or ns not in s.namespaces:
             raise RequestError(Status.INVALID_ARGUMENT, f"namespace {ns!r} not opened on this connection")
         if type(n) is not int or not 0 <= n <= MAX_BATCH_KEYS:
@@ -549,7 +561,9 @@ class Service:
             keys = KeyBatch.from_wire(int(kt), p[: width * n], n)  # type: ignore[arg-type]
         except KeyError_ as exc:
             raise RequestError(Status.INVALID_ARGUMENT, f"keys: {exc}") from None
-        return ns, keys, p[width * n :]
+        out = (ns, keys, p[width * n :])
+        s.parsed = (p, (ns, n, kt), out)
+        return out
 
     _handlers = {
         Op.NAMESPACE: _namespace,
