@@ -59,12 +59,17 @@ def infinite(chained: list[Chained]) -> np.ndarray:
     seen: set[bytes] = set()
     hits = np.zeros(len(chained), dtype=np.int64)
     for i, c in enumerate(chained):
-        h = 0
-        while h < c.prompt_blocks and c.keys[h] in seen:
-            h += 1
-        hits[i] = h
+        hits[i] = _leading_hits(c, seen)
         seen.update(c.keys)
     return hits
+
+
+def _leading_hits(c: Chained, stored: set[bytes] | dict[bytes, int]) -> int:
+    """How many of ``c``'s prompt blocks, from the first, are in ``stored``."""
+    h = 0
+    while h < c.prompt_blocks and c.keys[h] in stored:
+        h += 1
+    return h
 
 
 def belady(chained: list[Chained], blocks: int) -> np.ndarray:
@@ -87,10 +92,7 @@ def belady(chained: list[Chained], blocks: int) -> np.ndarray:
     heap: list[tuple[int, bytes]] = []  # (-next use, key); stale entries skipped when popped
     hits = np.zeros(len(chained), dtype=np.int64)
     for i, c in enumerate(chained):
-        h = 0
-        while h < c.prompt_blocks and c.keys[h] in stored:
-            h += 1
-        hits[i] = h
+        hits[i] = _leading_hits(c, stored)
         for k in c.keys:
             later = uses.get(k, ())
             j = bisect.bisect_right(later, i)
