@@ -153,6 +153,30 @@ class ContextCaching:
         self._profiler.record("exists", start, result)
         return result
 
+    def clear(self, option: CcKvOption | None = None) -> int:
+        """Drop every block stored under this object's namespace (an emsd extension, not
+        in the EMS API): on the local emsd and, in a cluster, on every member. Later
+        loads miss and saves store afresh, so call it when the stored KV is wrong
+        for the engine, e.g. after its weights changed in place.
+
+        Returns how many blocks the local node evicted. Blocks that a load in
+        flight has pinned, or that a save begun before the call is still
+        writing, are no longer found but free their memory only later.
+        Raises ``EMS_IO_ERROR`` when a member did not confirm in time (its
+        blocks may still be found there; call again), and the SDK's usual
+        errors (no daemon, timeout).
+        """
+        opt = resolve_option(option)
+        client, deadline = self._connected(), _deadline(opt)
+        ns = self._ns(client, deadline)
+        header, _ = client.call(Op.DROP, {"ns": ns, **_budget(deadline)}, timeout=_remaining(deadline))
+        missed = header.get("missed", 0)
+        if missed:
+            raise EmsException(EmsErrorCode.EMS_IO_ERROR,
+                               f"clear: {missed} cluster member(s) did not confirm the drop; "
+                               "their blocks may still be found")
+        return int(header.get("dropped", 0))
+
     # -- the work ------------------------------------------------------------------
 
     def _timed(self, op: str, fn: Callable[[BatchRequest, CcKvOption], CcResult],

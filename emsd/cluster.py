@@ -271,6 +271,25 @@ class Cluster:
         finally:
             answers.append((sel, got))
 
+    async def drop(self, ns_name: str, deadline: float) -> int:
+        """Have every other member of the current view drop namespace ``ns_name``, in parallel,
+        within ``deadline``; returns how many did not confirm it (0: all did).
+
+        A node outside the view (down, or not joined yet) is not asked: with a
+        warm restart it comes back with the namespace's blocks.
+        """
+        if self._alone():
+            return 0
+        others = [m.node_id for m in self.ring.view.members if m.node_id != self.node_id]
+        done: list[str] = []
+
+        async def one(node: str) -> None:
+            if await self._on_link(node, "drop", lambda conn: conn.drop(ns_name)):
+                done.append(node)
+
+        await self._bounded(deadline, *(one(node) for node in others))
+        return len(others) - len(done)
+
     async def push(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray,
                    deadline: float) -> np.ndarray:
         """Send blocks to every other owner; True per key now held by at least one owner.

@@ -201,6 +201,16 @@ def drain(ctl: Control, timeout: float, progress: bool) -> dict[str, Any]:
             raise CtlError(f"drain: {step['remaining']} blocks still to move after {timeout:g} s")
 
 
+def drop(ctl: Control, namespace: str, timeout: float) -> dict[str, Any]:
+    """Drop a namespace on this node and every member of its cluster (``Service.drop_namespace``)."""
+    ns = ctl.call(Op.NAMESPACE, {"name": namespace})["ns"]
+    answer = ctl.call(Op.DROP, {"ns": ns, "to": max(1, int(timeout * 1000))}, timeout=timeout + 5)
+    if answer.get("missed"):
+        raise CtlError(f"drop: {answer['missed']} cluster member(s) did not confirm; their blocks "
+                       "may still be found (run it again)")
+    return {"namespace": namespace, "dropped": answer["dropped"]}
+
+
 def config_check(path: str) -> dict[str, Any]:
     try:
         cfg = load_config(path)
@@ -257,6 +267,10 @@ def _parser() -> argparse.ArgumentParser:
     ow.add_argument("keys", nargs="+", metavar="KEY", help="an integer, or 0x-prefixed hex bytes")
     dr = sub.add_parser("drain", help="leave the ring and move owned blocks away")
     dr.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    dp = sub.add_parser("drop", help="forget every block of a namespace, on every node (e.g. after a "
+                        "weight update)")
+    dp.add_argument("--namespace", required=True, help="its name (emsctl --json status lists them)")
+    dp.add_argument("--timeout", type=float, default=10.0, help="seconds the other nodes have to confirm")
     cf = sub.add_parser("config", help="config files")
     cf_sub = cf.add_subparsers(dest="config_cmd", required=True)
     check = cf_sub.add_parser("check", help="validate a config file")
@@ -282,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif args.cmd == "owner":
                     out = owner(ctl, args.namespace, args.keys)
                     text = show_owner(out)
+                elif args.cmd == "drop":
+                    out = drop(ctl, args.namespace, args.timeout)
+                    text = f"dropped {out['namespace']}: {out['dropped']} blocks evicted on this node"
                 else:
                     out = drain(ctl, args.timeout, progress=not args.json)
                     text = f"drained: {out['moved']} blocks moved, {out['failed']} not taken"

@@ -168,8 +168,12 @@ class PoolCollector(Collector):
         yield ev
         ns = GaugeMetricFamily("emsd_pool_namespace_bytes", "Committed bytes by namespace",
                                labels=["namespace"])
-        for ns_id, n in sorted(st.ns_bytes.items()):
-            ns.add_metric([self._ns_name(ns_id)], n)
+        by_name: dict[str, int] = {}  # a dropped namespace's old id has the same name as its new one
+        for ns_id, n in st.ns_bytes.items():
+            name = self._ns_name(ns_id)
+            by_name[name] = by_name.get(name, 0) + n
+        for name, n in sorted(by_name.items()):
+            ns.add_metric([name], n)
         yield ns
         cls = GaugeMetricFamily("emsd_pool_class_bytes", "Bytes of slab pages by size class and state",
                                 labels=["chunk_size", "state"])

@@ -149,7 +149,8 @@ class Daemon:
         except (ConfigError, ValueError) as exc:
             raise StartupError(str(exc)) from None
         assert self._pool_view is not None
-        access = PoolAccess(store, self._pool_view, service.namespace_id, service.checksums)
+        access = PoolAccess(store, self._pool_view, service.namespace_id, service.checksums,
+                            service.drop_namespace)
         rdma, why = await asyncio.get_running_loop().run_in_executor(None, self._open_rdma, self._pool_view)
         cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret, metrics=self.metrics,
                           rdma=rdma, rdma_reason=why, tls=tls)

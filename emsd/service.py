@@ -57,6 +57,7 @@ log = logging.getLogger("emsd.service")
 
 MAX_NAMESPACE_LEN = 4096
 MAX_NAMESPACES_PER_SESSION = 1024
+RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_namespace)
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
 
 
@@ -100,6 +101,7 @@ class Service:
         self.metrics = metrics
         self._ns_ids: dict[str, int] = {}
         self._ns_names: list[str] = []
+        self._retired: dict[int, int] = {}  # dropped namespace id -> the id its name has now
         self.started = time.time()
         self.cluster: Cluster | None = None  # set when the node runs in a cluster
         self.info: dict[str, Any] = {}  # start-up facts STATS reports (restart outcome, metrics address)
@@ -207,13 +209,16 @@ class Service:
 
         COMMIT in a cluster: forward the blocks to their owners. EXISTS that
         did not find every key here: ask the owners of the rest. DRAIN: leave
-        the ring and move a batch of owned blocks.
+        the ring and move a batch of owned blocks. DROP: the other members drop
+        the namespace too.
         """
         if self.cluster is None or resp.get("st"):
             return None
         op = header.get("op")
         if op == Op.DRAIN:
             return self._drain_batch(_now() + _timeout(header), resp)
+        if op == Op.DROP:
+            return self._drop_elsewhere(header, resp)
         if op == Op.EXISTS and not header.get("lo") and resp.get("count", 0) < header.get("n", 0):
             return self._exists_remote(session, header, payload, resp)
         return self.forward_commit(header, payload, resp)
@@ -225,6 +230,14 @@ class Service:
         ns, keys, _ = self._keys(session, header, payload)
         resp["count"] = await self.cluster.exists(self.namespace_name(ns), keys, self.store.present(ns, keys),
                                                   _now() + _timeout(header))
+        return resp
+
+    async def _drop_elsewhere(self, header: dict[str, Any], resp: dict[str, Any]) -> dict[str, Any]:
+        """A DROP done here: the other members of the view drop the namespace too; ``missed``
+        counts those that did not answer in time (their blocks may still be found)."""
+        assert self.cluster is not None
+        name = self.namespace_name(self._live(int(header["ns"])))
+        resp["missed"] = await self.cluster.drop(name, _now() + _timeout(header))
         return resp
 
     async def _drain_batch(self, deadline: float, resp: dict[str, Any]) -> dict[str, Any]:
@@ -283,6 +296,8 @@ class Service:
         reached = np.zeros(handles.size, dtype=np.uint8)
         nss = self.store.index.ns_of(handles)
         for ns in np.unique(nss).tolist():
+            if ns in self._retired:  # reserved before a drop: not pushed, not "reached"
+                continue
             sel = np.flatnonzero(nss == ns)
             keys = self.store.index.keys_of(handles[sel])
             pinned = self.pin_checked(ns, keys)  # hold them while they are sent
@@ -309,13 +324,21 @@ class Service:
     # -- handlers -------------------------------------------------------------
 
     def restore_namespaces(self, names: dict[int, str]) -> None:
-        """Take back the namespace ids of a warm restart (ids without a name stay unused)."""
+        """Take back the namespace ids of a warm restart (ids without a name stay unused).
+
+        Ids dropped before the restart (``drop_namespace``: named ``RETIRED`` in
+        the ledger) stay unreachable and their blocks are evicted now.
+        """
         top = max(names, default=-1) + 1
         self._ns_names = [names.get(ns, f"\0unnamed-{ns}") for ns in range(top)]
-        self._ns_ids = {name: ns for ns, name in names.items()}
-        for ns, name in names.items():
+        live = {ns: name for ns, name in names.items() if name != RETIRED}
+        self._ns_ids = {name: ns for ns, name in live.items()}
+        for ns, name in live.items():
             self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
             self.store.name_namespace(ns, name)
+        gone = sum(self.store.drop_namespace(ns) for ns in names if ns not in live)
+        if gone:
+            log.info("warm restart: %d blocks of dropped namespaces evicted", gone)
 
     def namespace_id(self, name: str) -> int:
         """The local id of namespace ``name``, created on first use (ids are per daemon)."""
@@ -333,6 +356,36 @@ class Service:
 
     def namespace_name(self, ns: int) -> str:
         return self._ns_names[ns]
+
+    def drop_namespace(self, name: str) -> int:
+        """Retire namespace ``name`` on this node: from now on nothing finds its blocks.
+
+        The name gets a new, empty id; requests naming the old id (sessions
+        opened before) go to the new one, so a load after the drop misses and
+        a save stores afresh. The old id's READY, unpinned blocks are evicted
+        now (returns how many); blocks pinned by a load in flight, or still
+        being written by a save that reserved before the drop, stay under the
+        old id, unreachable, until they are evicted like any other. A name
+        never opened here has nothing to drop (0).
+        """
+        old = self._ns_ids.pop(name, None)
+        if old is None:
+            return 0
+        new = self.namespace_id(name)
+        for gone, now in self._retired.items():
+            if now == old:
+                self._retired[gone] = new
+        self._retired[old] = new
+        ledger = self.store.ledger
+        if ledger is not None:
+            ledger.add_namespace(old, RETIRED)  # a warm restart must not bring its blocks back
+        dropped = self.store.drop_namespace(old)
+        log.info("namespace %r dropped: id %d -> %d, %d blocks evicted", name, old, new, dropped)
+        return dropped
+
+    def _live(self, ns: int) -> int:
+        """The id a request naming ``ns`` uses: ``ns``, or after a drop the name's new id."""
+        return self._retired.get(ns, ns)
 
     def _namespace(self, s: Session, h: dict[str, Any], _p: bytes) -> Response:
         name = h.get("name")
@@ -488,7 +541,8 @@ class Service:
             "evictions": dict(st.evictions),
             "clients": self.sessions,
             "namespaces": len(self._ns_names),
-            "namespace_names": [n for n in self._ns_names[:100] if not n.startswith("\0")],
+            "namespace_names": [n for i, n in enumerate(self._ns_names[:100])
+                                if not n.startswith("\0") and i not in self._retired],
             "uptime_s": time.time() - self.started,
             "membership": "standalone" if self.cluster is None else self.cluster.state.value,
             "members": [self.node_id] if self.cluster is None else [n.node_id for n in self.cluster.view],
@@ -532,6 +586,13 @@ class Service:
     def _ping(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         return {}, []
 
+    def _drop(self, s: Session, h: dict[str, Any], _p: bytes) -> Response:
+        ns = h.get("ns")
+        if type(ns) is not int or ns not in s.namespaces:
+            raise RequestError(Status.INVALID_ARGUMENT, f"namespace {ns!r} not opened on this connection")
+        dropped = self.drop_namespace(self.namespace_name(self._live(ns)))
+        return {"dropped": dropped, "missed": 0}, []  # in a cluster the other members follow (follow_up)
+
     # -- helpers ---------------------------------------------------------------
 
     def _keys(self, s: Session, h: dict[str, Any], p: bytes) -> tuple[int, KeyBatch, bytes]:
@@ -542,12 +603,13 @@ class Service:
         the last answer with the payload object it came from. Payloads are
         immutable ``bytes`` and a session's namespaces are never closed, so the
         same object with the same fields gives the same answer (an empty payload,
-        which may be one shared object, is always parsed).
+        which may be one shared object, is always parsed). The namespace is
+        the one the id names now (``_live``: a dropped id goes to its name's new one).
         """
         ns, n, kt = h.get("ns"), h.get("n"), h.get("kt")
         memo = s.parsed
         if p and memo is not None and memo[0] is p and memo[1] == (ns, n, kt):
-            return memo[2]
+            return self._live(memo[2][0]), memo[2][1], memo[2][2]
         if type(ns) is not int or ns not in s.namespaces:
             raise RequestError(Status.INVALID_ARGUMENT, f"namespace {ns!r} not opened on this connection")
         if type(n) is not int or not 0 <= n <= MAX_BATCH_KEYS:
@@ -563,7 +625,7 @@ class Service:
             raise RequestError(Status.INVALID_ARGUMENT, f"keys: {exc}") from None
         out = (ns, keys, p[width * n :])
         s.parsed = (p, (ns, n, kt), out)
-        return out
+        return self._live(ns), keys, out[2]
 
     _handlers = {
         Op.NAMESPACE: _namespace,
@@ -576,6 +638,7 @@ class Service:
         Op.PING: _ping,
         Op.OWNER: _owner,
         Op.DRAIN: _drain,
+        Op.DROP: _drop,
     }
 
 

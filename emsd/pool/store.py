@@ -457,6 +457,18 @@ class BlockStore:
             self._evict(ids, reason)
         return int(ids.size)
 
+    def drop_namespace(self, ns: int) -> int:
+        """Evict every READY, unpinned entry of namespace ``ns`` (a namespace retired by
+        ``Service.drop_namespace``: nothing can find them any more); returns how many.
+        Pinned and PENDING entries are left to age out like any other."""
+        idx = self.index
+        hw = idx.high_water
+        ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
+        ids = ids[idx.ns_of(ids) == ns]
+        if ids.size:
+            self._evict(ids, "dropped")
+        return int(ids.size)
+
     def evict_within(self, namespaces: np.ndarray, nbytes: int, keep: np.ndarray) -> int:
         """Evict the least recently used READY unpinned entries of ``namespaces`` (never the ids
         in ``keep``) until at least ``nbytes`` of block lengths are freed, or none is left.

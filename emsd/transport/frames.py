@@ -50,6 +50,7 @@ class Op(IntEnum):
     PING = 9  # liveness
     OWNER = 10  # which nodes own these keys (operators: emsctl owner)
     DRAIN = 11  # leave the ring and move owned blocks to their new owners, a batch per call
+    DROP = 12  # retire a namespace: its blocks are found no more, here and on every member
 
 
 class Status(IntEnum):

@@ -3,7 +3,7 @@
 ``emsd.cluster`` only talks to peers through ``PeerLink`` objects made by a
 ``Dialer``. The TCP transport (``emsd.transport.peer.PeerConnection``)
 is the one implementation today; an RDMA transport slots in by providing
-the same five calls and ``closed``. Every failure surfaces as ``PeerError`` (the
+the same six calls and ``closed``. Every failure surfaces as ``PeerError`` (the
 cluster then treats the peer as down for a moment); a cancelled call must leave
 nothing reserved in the local pool and the link closed.
 """
@@ -32,6 +32,9 @@ class PeerLink(Protocol):
 
     async def exists(self, ns_name: str, keys: KeyBatch) -> int:
         """How many leading ``keys`` the peer holds (READY); nothing moves, nothing is pinned."""
+
+    async def drop(self, ns_name: str) -> int:
+        """Have the peer drop namespace ``ns_name`` (``Service.drop_namespace``); 1 once it has."""
 
     def close(self) -> None:
         """Drop the link; later calls raise ``PeerError``."""

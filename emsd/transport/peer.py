@@ -41,6 +41,9 @@ per peer for parallelism):
 - ``PUT {ns, n, kt, lengths}`` + keys + the blocks' bytes: the server
   reserves, receives into its chunks and commits; it answers ``{stored}``, the
   number of leading blocks now present on the server.
+- ``HAS {ns, n, kt}`` + keys: ``{count}`` of leading keys the server holds.
+- ``DROP {ns}``: the server drops the namespace (``Service.drop_namespace``)
+  and answers ``{dropped}``, the blocks it evicted.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ OP_CHALLENGE, OP_AUTH, OP_GET, OP_PUT = 101, 102, 103, 104
 OP_RDMA_QP, OP_RDMA_PIN, OP_RDMA_UNPIN, OP_RDMA_RESERVE, OP_RDMA_COMMIT = 105, 106, 107, 108, 109
 RDMA_OPS = frozenset((OP_RDMA_QP, OP_RDMA_PIN, OP_RDMA_UNPIN, OP_RDMA_RESERVE, OP_RDMA_COMMIT))
 OP_HAS = 110  # how many leading keys the peer holds (a cluster-wide exists)
+OP_DROP = 111  # drop a namespace on the peer (a cluster-wide DROP)
 NONCE_BYTES = 32
 AUTH_TIMEOUT = 5.0
 MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
@@ -137,6 +141,7 @@ class PoolAccess:
     pool: memoryview  # the whole region, writable
     namespace_id: Callable[[str], int]  # name -> local id (created on first use)
     checksums: Checksums | None = None  # pool.checksum: seal what arrives, check what leaves
+    drop_namespace: Callable[[str], int] | None = None  # name -> blocks evicted (None: refused)
 
     def pin(self, ns: int, keys: KeyBatch) -> Pinned:
         """``store.pin``, cut before the first block whose checksum fails."""
@@ -486,6 +491,8 @@ class PeerServer:
                         await self._put(loop, conn, rid, header, payload, scratch)
                     elif header.get("op") == OP_HAS:
                         await self._has(loop, conn, rid, header, payload)
+                    elif header.get("op") == OP_DROP:
+                        await self._drop(loop, conn, rid, header, payload)
                     elif header.get("op") in RDMA_OPS:
                         if handler is None and self.control is not None:
                             handler = self.control()
@@ -568,6 +575,18 @@ class PeerServer:
         ns, keys = self._keyed(header, payload)
         count = self.access.store.exists(ns, keys)
         await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": count})
+
+    async def _drop(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
+                    header: dict[str, Any], payload: bytes) -> None:
+        ns_name = header.get("ns")
+        if not isinstance(ns_name, str) or payload:
+            raise FrameError("DROP takes a namespace name and nothing else")
+        if self.access.drop_namespace is None:
+            await _send(loop, conn, {"id": rid, "st": int(Status.INVALID_ARGUMENT),
+                                     "msg": "this node cannot drop namespaces"})
+            return
+        dropped = self.access.drop_namespace(ns_name)
+        await _send(loop, conn, {"id": rid, "st": int(Status.OK), "dropped": dropped})
 
     def _keyed(self, header: dict[str, Any], payload: bytes) -> tuple[int, KeyBatch]:
         """(local namespace id, keys) of a GET or HAS: a namespace name and nothing after the keys."""
@@ -708,6 +727,14 @@ class PeerConnection:
         if type(count) is not int or not 0 <= count <= len(keys):
             raise PeerError(f"EXISTS answer from {self.peer_id} has a bad count")
         return count
+
+    async def drop(self, ns_name: str) -> int:
+        """Have the peer drop namespace ``ns_name``; 1 once it has (raises ``PeerError``)."""
+        try:
+            await self.call(OP_DROP, {"ns": ns_name})
+        except PeerRefused as exc:
+            raise PeerError(str(exc)) from None
+        return 1
 
     async def call(self, op: int, fields: dict[str, Any], *payload: bytes) -> tuple[dict[str, Any], bytes]:
         """One control request and its answer (RDMA set-up); raises ``PeerRefused`` for an error

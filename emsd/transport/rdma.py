@@ -398,6 +398,11 @@ class SelectingLink:
         async with self._lock:
             return await self.tcp.exists(ns_name, keys)
 
+    async def drop(self, ns_name: str) -> int:
+        """Have the peer drop namespace ``ns_name`` (a control message: over TCP always)."""
+        async with self._lock:
+            return await self.tcp.drop(ns_name)
+
     async def _rdma_get(self, ns_name: str, keys: KeyBatch) -> int | None:
         """PIN, READ, commit, UNPIN; None when RDMA failed and the request must go over TCP."""
         kt, raw = keys.to_wire()

@@ -174,6 +174,35 @@ def test_a_killed_owner_costs_only_its_share_and_calls_stay_bounded(cluster: Any
     assert a.alive()
 
 
+def test_clear_drops_the_namespace_on_every_member_and_names_a_dead_one(cluster: Any,
+                                                                          monkeypatch: Any) -> None:
+    from ems import EmsErrorCode, EmsException
+
+    a, b = cluster(2)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(kv(7))
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
+                   option=CcKvOption(write_rcache=False)).success == BLOCKS
+    held_b = stats(b)["entries"]
+    assert 0 < held_b < BLOCKS  # each block at its owner only
+    cc = use(b, monkeypatch)
+    cc.register_kvcache(kv(8))
+    assert cc.exists(KEYS).success == BLOCKS
+    assert cc.clear() == held_b  # b evicts its share; a, asked over the peer link, its own
+    assert stats(a)["entries"] == 0 and stats(b)["entries"] == 0
+    assert cc.exists(KEYS).success == 0
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(kv(9))
+    assert cc.load(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == 0
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS  # afresh
+    b.kill9()  # still in a's view until its ZooKeeper session expires
+    with pytest.raises(EmsException) as err:
+        cc.clear()
+    assert err.value.status_code() == EmsErrorCode.EMS_IO_ERROR and "1 cluster member" in str(err.value)
+    assert cc.exists(KEYS, option=CcKvOption(read_local_only=True)).success == 0  # a's part is gone
+    assert a.alive()
+
+
 def test_zookeeper_down_keeps_serving_and_the_cluster_rejoins(cluster: Any, zookeeper: Any,
                                                                monkeypatch: Any) -> None:
     a, b = cluster(2)

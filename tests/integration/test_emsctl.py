@@ -1,4 +1,4 @@
-"""emsctl against real daemons: status, stats, owner, drain and config check, as tables and JSON."""
+"""emsctl against real daemons: status, stats, owner, drop, drain and config check, as tables and JSON."""
 
 from __future__ import annotations
 
@@ -80,6 +80,20 @@ def test_status_stats_owner_and_config_check_on_a_standalone_node(emsd: Any, mon
 
 
 @pytest.mark.skipif(zk.available() is not None, reason=str(zk.available()))
+def test_drop_forgets_a_namespace_that_the_engine_still_has_open(emsd: Any, monkeypatch: Any) -> None:
+    cc = use(emsd, monkeypatch)
+    cc.register_kvcache(kv(2))
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+    out = emsctl("drop", "--namespace", NS, socket_dir=emsd.socket_dir)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"dropped {NS}: {BLOCKS} blocks evicted on this node"
+    assert cc.exists(KEYS).success == 0  # the engine's open connection sees the drop
+    again = json.loads(emsctl("--json", "drop", "--namespace", NS, socket_dir=emsd.socket_dir).stdout)
+    assert again == {"namespace": NS, "dropped": 0}
+    refused = emsctl("drop", "--namespace", "", socket_dir=emsd.socket_dir)
+    assert refused.returncode == 1 and "namespace name" in refused.stderr
+
+
 def test_drain_moves_a_nodes_share_to_the_others_before_it_stops(emsd_factory: Any, tmp_path: Path,
                                                                  monkeypatch: Any) -> None:
     server = zk.ZooKeeperServer(tmp_path / "zk").start()

@@ -241,3 +241,35 @@ async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_th
         owner.cancel()
         await asyncio.gather(owner, return_exceptions=True)
         listener.close()
+
+
+async def test_drop_reaches_the_peer_and_a_bad_or_refused_drop_harms_nothing() -> None:
+    a, b = Node("a"), Node("b")
+    b.put_local("ns", [1, 2], blocks(2, 1000, seed=7))
+    asked: list[str] = []
+    b.access.drop_namespace = lambda name: asked.append(name) or 2
+    server, port = await serve(b)
+    loop = asyncio.get_running_loop()
+    try:
+        conn = PeerConnection(a.access, "a", SECRET)
+        await conn.connect("127.0.0.1", port)
+        assert await conn.drop("ns") == 1 and asked == ["ns"]
+        assert await conn.exists("ns", KeyBatch.from_user([1])) == 1  # the stream stays in step
+        conn.close()
+        bad = PeerConnection(a.access, "a", SECRET)
+        await bad.connect("127.0.0.1", port)
+        assert bad.sock is not None
+        head = msgpack.packb({"v": 1, "id": 9, "op": 111, "ns": 5})  # a DROP without a name
+        await loop.sock_sendall(bad.sock, struct.pack("<II", len(head), 0) + head)
+        await drain(bad.sock)  # answered and dropped
+        bad.close()
+        b.access.drop_namespace = None  # a node that cannot drop says so; the link stays usable
+        refused = PeerConnection(a.access, "a", SECRET)
+        await refused.connect("127.0.0.1", port)
+        with pytest.raises(PeerError, match="cannot drop"):
+            await refused.drop("ns")
+        assert await refused.exists("ns", KeyBatch.from_user([1, 2])) == 2
+        assert asked == ["ns"]
+        refused.close()
+    finally:
+        await server.close()

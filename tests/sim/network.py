@@ -185,6 +185,22 @@ class SimLink:
             raise
         return count
 
+    async def drop(self, ns_name: str) -> int:
+        remote = self._ready()
+        try:
+            await self._hop()
+            if remote.access.drop_namespace is None:
+                raise PeerError("this node cannot drop namespaces")
+            remote.access.drop_namespace(ns_name)
+            await self._hop(reply=True)
+        except PeerError as exc:
+            self.close()
+            raise PeerError(f"DROP at {remote.node_id} failed: {exc}") from None
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        return 1
+
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
         remote = self._ready()
         try:
