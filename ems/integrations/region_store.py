@@ -135,6 +135,21 @@ class RegionStore:
                 break
         return done
 
+    def clear(self) -> bool:
+        """Drop every value of this store's namespace (``ContextCaching.clear``, on every
+        member of a cluster); True once emsd confirmed it. Never raises; a failure is
+        logged and leaves the store usable (it does not count as emsd being down)."""
+        cc = self._context()
+        if cc is None:
+            return False
+        try:
+            dropped = cc.clear(self._option)
+        except Exception as exc:
+            log.warning("%s: clear failed, stored values may still be found: %s", self.name, exc)
+            return False
+        log.info("%s: cleared (%d blocks evicted on this node)", self.name, dropped)
+        return True
+
     def close(self) -> None:
         """Wait for the store's SDK work in flight; later calls reconnect."""
         with self._lock:

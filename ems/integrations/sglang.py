@@ -41,8 +41,10 @@ Fail open: emsd down, hung, full or refusing gives misses (``None``,
 controller (see ``ems.integrations.region_store``). ``batch_exists``
 returns the length of the stored prefix with one round trip.
 
-Not supported: ``clear()`` (the SDK has no delete; emsd evicts by itself),
-the v2 interface for hybrid models (``batch_*_v2``, Mamba/SWA side pools).
+``clear()`` drops this backend's namespaces on every emsd of the cluster
+(``ContextCaching.clear``): SGLang's ``/clear_hicache_storage_backend``, to
+call after weights change in place. Not supported: the v2 interface for
+hybrid models (``batch_*_v2``, Mamba/SWA side pools).
 """
 
 from __future__ import annotations
@@ -270,8 +272,13 @@ class EmsdHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             return 0
 
     def clear(self) -> bool:
-        log.warning("EmsdHiCacheStorage.clear: emsd has no delete through the SDK; nothing cleared")
-        return False
+        """Drop every page this backend's namespaces hold (both formats), on every emsd
+        of the cluster (``ContextCaching.clear``); True once all confirmed. SGLang calls
+        it for ``/clear_hicache_storage_backend``, e.g. after a weight update."""
+        stores = [store for store in (self.zero_copy, self.flat) if store is not None]
+        if not stores:
+            return False
+        return all([store.clear() for store in stores])  # a list: every store is cleared
 
     def close(self) -> None:
         for store in (self.zero_copy, self.flat):

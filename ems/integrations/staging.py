@@ -91,6 +91,10 @@ class StagedValues:
         """How many leading keys emsd holds."""
         return self.store.exists(keys)
 
+    def clear(self) -> bool:
+        """Drop every stored value (``RegionStore.clear``); True once emsd confirmed it."""
+        return self.store.clear()
+
     def close(self) -> None:
         self.store.close()
 

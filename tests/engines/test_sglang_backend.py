@@ -278,6 +278,23 @@ def test_emsd_killed_mid_use_gives_misses_never_errors(ems_env: Any) -> None:
     assert flat.batch_get(keys) == [None, None] and not flat.exists(keys[0])
 
 
+def test_clear_drops_every_stored_page_and_fails_soft_without_emsd(ems_env: Any) -> None:
+    # SGLang's /clear_hicache_storage_backend, e.g. after a weight update: nothing stored
+    # before may be served after, in either format.
+    pool = FakeHostPool("page_first", seed=6)
+    v1, flat = backend_for(pool), backend_for(pool, interface_v1=False)
+    keys = hashes(2, tag="clear")
+    assert v1.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    assert flat.batch_set(keys, [pool.get_data_page(0), pool.get_data_page(PAGE)])
+    assert v1.clear() is True
+    assert v1.batch_exists(keys) == 0 and flat.batch_exists(keys) == 0
+    assert v1.batch_get_v1(keys, indices([4, 5])) == [False, False]
+    assert v1.batch_set_v1(keys, indices([2, 3])) == [True, True]  # stored afresh
+    ems_env.kill9()
+    assert v1.clear() is False  # no exception reaches SGLang
+    assert v1.batch_exists(keys) == 0
+
+
 def test_unknown_emsd_option_is_refused_by_name(ems_env: Any) -> None:
     with pytest.raises(ValueError, match="emsd_timeout"):
         StorageBackendFactory.create_backend("dynamic", storage_config(True, emsd_timeout=1), None)
