@@ -15,7 +15,9 @@ after the locally cached prefix emsd holds. The match is reported in whole
 blocks, never the whole prompt (vLLM needs at least one token to compute,
 ``lookup_window``), and dropped when it is shorter than ``min_reuse_tokens``
 (``matched_tokens``). Loads are synchronous (``load_kv_async=False``): they
-complete before the forward pass that needs them.
+complete before the forward pass that needs them. ``reset_cache`` (vLLM's
+``reset_prefix_cache(reset_connector=True)``, after a weight update) drops
+the model's namespace of every rank in emsd.
 
 Worker side: ``start_load_kv`` copies the matched blocks from emsd into the
 paged KV cache (``async_load`` per request, then waits for all of them);
@@ -92,10 +94,11 @@ from typing import TYPE_CHECKING, Any
 from ems.cc_v1.cc_config import CcConfig_v1, KVCacheType
 from ems.common.exception import EmsErrorCode, EmsException
 from ems.config import CcKvOption, EmsConfig
+from ems.context_caching import ContextCaching
 from ems.ems import Ems
+from ems.profiling import Profiler
 
 if TYPE_CHECKING:
-    from ems.context_caching import ContextCaching
     from ems.result import CcFuture
 
 log = logging.getLogger("vllm.ems_store_connector")
@@ -695,6 +698,34 @@ class SchedulerSide:
             meta.saves.append(BlockJob(req_id, [ids[i] for i in todo], keys))
             t.had_save = True
 
+    def reset_cache(self) -> bool:
+        """Drop every rank's namespace of this model in emsd (``ContextCaching.clear``, on
+        every member of a cluster): vLLM's ``reset_prefix_cache(reset_connector=True)``,
+        e.g. after a weight update. True once all were confirmed; False with emsd out
+        of use or after a failure (logged), and then stored blocks may still load."""
+        cc = self.link.cc() if self.link is not None else None
+        if cc is None:
+            log.warning("EmsStoreConnector: reset_cache with emsd out of use; nothing dropped")
+            return False
+        dropped = 0
+        try:
+            for pp in range(self.geo.pp_size):
+                for tp in range(self.geo.tp_size):
+                    config = _shared_config(self.geo.cc_config(tp, pp), self.settings.access_id,
+                                            self.settings.access_key)
+                    rank = ContextCaching(Ems._current_client, config.validate(), config.access_id,
+                                          Profiler.from_env())
+                    try:
+                        dropped += rank.clear(CcKvOption(timeout=self.settings.save_timeout_ms))
+                    finally:
+                        rank.close()
+        except Exception as exc:  # noqa: BLE001 - reported to vLLM as a failed reset
+            log.error("EmsStoreConnector: reset_cache failed, stored blocks may still load: %r", exc)
+            return False
+        log.info("EmsStoreConnector: reset_cache dropped %s (%d ranks, %d blocks on this node)",
+                 self.geo.model_id, self.geo.tp_size * self.geo.pp_size, dropped)
+        return True
+
     def fallback_meta(self) -> EmsConnectorMetadata:
         """Metadata after ``build_connector_meta`` failed: no saves, and every planned load
         as a job without keys, which the workers report failed (vLLM recomputes)."""
@@ -1164,6 +1195,13 @@ class EmsStoreConnector(_ConnectorBase):
         if self._scheduler is None:
             return False, None
         return self._scheduler.request_finished(request)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (after a weight update):
+        drop this model's blocks in emsd (``SchedulerSide.reset_cache``); None off the scheduler."""
+        if self._scheduler is None:
+            return None
+        return self._scheduler.reset_cache()
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

@@ -460,3 +460,31 @@ def test_block_views_cover_every_byte_of_a_block_once(layout: str) -> None:
 def test_block_views_refuse_a_cache_without_a_block_dimension() -> None:
     with pytest.raises(conn.UnsupportedConfig):
         block_views(torch.zeros(5, 3, 8), 4)
+
+
+def test_scheduler_reset_cache_drops_every_ranks_blocks(sdk_env: Any) -> None:
+    # vLLM's reset_prefix_cache(reset_connector=True) after a weight update: no rank may load
+    # a block stored before it.
+    geo = Geometry(block_size=BS, ratio=1, num_blocks=NUM_BLOCKS, layer_names=("l0", "l1"),
+                   model_id="unit-reset.kv-0", kvcache_type=KVCacheType.MHA, tp_size=2, pp_size=1)
+    settings = ConnectorSettings(save_timeout_ms=2000, load_timeout_ms=2000)
+    keys = [bytes(digest(300)), bytes(digest(301))]
+    workers = []
+    for tp in (0, 1):
+        config = conn._shared_config(geo.cc_config(tp, 0), None, None)
+        w = WorkerSide(geo, settings, lambda on_connect, c=config: EmsLink(c, 0.2, "test", on_connect))
+        w.register_kv_caches(cpu_caches(seed=tp + 3))
+        w.wait_for_save(EmsConnectorMetadata(saves=[BlockJob(f"s{tp}", [1, 2], keys)]))
+        assert finished(w, {f"s{tp}"}) == {f"s{tp}"}
+        workers.append(w)
+    assert sdk_env.metric("emsd_pool_entries") == 4  # two blocks in each rank's namespace
+    link = EmsLink(conn._shared_config(geo.cc_config(0, 0), None, None), 0.2, "test-scheduler")
+    side = SchedulerSide(geo, settings, link)
+    assert side.reset_cache() is True
+    assert sdk_env.metric("emsd_pool_entries") == 0
+    for w in workers:
+        w.start_load_kv(EmsConnectorMetadata(loads=[BlockJob("l", [5, 6], keys)]))
+        assert w.take_load_errors() == {5, 6}  # misses: vLLM recomputes
+        w.shutdown()
+    link.close()
+    assert SchedulerSide(geo, settings, None).reset_cache() is False  # emsd out of use
