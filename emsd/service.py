@@ -252,8 +252,7 @@ class Service:
         moved = failed = 0
         idx = self.store.index
         while _now() < deadline:
-            hw = idx.high_water
-            owned = np.flatnonzero((idx.state[:hw] == READY) & (idx.cached[:hw] == 0)).astype(np.uint32)
+            owned = self._owned_here()
             if owned.size == 0:
                 break
             ns = int(idx.nstag[owned[0]] >> 8)
@@ -268,11 +267,20 @@ class Service:
             self.store.mark_cached(ns, keys)  # moved or not: this node owns nothing now
             moved += int(np.count_nonzero(got))
             failed += len(keys) - int(np.count_nonzero(got))
-        hw = idx.high_water
-        remaining = int(np.count_nonzero((idx.state[:hw] == READY) & (idx.cached[:hw] == 0)))
+        remaining = int(self._owned_here().size)
         resp.update(moved=moved, failed=failed, remaining=remaining)
         log.info("drain: %d blocks moved, %d not taken, %d to go", moved, failed, remaining)
         return resp
+
+    def _owned_here(self) -> np.ndarray:
+        """Ids of the READY blocks this node owns (not read-cache copies) in live namespaces:
+        what a drain moves (a dropped namespace's leftovers must not reach another node)."""
+        idx = self.store.index
+        hw = idx.high_water
+        owned = np.flatnonzero((idx.state[:hw] == READY) & (idx.cached[:hw] == 0)).astype(np.uint32)
+        if self._retired:
+            owned = owned[~np.isin(idx.nstag[owned] >> 8, np.fromiter(self._retired, dtype=np.int64))]
+        return owned
 
     def forward_commit(self, header: dict[str, Any], payload: bytes,
                        resp: dict[str, Any]) -> Awaitable[dict[str, Any]] | None:

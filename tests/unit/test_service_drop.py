@@ -117,3 +117,16 @@ def test_a_restart_never_brings_back_a_dropped_namespace() -> None:
     assert ns_t == ns + 1 and _exists(after, t, ns_t, [1]) == 0
     sneaky, ns_sneaky = _session(after, RETIRED)  # the ledger's marker is no way in
     assert _exists(after, sneaky, ns_sneaky, [1]) == 0
+
+
+def test_a_drain_never_moves_what_is_left_of_a_dropped_namespace() -> None:
+    svc = Service(BlockStore(8 << 20, 1 << 20), "t", "shm", Metrics())
+    s, ns = _session(svc)
+    other, ns_other = _session(svc, "other")
+    _save(svc, s, ns, [1, 2])
+    kept = _save(svc, other, ns_other, [1])
+    resp, parts = _call(svc, s, Op.PIN, _keys([1, 2]), ns=ns, n=2, kt=0)
+    assert resp["count"] == 2
+    assert sorted(svc._owned_here().tolist()) == sorted([*np.frombuffer(parts[2], "<u4").tolist(), *kept])
+    _call(svc, s, Op.DROP, ns=ns)  # the pinned pair stays READY under the old id
+    assert svc._owned_here().tolist() == kept.tolist()
