@@ -91,6 +91,17 @@ def load_equal(d: Any, src: list[list[torch.Tensor]], keys: list[int],
     return cc
 
 
+def saved_at_owners(cluster: Any, monkeypatch: Any, seed: int) -> tuple[Any, Any, int]:
+    """Two nodes; ``KEYS`` saved through a with ``write_rcache`` off, so each block lives at
+    its owner only. Returns (a, b, blocks b holds)."""
+    a, b = cluster(2)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(kv(seed))
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
+                   option=CcKvOption(write_rcache=False)).success == BLOCKS
+    return a, b, stats(b)["entries"]
+
+
 def test_saved_on_one_node_loads_on_another_with_identical_bytes(cluster: Any, monkeypatch: Any) -> None:
     a, b = cluster(2)
     src = kv(1)
@@ -178,12 +189,7 @@ def test_clear_drops_the_namespace_on_every_member_and_names_a_dead_one(cluster:
                                                                           monkeypatch: Any) -> None:
     from ems import EmsErrorCode, EmsException
 
-    a, b = cluster(2)
-    cc = use(a, monkeypatch)
-    cc.register_kvcache(kv(7))
-    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
-                   option=CcKvOption(write_rcache=False)).success == BLOCKS
-    held_b = stats(b)["entries"]
+    a, b, held_b = saved_at_owners(cluster, monkeypatch, 7)
     assert 0 < held_b < BLOCKS  # each block at its owner only
     cc = use(b, monkeypatch)
     cc.register_kvcache(kv(8))
@@ -293,12 +299,7 @@ def test_single_block_saves_and_loads_succeed_wherever_the_owner_is(cluster: Any
 
 
 def test_a_load_with_write_rcache_off_keeps_no_copy(cluster: Any, monkeypatch: Any) -> None:
-    a, b = cluster(2)
-    cc = use(a, monkeypatch)
-    cc.register_kvcache(kv(11))
-    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
-                   option=CcKvOption(write_rcache=False)).success == BLOCKS
-    held_b = stats(b)["entries"]
+    a, b, held_b = saved_at_owners(cluster, monkeypatch, 11)
     cc = use(b, monkeypatch)
     src, dst = kv(11), kv(12)
     cc.register_kvcache(dst)
