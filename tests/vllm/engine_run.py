@@ -13,9 +13,12 @@ Run as a script in a fresh process (vLLM keeps process-wide state)::
 - ``--sync DIR``: before each batch ``i >= 1``, create ``DIR/ready-<i>`` and
   wait (at most 180 s) until ``DIR/go-<i>`` exists, so that a test can act on
   emsd between batches.
+- ``--reset-connector``: after the last batch, ``LLM.reset_prefix_cache(
+  reset_connector=True)`` (what follows a weight update); its result is
+  ``"reset"`` in the output.
 
 The output file holds ``{"batches": [[{"text", "token_ids"}, ...], ...],
-"batch_seconds": [float, ...], "seconds": float}``. Generation is greedy
+"batch_seconds": [float, ...], "seconds": float, "reset": bool | None}``. Generation is greedy
 (temperature 0, ``ignore_eos``). Environment: ``ENGINE_RUN_EXECUTOR=uni``
 (with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs scheduler and worker in this
 process (fast start); unset, vLLM's default processes are used.
@@ -45,6 +48,7 @@ def main() -> int:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--sync", default=None)
+    ap.add_argument("--reset-connector", action="store_true")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -78,8 +82,9 @@ def main() -> int:
         seconds.append(time.monotonic() - t0)
         results.append([{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
                         for o in outs])
+    reset = llm.reset_prefix_cache(reset_connector=True) if args.reset_connector else None
     Path(args.out).write_text(json.dumps({"batches": results, "batch_seconds": seconds,
-                                          "seconds": time.monotonic() - start}))
+                                          "seconds": time.monotonic() - start, "reset": reset}))
     del llm
     return 0
 

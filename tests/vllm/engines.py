@@ -80,7 +80,7 @@ class Engine:
 def start_engine(workdir: Path, name: str, model: Path, batches: list[list[str]], *,
                  connector: dict[str, Any] | None = None, socket_dir: Path | None = None,
                  in_process: bool = True, core: int | None = None, sync: bool = False,
-                 max_tokens: int = 12) -> Engine:
+                 max_tokens: int = 12, reset_connector: bool = False) -> Engine:
     """Start ``engine_run.py`` with ``sys.executable`` (the .venv-vllm interpreter).
 
     ``connector``: the connector's extra config (``None``: no connector).
@@ -88,7 +88,8 @@ def start_engine(workdir: Path, name: str, model: Path, batches: list[list[str]]
     ``in_process``: scheduler and worker in the engine process (starts in about
     half the time); ``False`` runs vLLM's default engine-core and worker
     processes. ``core``: pin vLLM's OpenMP threads to this CPU, so two engines
-    can run side by side on this 2-core machine.
+    can run side by side on this 2-core machine. ``reset_connector``: end with
+    ``reset_prefix_cache(reset_connector=True)`` (engine_run.py).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     out, log = workdir / f"{name}.json", workdir / f"{name}.log"
@@ -107,6 +108,8 @@ def start_engine(workdir: Path, name: str, model: Path, batches: list[list[str]]
            "--prompts", json.dumps(batches), "--max-tokens", str(max_tokens)]
     if connector is not None:
         cmd += ["--connector", json.dumps(connector)]
+    if reset_connector:
+        cmd.append("--reset-connector")
     sync_dir = None
     if sync:
         sync_dir = workdir / f"{name}-sync"

@@ -6,7 +6,8 @@ greedy) in its own process (engines.py). What is shown:
 - the engine is deterministic across processes without the connector
   (``test_baseline_is_deterministic``), so every comparison below is exact;
 - a first engine saves its blocks into emsd, a second engine in a fresh
-  process finds and loads them and generates exactly the baseline
+  process finds and loads them and generates exactly the baseline, and its
+  ``reset_prefix_cache(reset_connector=True)`` empties emsd of the model
   (``test_second_engine_loads_what_the_first_saved``);
 - blocks holding other bytes under the same keys change the output, so the
   loaded KV is really used; blocks of another size are a failed load that
@@ -108,9 +109,10 @@ def test_second_engine_loads_what_the_first_saved(emsd: Any, models: dict[str, P
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') == 0
     assert matched_lines(saver.log()) == []
 
-    # (b) a fresh engine, in vLLM's default processes (engine core + worker), loads them.
+    # (b) a fresh engine, in vLLM's default processes (engine core + worker), loads them,
+    # then resets its prefix cache with the connector's (what follows a weight update).
     loader = start_engine(tmp_path, "load", models["A"], [P], connector={}, socket_dir=emsd.socket_dir,
-                          in_process=False)
+                          in_process=False, reset_connector=True)
     second = loader.result()
     assert token_ids(second, 0) == want
     hits = matched_lines(loader.log())
@@ -120,6 +122,11 @@ def test_second_engine_loads_what_the_first_saved(emsd: Any, models: dict[str, P
     assert (32, 0, 40) in hits         # P[3]
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') == 3 + 1 + 3 + 1
     assert '"load_failed_blocks": 0' in loader.log()
+    # (c) the reset went through vLLM's engine core to the connector's reset_cache: emsd
+    # dropped the model's namespace, so nothing stored before can load again.
+    assert second["reset"] is True
+    assert emsd.metric("emsd_pool_entries") == 0
+    assert emsd.metric("emsd_pool_evictions_total", 'reason="dropped"') == 9
 
 
 def test_loaded_kv_is_used_and_bad_blocks_are_recomputed(emsd: Any, models: dict[str, Path],
