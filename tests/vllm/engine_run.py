@@ -15,7 +15,10 @@ Run as a script in a fresh process (vLLM keeps process-wide state)::
   emsd between batches.
 - ``--reset-connector``: after the last batch, ``LLM.reset_prefix_cache(
   reset_connector=True)`` (what follows a weight update); its result is
-  ``"reset"`` in the output.
+  ``"reset"`` in the output. vLLM refuses the reset while blocks are held,
+  here by saves still in flight, which it only sees end during a step: each
+  refusal is followed by a one-token generation (steps) and a retry, up to
+  20 times.
 
 The output file holds ``{"batches": [[{"text", "token_ids"}, ...], ...],
 "batch_seconds": [float, ...], "seconds": float, "reset": bool | None}``. Generation is greedy
@@ -82,11 +85,22 @@ def main() -> int:
         seconds.append(time.monotonic() - t0)
         results.append([{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
                         for o in outs])
-    reset = llm.reset_prefix_cache(reset_connector=True) if args.reset_connector else None
+    reset = reset_prefix_cache(llm, SamplingParams(max_tokens=1)) if args.reset_connector else None
     Path(args.out).write_text(json.dumps({"batches": results, "batch_seconds": seconds,
                                           "seconds": time.monotonic() - start, "reset": reset}))
     del llm
     return 0
+
+
+def reset_prefix_cache(llm: object, one_token: object) -> bool:
+    """``llm.reset_prefix_cache(reset_connector=True)``, retried after engine steps until vLLM
+    has no block held (see ``--reset-connector``); its last answer."""
+    for _ in range(20):
+        if llm.reset_prefix_cache(reset_connector=True):  # type: ignore[attr-defined]
+            return True
+        llm.generate(["w1"], one_token, use_tqdm=False)  # type: ignore[attr-defined]
+        time.sleep(0.1)
+    return False
 
 
 if __name__ == "__main__":

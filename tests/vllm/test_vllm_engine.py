@@ -6,15 +6,18 @@ greedy) in its own process (engines.py). What is shown:
 - the engine is deterministic across processes without the connector
   (``test_baseline_is_deterministic``), so every comparison below is exact;
 - a first engine saves its blocks into emsd, a second engine in a fresh
-  process finds and loads them and generates exactly the baseline, and its
-  ``reset_prefix_cache(reset_connector=True)`` empties emsd of the model
+  process finds and loads them and generates exactly the baseline
   (``test_second_engine_loads_what_the_first_saved``);
 - blocks holding other bytes under the same keys change the output, so the
   loaded KV is really used; blocks of another size are a failed load that
   vLLM recomputes (``test_loaded_kv_is_used_and_bad_blocks_are_recomputed``);
 - emsd never started, killed, restarted and hung (SIGSTOP) during one
   engine's life never changes an output nor stops the engine
-  (``test_emsd_outages_never_change_outputs``).
+  (``test_emsd_outages_never_change_outputs``);
+- in a two-node cluster an engine on B loads what an engine on A computed,
+  and its ``reset_prefix_cache(reset_connector=True)`` (after a weight
+  update) drops the model's blocks on both nodes
+  (``test_two_nodes_an_engine_on_the_second_loads_what_an_engine_on_the_first_computed``).
 """
 
 from __future__ import annotations
@@ -109,10 +112,9 @@ def test_second_engine_loads_what_the_first_saved(emsd: Any, models: dict[str, P
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') == 0
     assert matched_lines(saver.log()) == []
 
-    # (b) a fresh engine, in vLLM's default processes (engine core + worker), loads them,
-    # then resets its prefix cache with the connector's (what follows a weight update).
+    # (b) a fresh engine, in vLLM's default processes (engine core + worker), loads them.
     loader = start_engine(tmp_path, "load", models["A"], [P], connector={}, socket_dir=emsd.socket_dir,
-                          in_process=False, reset_connector=True)
+                          in_process=False)
     second = loader.result()
     assert token_ids(second, 0) == want
     hits = matched_lines(loader.log())
@@ -122,11 +124,6 @@ def test_second_engine_loads_what_the_first_saved(emsd: Any, models: dict[str, P
     assert (32, 0, 40) in hits         # P[3]
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') == 3 + 1 + 3 + 1
     assert '"load_failed_blocks": 0' in loader.log()
-    # (c) the reset went through vLLM's engine core to the connector's reset_cache: emsd
-    # dropped the model's namespace, so nothing stored before can load again.
-    assert second["reset"] is True
-    assert emsd.metric("emsd_pool_entries") == 0
-    assert emsd.metric("emsd_pool_evictions_total", 'reason="dropped"') == 9
 
 
 def test_loaded_kv_is_used_and_bad_blocks_are_recomputed(emsd: Any, models: dict[str, Path],
@@ -197,7 +194,9 @@ def test_two_nodes_an_engine_on_the_second_loads_what_an_engine_on_the_first_com
         emsd_factory: Any, models: dict[str, Path], tmp_path: Path,
         baselines: list[dict[str, Any]]) -> None:
     """The two-node demo: emsd nodes A and B in one cluster (a real ZooKeeper); an engine on A
-    computes and saves P; a fresh engine on B finds P's blocks (fetched from their owners)."""
+    computes and saves P; a fresh engine on B finds P's blocks (fetched from their owners), then
+    resets its prefix cache with the connector's (what follows a weight update): both nodes
+    drop the model's blocks."""
     if zk.available() is not None:
         pytest.skip(str(zk.available()))
     server = zk.ZooKeeperServer(tmp_path / "zk").start()
@@ -211,13 +210,19 @@ def test_two_nodes_an_engine_on_the_second_loads_what_an_engine_on_the_first_com
                  30, "both nodes in the ring")
         first = start_engine(tmp_path, "node-a", models["A"], [P], connector={}, socket_dir=a.socket_dir)
         assert token_ids(first.result(), 0) == expected(baselines, P)
-        second = start_engine(tmp_path, "node-b", models["A"], [P], connector={}, socket_dir=b.socket_dir)
-        assert token_ids(second.result(), 0) == expected(baselines, P)
+        second = start_engine(tmp_path, "node-b", models["A"], [P], connector={}, socket_dir=b.socket_dir,
+                              reset_connector=True)
+        got = second.result()
+        assert token_ids(got, 0) == expected(baselines, P)
         hits = matched_lines(second.log())
         assert (96, 0, 100) in hits and (96, 0, 128) in hits, hits
         assert b.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') == 3 + 1 + 3 + 1
         peer_a = a.sections["node"]["id"]
         fetched = b.metric("emsd_peer_blocks_total", f'op="get",peer="{peer_a}"')
         assert fetched > 0, "node B served P from its own pool only: nothing crossed nodes"
+        # The reset reached the connector's reset_cache, and B's drop reached A.
+        assert got["reset"] is True
+        assert a.metric("emsd_pool_entries") == 0 and b.metric("emsd_pool_entries") == 0
+        assert a.metric("emsd_pool_evictions_total", 'reason="dropped"') > 0
     finally:
         server.stop()
