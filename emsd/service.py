@@ -279,7 +279,7 @@ class Service:
         hw = idx.high_water
         owned = np.flatnonzero((idx.state[:hw] == READY) & (idx.cached[:hw] == 0)).astype(np.uint32)
         if self._retired:
-            owned = owned[~np.isin(idx.nstag[owned] >> 8, np.fromiter(self._retired, dtype=np.int64))]
+            owned = owned[~np.isin(idx.ns_of(owned), list(self._retired))]
         return owned
 
     def forward_commit(self, header: dict[str, Any], payload: bytes,
@@ -344,7 +344,7 @@ class Service:
         for ns, name in live.items():
             self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
             self.store.name_namespace(ns, name)
-        gone = sum(self.store.drop_namespace(ns) for ns in names if ns not in live)
+        gone = self.store.drop_namespaces([ns for ns in names if ns not in live])
         if gone:
             log.info("warm restart: %d blocks of dropped namespaces evicted", gone)
 
@@ -387,7 +387,7 @@ class Service:
         ledger = self.store.ledger
         if ledger is not None:
             ledger.add_namespace(old, RETIRED)  # a warm restart must not bring its blocks back
-        dropped = self.store.drop_namespace(old)
+        dropped = self.store.drop_namespaces([old])
         log.info("namespace %r dropped: id %d -> %d, %d blocks evicted", name, old, new, dropped)
         return dropped
 
@@ -595,10 +595,7 @@ class Service:
         return {}, []
 
     def _drop(self, s: Session, h: dict[str, Any], _p: bytes) -> Response:
-        ns = h.get("ns")
-        if type(ns) is not int or ns not in s.namespaces:
-            raise RequestError(Status.INVALID_ARGUMENT, f"namespace {ns!r} not opened on this connection")
-        dropped = self.drop_namespace(self.namespace_name(self._live(ns)))
+        dropped = self.drop_namespace(self.namespace_name(self._live(_opened(s, h.get("ns")))))
         return {"dropped": dropped, "missed": 0}, []  # in a cluster the other members follow (follow_up)
 
     # -- helpers ---------------------------------------------------------------
@@ -618,8 +615,7 @@ class Service:
         memo = s.parsed
         if p and memo is not None and memo[0] is p and memo[1] == (ns, n, kt):
             return self._live(memo[2][0]), memo[2][1], memo[2][2]
-        if type(ns) is not int or ns not in s.namespaces:
-            raise RequestError(Status.INVALID_ARGUMENT, f"namespace {ns!r} not opened on this connection")
+        ns = _opened(s, ns)
         if type(n) is not int or not 0 <= n <= MAX_BATCH_KEYS:
             raise RequestError(Status.INVALID_ARGUMENT, f"n must be an int in 0..{MAX_BATCH_KEYS}")
         width = {0: 8, 1: 33}.get(kt) if type(kt) is int else None
@@ -664,6 +660,13 @@ def _timeout(header: dict[str, Any]) -> float:
     to = header.get("to")
     budget = to / 1000.0 if type(to) is int and 0 < to <= 3_600_000 else 5.0
     return budget - min(budget / 5, 0.1)
+
+
+def _opened(s: Session, ns: object) -> int:
+    """``ns`` when it is a namespace id this connection opened; else ``RequestError``."""
+    if type(ns) is not int or ns not in s.namespaces:
+        raise RequestError(Status.INVALID_ARGUMENT, f"namespace {ns!r} not opened on this connection")
+    return ns
 
 
 def _own(pending: set[int], handles: list[int], what: str) -> None:

@@ -457,14 +457,14 @@ class BlockStore:
             self._evict(ids, reason)
         return int(ids.size)
 
-    def drop_namespace(self, ns: int) -> int:
-        """Evict every READY, unpinned entry of namespace ``ns`` (a namespace retired by
-        ``Service.drop_namespace``: nothing can find them any more); returns how many.
-        Pinned and PENDING entries are left to age out like any other."""
-        idx = self.index
-        hw = idx.high_water
-        ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
-        ids = ids[idx.ns_of(ids) == ns]
+    def drop_namespaces(self, namespaces: list[int]) -> int:
+        """Evict every READY, unpinned entry of ``namespaces`` (retired by
+        ``Service.drop_namespace``: nothing can find them any more), in one scan;
+        returns how many. Pinned and PENDING entries are left to age out like any other."""
+        if not namespaces:
+            return 0
+        ids = self._evictable()
+        ids = ids[np.isin(self.index.ns_of(ids), namespaces)]
         if ids.size:
             self._evict(ids, "dropped")
         return int(ids.size)
@@ -476,8 +476,7 @@ class BlockStore:
         For a tenant over its quota: only its own blocks go. Returns the bytes freed.
         """
         idx = self.index
-        hw = idx.high_water
-        ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
+        ids = self._evictable()
         ids = ids[np.isin(idx.ns_of(ids), namespaces) & ~np.isin(ids, keep)]
         if ids.size == 0 or nbytes <= 0:
             return 0
@@ -664,7 +663,7 @@ class BlockStore:
             ids = ids[: _probe.eligible(idx.state, idx.pins, idx.offset, self.slabs.page_owner,
                                         self._units_per_page, cls, ids)]
         else:
-            ids = np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
+            ids = self._evictable()
             ids = ids[self._class_of(ids) == cls]
         if taken.size:
             ids = ids[~np.isin(ids, taken)]
@@ -715,6 +714,12 @@ class BlockStore:
             return
         for cls in np.unique(classes).tolist():
             self.slabs.free_many(cls, offs[classes == cls])
+
+    def _evictable(self) -> np.ndarray:
+        """Ids (uint32, ascending) of the READY, unpinned entries: those eviction may take."""
+        idx = self.index
+        hw = idx.high_water
+        return np.flatnonzero((idx.state[:hw] == READY) & (idx.pins[:hw] == 0)).astype(np.uint32)
 
     def _byte_offsets(self, ids: np.ndarray) -> np.ndarray:
         """Where entries' chunks start in the region, in bytes (uint64)."""
