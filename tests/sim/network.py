@@ -29,7 +29,9 @@ Every PUT that lands is logged in ``Network.puts`` for the placement checks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -139,7 +141,7 @@ class SimLink:
 
     async def get(self, ns_name: str, keys: KeyBatch) -> int:
         remote = self._ready()
-        try:
+        with self._failing(f"GET from {remote.node_id}"):
             await self._hop()
             server = remote.access
             pinned = server.store.pin(server.namespace_id(ns_name), keys)
@@ -160,50 +162,32 @@ class SimLink:
                 self.net.moved["get"] += int(new.size)
             finally:
                 server.store.release(pinned.handles)
-        except PeerError as exc:
-            self.close()
-            raise PeerError(f"GET from {remote.node_id} failed: {exc}") from None
-        except asyncio.CancelledError:
-            self.close()
-            raise
         self.last_bytes = int(pinned.lengths.sum())
         failed = np.flatnonzero(res.status == FAILED)
         return int(failed[0]) if failed.size else pinned.count
 
     async def exists(self, ns_name: str, keys: KeyBatch) -> int:
         remote = self._ready()
-        try:
+        with self._failing(f"EXISTS at {remote.node_id}"):
             await self._hop()
             server = remote.access
             count = server.store.exists(server.namespace_id(ns_name), keys)
             await self._hop(reply=True)
-        except PeerError as exc:
-            self.close()
-            raise PeerError(f"EXISTS at {remote.node_id} failed: {exc}") from None
-        except asyncio.CancelledError:
-            self.close()
-            raise
         return count
 
     async def drop(self, ns_name: str) -> int:
         remote = self._ready()
-        try:
+        with self._failing(f"DROP at {remote.node_id}"):
             await self._hop()
             if remote.access.drop_namespace is None:
                 raise PeerError("this node cannot drop namespaces")
             remote.access.drop_namespace(ns_name)
             await self._hop(reply=True)
-        except PeerError as exc:
-            self.close()
-            raise PeerError(f"DROP at {remote.node_id} failed: {exc}") from None
-        except asyncio.CancelledError:
-            self.close()
-            raise
         return 1
 
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
         remote = self._ready()
-        try:
+        with self._failing(f"PUT to {remote.node_id}"):
             await self._hop()
             server = remote.access
             res = server.store.reserve(server.namespace_id(ns_name), keys, lengths)
@@ -220,16 +204,23 @@ class SimLink:
                                            remote.node_id, ns_name,
                                            tuple(int(k) for k in keys.words[:, 0].tolist())))
             await self._hop(reply=True)
-        except PeerError as exc:
-            self.close()
-            raise PeerError(f"PUT to {remote.node_id} failed: {exc}") from None
-        except asyncio.CancelledError:
-            self.close()
-            raise
         failed = np.flatnonzero(res.status == FAILED)
         return int(failed[0]) if failed.size else len(keys)
 
     # -- one hop over the simulated wire -----------------------------------------------
+
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        """Close the link when the call inside fails (``PeerError``, renamed "<what> failed")
+        or is cancelled, as a real link does: either way it is out of step."""
+        try:
+            yield
+        except PeerError as exc:
+            self.close()
+            raise PeerError(f"{what} failed: {exc}") from None
+        except asyncio.CancelledError:
+            self.close()
+            raise
 
     def _ready(self) -> Endpoint:
         if self.remote is None:
