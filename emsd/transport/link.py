@@ -34,7 +34,8 @@ class PeerLink(Protocol):
         """How many leading ``keys`` the peer holds (READY); nothing moves, nothing is pinned."""
 
     async def drop(self, ns_name: str) -> int:
-        """Have the peer drop namespace ``ns_name`` (``Service.drop_namespace``); 1 once it has."""
+        """Have the peer drop namespace ``ns_name`` (``Service.drop_namespace``): 1 once it has,
+        0 if the peer refused (it stays up); raises ``PeerError`` if the link fails."""
 
     def close(self) -> None:
         """Drop the link; later calls raise ``PeerError``."""

@@ -44,6 +44,11 @@ per peer for parallelism):
 - ``HAS {ns, n, kt}`` + keys: ``{count}`` of leading keys the server holds.
 - ``DROP {ns}``: the server drops the namespace (``Service.drop_namespace``)
   and answers ``{dropped}``, the blocks it evicted.
+
+An op the server does not know (a newer peer's, during a rolling upgrade) is
+answered with INVALID_ARGUMENT and the connection stays up, unless its frame
+announces ``bulk`` bytes: their meaning is unknown, so the server answers and
+closes, as for any malformed request.
 """
 
 from __future__ import annotations
@@ -497,8 +502,11 @@ class PeerServer:
                         if handler is None and self.control is not None:
                             handler = self.control()
                         await self._control(loop, conn, rid, handler, header, payload)
-                    else:
-                        raise FrameError(f"unknown peer op {header.get('op')!r}")
+                    elif not header.get("bulk"):  # a newer peer's op: refuse it, stay in step
+                        await _send(loop, conn, {"id": rid, "st": int(Status.INVALID_ARGUMENT),
+                                                 "msg": f"unknown peer op {header.get('op')!r}"})
+                    else:  # raw bytes of unknown meaning follow: the stream cannot be kept in step
+                        raise FrameError(f"unknown peer op {header.get('op')!r} with bulk bytes")
                 except FrameError as exc:
                     # The stream may be out of step after a bad request: answer and drop it.
                     await _send(loop, conn, {"id": rid, "st": int(exc.status), "msg": str(exc)})
@@ -729,11 +737,14 @@ class PeerConnection:
         return count
 
     async def drop(self, ns_name: str) -> int:
-        """Have the peer drop namespace ``ns_name``; 1 once it has (raises ``PeerError``)."""
+        """Have the peer drop namespace ``ns_name``: 1 once it has, 0 if it refused (a node
+        that cannot drop, or of a version without DROP; logged, and the peer is still up).
+        Raises ``PeerError`` if the link fails."""
         try:
             await self.call(OP_DROP, {"ns": ns_name})
         except PeerRefused as exc:
-            raise PeerError(str(exc)) from None
+            log.warning("namespace %r not dropped: %s", ns_name, exc)
+            return 0
         return 1
 
     async def call(self, op: int, fields: dict[str, Any], *payload: bytes) -> tuple[dict[str, Any], bytes]:

@@ -266,10 +266,40 @@ async def test_drop_reaches_the_peer_and_a_bad_or_refused_drop_harms_nothing() -
         b.access.drop_namespace = None  # a node that cannot drop says so; the link stays usable
         refused = PeerConnection(a.access, "a", SECRET)
         await refused.connect("127.0.0.1", port)
-        with pytest.raises(PeerError, match="cannot drop"):
-            await refused.drop("ns")
+        assert await refused.drop("ns") == 0
+        assert not refused.closed
         assert await refused.exists("ns", KeyBatch.from_user([1, 2])) == 2
         assert asked == ["ns"]
         refused.close()
+    finally:
+        await server.close()
+
+
+async def test_an_unknown_op_is_refused_and_the_link_stays_up_unless_bulk_bytes_follow() -> None:
+    """A newer peer's op (a rolling upgrade): an error answer, not a dropped link; with bulk
+    bytes of unknown meaning after it, the stream cannot stay in step, so it is closed."""
+    from emsd.transport.peer import PeerRefused
+
+    a, b = Node("a"), Node("b")
+    b.put_local("ns", [1], blocks(1, 1000, seed=5))
+    server, port = await serve(b)
+    loop = asyncio.get_running_loop()
+    try:
+        conn = PeerConnection(a.access, "a", SECRET)
+        await conn.connect("127.0.0.1", port)
+        with pytest.raises(PeerRefused, match="unknown peer op 250"):
+            await conn.call(250, {"ns": "ns"}, b"payload")
+        assert not conn.closed
+        assert await conn.get("ns", KeyBatch.from_user([1])) == 1  # the stream is in step
+        assert conn.sock is not None
+        head = msgpack.packb({"v": 1, "id": 77, "op": 250, "bulk": 4096})
+        await loop.sock_sendall(conn.sock, struct.pack("<II", len(head), 0) + head + b"\x00" * 4096)
+        await drain(conn.sock)  # answered and closed
+        conn.close()
+        assert b.read("ns", [1]) == blocks(1, 1000, seed=5)
+        again = PeerConnection(a.access, "a", SECRET)
+        await again.connect("127.0.0.1", port)
+        assert await again.exists("ns", KeyBatch.from_user([1])) == 1
+        again.close()
     finally:
         await server.close()

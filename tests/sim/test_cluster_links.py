@@ -169,3 +169,31 @@ def test_every_part_of_a_push_reaches_a_restarted_peer_over_fresh_links() -> Non
         assert loop.run_until_complete(main()) == [1] * 3
     finally:
         loop.close()
+
+
+def test_a_peer_that_refuses_a_drop_is_counted_as_missed_not_taken_for_down() -> None:
+    """A member without DROP (another version, or one that cannot drop) answers with a refusal:
+    the drop reports it as not confirmed, and the member keeps serving its blocks at once."""
+    loop = VirtualLoop()
+
+    async def main() -> tuple[int, int, set[str], int]:
+        a, b, net = _two_nodes(loop, connections=1)
+        await a.start()
+        await b.start()
+        await asyncio.sleep(0.01)
+        keys = _owned_by(b, 3)
+        saver = Client(b.service, NS)
+        await saver.save(keys, 1000)
+        saver.close()
+        b.access.drop_namespace = None  # refuses
+        refused = await a.cluster.drop(NS, loop.time() + 1.0)
+        down = set(a.cluster._down)
+        loaded = (await Client(a.service, NS).load(keys, 500)).count  # b not in backoff
+        b.access.drop_namespace = b.service.drop_namespace
+        confirmed = await a.cluster.drop(NS, loop.time() + 1.0)
+        return refused, confirmed, down, loaded
+
+    try:
+        assert loop.run_until_complete(main()) == (1, 0, set(), 3)
+    finally:
+        loop.close()
