@@ -23,6 +23,13 @@ outside this benchmark during the measured rounds is reported beside the
 results. A system that cannot be installed or started is reported with the
 reason, never with a number. ``--quick`` (8 MiB per cell, 2 rounds) takes
 well under a minute.
+
+``--hugepages`` (root) runs emsd and Mooncake on 2 MiB hugepages, as a
+production node would: it raises ``/proc/sys/vm/nr_hugepages`` by what their
+pools and segments need, gives Mooncake ``MC_STORE_USE_HUGEPAGE=1`` (emsd's
+``hugepages = "auto"`` takes them when free), reports how many hugepages each
+system took as it started, and puts the old count back at the end. The
+memmove reference stays on ordinary pages.
 """
 
 from __future__ import annotations
@@ -36,13 +43,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from benchmarks.peers import stats
-from benchmarks.peers.systems import SHM_DIR, STARTERS, SYSTEMS, Missing, WorkerSpec
+from benchmarks.peers.systems import SHM_DIR, STARTERS, SYSTEMS, Missing, WorkerSpec, hugepage_bytes
+from emsd.pool.region import NR_HUGEPAGES, read_hugepage_info
 
 CELL_TIMEOUT = 300.0
 
@@ -108,12 +117,45 @@ def machine_cpu_seconds() -> float:
     return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
 
 
+def free_hugepages() -> int:
+    """Free hugepages of the default size (0 where the kernel has none)."""
+    info = read_hugepage_info()
+    return info.free if info is not None else 0
+
+
+@contextlib.contextmanager
+def hugepages_for(nbytes: int) -> Iterator[int]:
+    """Raise nr_hugepages so that ``nbytes`` more are free; yields how many are free then.
+    Puts the old count back on exit (pages still mapped then are freed as their owners exit)."""
+    info = read_hugepage_info()
+    if info is None or os.geteuid() != 0:
+        raise SystemExit("--hugepages needs root and a kernel with hugetlb (/proc/meminfo: Hugepagesize)")
+    want = info.total + -(-nbytes // info.page_size)
+    Path(NR_HUGEPAGES).write_text(f"{want}\n")
+    try:
+        yield free_hugepages()
+    finally:
+        Path(NR_HUGEPAGES).write_text(f"{info.total}\n")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     volume = args.volume
     names = [s for s in args.systems.split(",") if s]
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown system(s) {unknown}; choose from {','.join(SYSTEMS)}")
+    if not args.hugepages:
+        return _run(args, names, None)
+    os.environ["MC_STORE_USE_HUGEPAGE"] = "1"  # Mooncake's processes inherit it
+    with hugepages_for(hugepage_bytes(names, volume)) as free:
+        print(f"[peers] hugepages: {free} free", file=sys.stderr)
+        info = read_hugepage_info()
+        page_kib = info.page_size >> 10 if info is not None else 0
+        return _run(args, names, {"page_kib": page_kib, "free_at_start": free, "taken": {}})
+
+
+def _run(args: argparse.Namespace, names: list[str], huge: dict[str, Any] | None) -> dict[str, Any]:
+    volume = args.volume
     missing: dict[str, str] = {}
     workers: list[Worker] = []
     results: dict[str, dict[str, list[list[float]]]] = {}
@@ -122,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         work = Path(tmp)
         for name in names:
             t0 = time.monotonic()
+            free0 = free_hugepages()
             try:
                 specs = STARTERS[name](stack, work, volume)
                 for spec in specs:
@@ -133,6 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"[peers] {name}: not run: {exc}", file=sys.stderr)
                 continue
             print(f"[peers] {name}: up in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+            if huge is not None:
+                huge["taken"][name] = free0 - free_hugepages()
         cpu0, own0, wall0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
         tag = 1
         for r in range(args.rounds + 1):  # round 0 warms up
@@ -168,6 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             size = int(key.split("/")[0])
             table.setdefault(name, {})[key] = stats.summarize(rounds, (volume // size) * size)
     return {"volume_per_cell": volume, "rounds": args.rounds, "sizes": list(args.sizes), "batch": stats.BATCH,
+            "hugepages": huge,
             "systems": [w.spec.name for w in workers], "missing": missing, "failed": failed, "results": table,
             "cpu": {"wall_s": wall, "machine_cpu_s": machine, "own_cpu_s": own,
                     "other_processes_cpu_s": other, "other_processes_cores": other / wall,
@@ -236,6 +282,10 @@ def render(out: dict[str, Any], markdown: bool) -> str:
     for name, why in out["failed"].items():
         lines.append(f"failed: {name}: {why}")
     lines += goals(out)
+    if out.get("hugepages") is not None:
+        taken = ", ".join(f"{n} {k}" for n, k in out["hugepages"]["taken"].items())
+        lines.append(f"hugepages of {out['hugepages']['page_kib']} KiB taken by each system as it "
+                     f"started: {taken}")
     c = out["cpu"]
     lines.append(f"other processes used {c['other_processes_cpu_s']:.1f} CPU s over {c['wall_s']:.1f} s "
                  f"({c['other_processes_cores']:.2f} of {c['cores']} cores); load average {c['loadavg']}")
@@ -251,6 +301,8 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    ap.add_argument("--hugepages", action="store_true",
+                    help="emsd and Mooncake on hugepages (root; nr_hugepages is restored at the end)")
     args = ap.parse_args()
     args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
     args.volume = (args.volume_mib if args.volume_mib is not None else (8 if args.quick else 64)) << 20

@@ -110,10 +110,32 @@ def start_memmove(stack: contextlib.ExitStack, work: Path, volume: int) -> list[
     return [WorkerSpec("memmove", "memmove", (sys.executable,), {"volume": volume})]
 
 
+def emsd_pool_bytes(volume: int) -> int:
+    """The standalone emsd's pool: room for eight cells, at least 1 GiB."""
+    return max(1 << 30, 8 * volume)
+
+
+def mooncake_segment_bytes(volume: int) -> int:
+    """mooncake_client's global segment: room for sixteen cells, at least 2 GiB."""
+    return max(2 << 30, 16 * volume)
+
+
+def hugepage_bytes(names: list[str], volume: int) -> int:
+    """Hugepage memory the systems ``names`` map when hugepages are there (``--hugepages``):
+    each emsd pool (``hugepages = "auto"``) and, with ``MC_STORE_USE_HUGEPAGE``,
+    Mooncake's segment and its shared-memory client's pool (two volumes and 128 MiB)
+    as measured here."""
+    from bench_cluster import POOL
+
+    need = {"emsd": emsd_pool_bytes(volume), "emsd-remote": 2 * POOL,
+            "mooncake": mooncake_segment_bytes(volume) + 2 * volume + (128 << 20)}
+    return sum(need.get(name, 0) for name in names)
+
+
 def start_emsd(stack: contextlib.ExitStack, work: Path, volume: int) -> list[WorkerSpec]:
     d = work / "emsd"
     d.mkdir()
-    pool_mib = max(1024, 8 * volume >> 20)
+    pool_mib = emsd_pool_bytes(volume) >> 20
     proc, sock_dir = start_daemon(d, f"{pool_mib}MiB", "64MiB")  # bench_sdk's: a real standalone daemon
     stack.callback(stop_daemon, proc)
     return [WorkerSpec("emsd", "emsd", (sys.executable,), {"volume": volume, "sock_dir": str(sock_dir)},
@@ -204,7 +226,7 @@ def start_mooncake(stack: contextlib.ExitStack, work: Path, volume: int) -> list
     master = _spawn(stack, [*ns, str(venv / "bin" / "mooncake_master"), "--enable_http_metadata_server=false",
                             f"--rpc_port={MC_MASTER_PORT}", "--default_kv_lease_ttl=2s"], log)
     _wait_port(MC_MASTER_PORT, master, "mooncake_master", log, holder.pid)
-    segment = max(2 << 30, 16 * volume)
+    segment = mooncake_segment_bytes(volume)
     daemon = _spawn(stack, [*ns, str(venv / "bin" / "mooncake_client"), "--metadata_server=P2PHANDSHAKE",
                             "--protocol=tcp", "--host=127.0.0.1", f"--port={MC_CLIENT_PORT}",
                             f"--master_server_address=127.0.0.1:{MC_MASTER_PORT}",

@@ -50,3 +50,27 @@ def test_quick_run_reports_every_cell_or_why_a_system_did_not_run(tmp_path: Path
     assert all(r is not None and r > 0 for r in report["ratios"]["emsd"]["memmove"].values())
     assert report["cpu"]["wall_s"] > 0 and report["cpu"]["other_processes_cpu_s"] >= 0
     assert "not run" in proc.stdout or set(ran) == set(systems)
+
+
+@pytest.mark.timeout(300)
+def test_hugepages_run_puts_emsd_on_hugepages_and_restores_the_count(tmp_path: Path) -> None:
+    from emsd.pool.region import NR_HUGEPAGES, read_hugepage_info
+
+    info = read_hugepage_info()
+    if info is None or os.geteuid() != 0:
+        pytest.skip("needs root and a kernel with hugetlb")
+    before = Path(NR_HUGEPAGES).read_text()
+    out = tmp_path / "peers.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peers", "--quick", "--rounds", "1", "--systems", "memmove,emsd",
+         "--hugepages", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert Path(NR_HUGEPAGES).read_text() == before
+    huge = json.loads(out.read_text())["hugepages"]
+    pool_pages = (1 << 30) // info.page_size  # the quick run's emsd pool: 1 GiB
+    if huge["free_at_start"] < pool_pages:
+        pytest.skip(f"the kernel found only {huge['free_at_start']} free hugepages")
+    assert huge["taken"] == {"memmove": 0, "emsd": pool_pages}
+    assert f"emsd {pool_pages}" in proc.stdout
