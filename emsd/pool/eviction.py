@@ -90,14 +90,16 @@ def copies_first(last_used: np.ndarray, cached: np.ndarray, eligible_ids: np.nda
 
 def page_to_steal(page_owner: np.ndarray, entry_pages: np.ndarray,
                   entry_last_used: np.ndarray, entry_blocked: np.ndarray,
-                  requester: int) -> int | None:
+                  requester: int, older_than: int | None = None) -> int | None:
     """Page to take back for class ``requester``, or None if none can be.
 
     ``page_owner``: class id per page (-1 free). ``entry_pages``,
     ``entry_last_used``, ``entry_blocked``: per live entry, its page, its
     last use, and whether it must stay (PENDING or pinned). Candidates are
     pages owned by another class with no blocked entry; the answer is the one
-    whose most recent use is the oldest (lowest page index on a tie).
+    whose most recent use is the oldest (lowest page index on a tie). With
+    ``older_than``, only a page whose most recent use is before it (every
+    block on it older than that stamp) is an answer.
     """
     pages = page_owner.size
     blocked = np.zeros(pages, dtype=bool)
@@ -108,4 +110,7 @@ def page_to_steal(page_owner: np.ndarray, entry_pages: np.ndarray,
     recent = np.full(pages, -1, dtype=np.int64)
     np.maximum.at(recent, entry_pages, entry_last_used.astype(np.int64))
     choices = np.flatnonzero(candidate)
-    return int(choices[np.argmin(recent[choices])])
+    page = int(choices[np.argmin(recent[choices])])
+    if older_than is not None and recent[page] >= older_than:
+        return None
+    return page

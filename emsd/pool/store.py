@@ -43,7 +43,14 @@ LRU (by the stamps of the configured policy, ``lru`` or ``prefix``) among
 the class's READY unpinned entries, read-cache copies of blocks
 owned elsewhere (``mark_cached``) before owned ones; then page stealing takes back
 the page of another class whose entries are all READY and unpinned and
-whose latest use is the oldest. LRU victims are found by a scan that keeps
+whose latest use is the oldest. Before evicting its own blocks, a class
+takes back such a page if every block on it is older than the class's own
+oldest (``_older_page``, at most one look per page's worth of the class's
+evictions): LRU across classes, a page at a time, so that blocks of a new
+size (another model) do not stay confined to a page or two while old
+blocks of another size hold the rest of the pool.
+
+LRU victims are found by a scan that keeps
 the oldest 1/16 of the eligible entries as a queue of candidates; a
 candidate is used only if it is unchanged since (same state, unpinned, same
 stamp), which keeps the order exact under ``lru`` (every later use stamps
@@ -177,6 +184,7 @@ class BlockStore:
         self._ns_bytes: dict[int, int] = {}
         self.sums: np.ndarray | None = None  # per entry id: checksum (emsd.pool.checksum), 0 none
         self._queues: dict[int, _LruQueue] = {}
+        self._recheck: dict[int, int] = {}  # class -> own evictions before _older_page looks again
         self.ledger: Ledger | None = None  # rows of committed blocks, for a warm restart
 
     # -- the contract -------------------------------------------------------------
@@ -205,7 +213,8 @@ class BlockStore:
 
         Per key: present already (READY, or PENDING by anyone, including an
         earlier key of this batch) -> PRESENT, nothing allocated. Else a chunk is found for ``sizes[i]``
-        (1..``max_block``): the class's free chunks, a free page, evicting the
+        (1..``max_block``): the class's free chunks, a free page, a page of another
+        class whose blocks are all older than the class's oldest, evicting the
         class's least recently used READY unpinned entries, or taking a page
         back from another class; a PENDING entry is made -> NEW with its
         handle and offset. The first key that gets no place (bad size, no
@@ -603,11 +612,24 @@ class BlockStore:
         return [(a, b, int(classes[a])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
     def _room(self, cls: int, k: int) -> np.ndarray:
-        """Up to ``k`` chunks of class ``cls``, evicting or stealing pages as needed."""
+        """Up to ``k`` chunks of class ``cls``, evicting or stealing pages as needed.
+
+        The class's own least recently used blocks go first, unless another
+        class has a page whose blocks are all older than the oldest of them:
+        that page is taken back instead (``_older_page``), so that a class
+        that came late (a new model, another block size) is not confined to
+        the pages it got while blocks nobody uses fill the rest of the pool.
+        """
         parts = [self.slabs.alloc_many(cls, k)]
         have = parts[0].size
         while have < k:
+            if self._older_page(cls):
+                more = self.slabs.alloc_many(cls, k - have)
+                parts.append(more)
+                have += more.size
+                continue
             victims = self._lru(cls, k - have)
+            self._recheck[cls] = self._recheck.get(cls, 0) - int(victims.size)
             if victims.size and self.slabs.classes[cls].top == 0:
                 # The class's free stack is empty, so the chunks freed now are exactly the ones
                 # alloc_many would hand out next (last in, first out): pass them on directly.
@@ -657,14 +679,7 @@ class BlockStore:
     def _scan(self, cls: int, need: int, taken: np.ndarray) -> _LruQueue:
         """A fresh queue of the oldest eligible entries of ``cls``, none of ``taken``."""
         idx = self.index
-        hw = idx.high_water
-        if _probe is not None and idx.use_c:  # the same filter in one pass
-            ids = np.empty(hw, dtype=np.uint32)
-            ids = ids[: _probe.eligible(idx.state, idx.pins, idx.offset, self.slabs.page_owner,
-                                        self._units_per_page, cls, ids)]
-        else:
-            ids = self._evictable()
-            ids = ids[self._class_of(ids) == cls]
+        ids = self._eligible_of(cls)
         if taken.size:
             ids = ids[~np.isin(ids, taken)]
         victims = copies_first(idx.last_used, idx.cached, ids, max(need, ids.size // self.lru_queue_fraction))
@@ -672,13 +687,37 @@ class BlockStore:
         self._queues[cls] = q
         return q
 
-    def _steal_page(self, cls: int) -> bool:
-        """Take back a page from another class for ``cls``; False if none can be."""
+    def _older_page(self, cls: int) -> bool:
+        """Take back a page of another class whose blocks are all older than ``cls``'s oldest
+        evictable block; False if there is none, or if it is not time to look.
+
+        Looking costs a pass over every entry, so it is done at most once per
+        page's worth of ``cls``'s own evictions, unless the last look found a
+        page (then the next need looks again at once). With one class in use
+        it costs a look at the page owners once per page's worth of evictions.
+        """
+        if self._recheck.get(cls, 0) > 0:
+            return False
+        owner = self.slabs.page_owner
+        later = self.slabs.classes[cls].per_page
+        if not bool(((owner >= 0) & (owner != cls)).any()):  # no other class holds a page
+            self._recheck[cls] = later
+            return False
+        own = self._eligible_of(cls)
+        if own.size == 0:  # nothing of its own to compare: the caller takes any page it can
+            return False
+        found = self._steal_page(cls, older_than=int(self.index.last_used[own].min()))
+        self._recheck[cls] = 0 if found else later
+        return found
+
+    def _steal_page(self, cls: int, older_than: int | None = None) -> bool:
+        """Take back a page from another class for ``cls`` (with ``older_than``: only a page
+        whose blocks were all last used before that stamp); False if none can be."""
         idx = self.index
         live = idx.live_ids()
         pages = idx.offset[live] // self._units_per_page
         blocked = (idx.state[live] == PENDING) | (idx.pins[live] > 0)
-        page = page_to_steal(self.slabs.page_owner, pages, idx.last_used[live], blocked, cls)
+        page = page_to_steal(self.slabs.page_owner, pages, idx.last_used[live], blocked, cls, older_than)
         if page is None:
             return False
         self._evict(live[pages == page], "page")
@@ -714,6 +753,16 @@ class BlockStore:
             return
         for cls in np.unique(classes).tolist():
             self.slabs.free_many(cls, offs[classes == cls])
+
+    def _eligible_of(self, cls: int) -> np.ndarray:
+        """Ids (uint32, ascending) of the READY, unpinned entries of class ``cls``."""
+        idx = self.index
+        if _probe is not None and idx.use_c:  # the same filter in one pass
+            ids = np.empty(idx.high_water, dtype=np.uint32)
+            return ids[: _probe.eligible(idx.state, idx.pins, idx.offset, self.slabs.page_owner,
+                                         self._units_per_page, cls, ids)]
+        ids = self._evictable()
+        return ids[self._class_of(ids) == cls]
 
     def _evictable(self) -> np.ndarray:
         """Ids (uint32, ascending) of the READY, unpinned entries: those eviction may take."""

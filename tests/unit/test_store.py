@@ -102,6 +102,16 @@ def test_page_to_steal_takes_the_page_used_longest_ago() -> None:
                          requester=1) is None
 
 
+def test_page_to_steal_older_than_takes_only_a_page_older_throughout() -> None:
+    owner = np.array([0, 0, 1], dtype=np.int32)
+    pages = np.array([0, 0, 1, 2])
+    last_used = np.array([5, 40, 30, 99])  # page 0: 5 and 40 (latest 40); page 1: 30
+    blocked = np.zeros(4, dtype=bool)
+    assert page_to_steal(owner, pages, last_used, blocked, requester=1, older_than=31) == 1
+    assert page_to_steal(owner, pages, last_used, blocked, requester=1, older_than=30) is None
+    assert page_to_steal(owner, pages, last_used, blocked, requester=1) == 1
+
+
 # -- the contract, one behaviour at a time ---------------------------------------------
 
 
@@ -209,6 +219,48 @@ def test_eviction_takes_the_least_recently_used_first() -> None:
     assert save(store, 0, [6, 7]) == [NEW, NEW]
     assert present(store, 0, [1, 3, 4, 5, 6, 7]) == [True, False, False, True, True, True]
     assert store.stats().evictions["lru"] == 3
+    check_invariants(store)
+
+
+def _batches_held(store: BlockStore, ns: int, batches: int, per: int) -> list[int]:
+    return [store.exists(ns, kb(*range(b * per, (b + 1) * per))) for b in range(batches)]
+
+
+BIG_PAGE = 64 << 10  # 4 blocks of 16 KiB, 64 of 1 KiB
+
+
+def test_a_late_size_class_takes_pages_of_older_blocks_not_its_own_newer_ones() -> None:
+    """A pool full of small blocks nobody uses any more, then a model with bigger blocks:
+    its blocks push the old ones out a page at a time instead of evicting each other
+    on the one page their class got first (what per-class LRU alone does)."""
+    store = BlockStore(16 * BIG_PAGE, BIG_PAGE)
+    per_page = BIG_PAGE // 16384  # 16 KiB blocks
+    save(store, 0, list(range(16 * BIG_PAGE // 1024)))  # every page: 1 KiB blocks
+    for b in range(8):  # half the pool of 16 KiB blocks, one page a batch
+        assert save(store, 1, list(range(b * per_page, (b + 1) * per_page)), 16384) == [NEW] * per_page
+    assert _batches_held(store, 1, 8, per_page) == [per_page] * 8
+    assert store.stats().evictions["lru"] == 0
+    assert store.stats().ns_bytes[0] == 8 * BIG_PAGE  # the other half: the old blocks
+    for b in range(8, 24):  # once only 16 KiB blocks are left, the class evicts its own oldest
+        save(store, 1, list(range(b * per_page, (b + 1) * per_page)), 16384)
+    assert _batches_held(store, 1, 24, per_page) == [0] * 8 + [per_page] * 16
+    assert 0 not in store.stats().ns_bytes
+    check_invariants(store)
+
+
+def test_pages_of_blocks_used_since_stay_while_a_class_has_older_blocks_of_its_own() -> None:
+    store = BlockStore(16 * BIG_PAGE, BIG_PAGE)
+    per_page = BIG_PAGE // 16384
+    small = list(range(12 * BIG_PAGE // 1024))
+    save(store, 0, small)  # 12 pages of 1 KiB blocks
+    for b in range(4):  # 4 pages of 16 KiB blocks: the pool is full
+        save(store, 1, list(range(b * per_page, (b + 1) * per_page)), 16384)
+    store.release(store.pin(0, kb(*small)).handles)  # the small blocks are used again: now newest
+    for b in range(4, 8):
+        save(store, 1, list(range(b * per_page, (b + 1) * per_page)), 16384)
+    assert _batches_held(store, 1, 8, per_page) == [0] * 4 + [per_page] * 4  # its own went
+    assert store.exists(0, kb(*small)) == len(small)  # the small blocks all stayed
+    assert store.stats().evictions == {"lru": 4 * per_page, "page": 0}
     check_invariants(store)
 
 
