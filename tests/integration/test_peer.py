@@ -63,6 +63,13 @@ async def drain(sock: socket.socket) -> None:
         pass
 
 
+async def link(node: Node, port: int) -> PeerConnection:
+    """A connected, authenticated link from ``node`` to the server on ``port``."""
+    conn = PeerConnection(node.access, node.name, SECRET)
+    await conn.connect("127.0.0.1", port)
+    return conn
+
+
 async def serve(node: Node, secret: bytes = SECRET) -> tuple[PeerServer, int]:
     server = PeerServer(node.access, node.name, secret)
     _, port = await server.start("127.0.0.1", 0)
@@ -126,8 +133,7 @@ async def test_a_wrong_secret_is_refused_both_ways() -> None:
                 await PeerConnection(a.access, "a", SECRET).connect("127.0.0.1", fake_port)
         finally:
             await fake.close()
-        good = PeerConnection(a.access, "a", SECRET)
-        await good.connect("127.0.0.1", port)
+        good = await link(a, port)
         assert await good.get("ns", KeyBatch.from_user([1])) == 1
         good.close()
     finally:
@@ -151,15 +157,13 @@ async def test_garbage_from_a_peer_closes_only_that_connection() -> None:
             finally:
                 raw.close()
         # An authenticated peer that then sends a bad request is answered and dropped.
-        conn = PeerConnection(a.access, "a", SECRET)
-        await conn.connect("127.0.0.1", port)
+        conn = await link(a, port)
         assert conn.sock is not None
         head = msgpack.packb({"v": 1, "id": 9, "op": 103, "ns": 5, "n": 1, "kt": 0})
         await loop.sock_sendall(conn.sock, struct.pack("<II", len(head), 0) + head)
         await drain(conn.sock)
         conn.close()
-        good = PeerConnection(a.access, "a", SECRET)
-        await good.connect("127.0.0.1", port)
+        good = await link(a, port)
         assert await good.get("ns", KeyBatch.from_user([1])) == 1
         good.close()
     finally:
@@ -171,8 +175,7 @@ async def test_a_peer_that_dies_mid_transfer_leaves_nothing_reserved() -> None:
     server, port = await serve(b)
     loop = asyncio.get_running_loop()
     try:
-        conn = PeerConnection(a.access, "a", SECRET)
-        await conn.connect("127.0.0.1", port)
+        conn = await link(a, port)
         assert conn.sock is not None
         keys = KeyBatch.from_user([1, 2])
         kt, raw = keys.to_wire()
@@ -251,21 +254,18 @@ async def test_drop_reaches_the_peer_and_a_bad_or_refused_drop_harms_nothing() -
     server, port = await serve(b)
     loop = asyncio.get_running_loop()
     try:
-        conn = PeerConnection(a.access, "a", SECRET)
-        await conn.connect("127.0.0.1", port)
+        conn = await link(a, port)
         assert await conn.drop("ns") == 1 and asked == ["ns"]
         assert await conn.exists("ns", KeyBatch.from_user([1])) == 1  # the stream stays in step
         conn.close()
-        bad = PeerConnection(a.access, "a", SECRET)
-        await bad.connect("127.0.0.1", port)
+        bad = await link(a, port)
         assert bad.sock is not None
         head = msgpack.packb({"v": 1, "id": 9, "op": 111, "ns": 5})  # a DROP without a name
         await loop.sock_sendall(bad.sock, struct.pack("<II", len(head), 0) + head)
         await drain(bad.sock)  # answered and dropped
         bad.close()
         b.access.drop_namespace = None  # a node that cannot drop says so; the link stays usable
-        refused = PeerConnection(a.access, "a", SECRET)
-        await refused.connect("127.0.0.1", port)
+        refused = await link(a, port)
         assert await refused.drop("ns") == 0
         assert not refused.closed
         assert await refused.exists("ns", KeyBatch.from_user([1, 2])) == 2
@@ -285,8 +285,7 @@ async def test_an_unknown_op_is_refused_and_the_link_stays_up_unless_bulk_bytes_
     server, port = await serve(b)
     loop = asyncio.get_running_loop()
     try:
-        conn = PeerConnection(a.access, "a", SECRET)
-        await conn.connect("127.0.0.1", port)
+        conn = await link(a, port)
         with pytest.raises(PeerRefused, match="unknown peer op 250"):
             await conn.call(250, {"ns": "ns"}, b"payload")
         assert not conn.closed
@@ -297,8 +296,7 @@ async def test_an_unknown_op_is_refused_and_the_link_stays_up_unless_bulk_bytes_
         await drain(conn.sock)  # answered and closed
         conn.close()
         assert b.read("ns", [1]) == blocks(1, 1000, seed=5)
-        again = PeerConnection(a.access, "a", SECRET)
-        await again.connect("127.0.0.1", port)
+        again = await link(a, port)
         assert await again.exists("ns", KeyBatch.from_user([1])) == 1
         again.close()
     finally:
