@@ -1,5 +1,6 @@
 /*
- * emsd.pool._probe: the index lookup loop of emsd/pool/index.py, in C.
+ * emsd.pool._probe: the index lookup loop of emsd/pool/index.py and the passes of
+ * emsd/pool/store.py's eviction scan and page stealing, in C.
  *
  * find(table, w0, rest, words, tags, ns, shift, out, prefix)
  *
@@ -29,6 +30,20 @@
  * of the entries that are READY (2), unpinned and on a page of class cls
  * (page_owner[offset // units_per_page] == cls), over the first out.size ids;
  * returns how many.
+ *
+ * page_ages(state, pins, offset, last_used, units_per_page, recent, blocked)
+ *
+ * Page stealing's pass over the entries (store._steal_page): for every live
+ * entry (state PENDING 1 or READY 2) among the first state.size ids, on page
+ * p = offset // units_per_page: recent[p] = max(recent[p], last_used) (int64,
+ * the caller fills it with -1) and blocked[p] = 1 if the entry is PENDING or
+ * pinned (uint8, the caller fills it with 0). Entries past the last page are
+ * skipped.
+ *
+ * on_page(state, offset, units_per_page, page, out) -> count
+ *
+ * Writes to out, ascending, the ids of the live entries on page ``page``
+ * (over the first out.size ids); returns how many.
  *
  * The hash is the one index.hash_keys computes with numpy (uint64 arithmetic
  * wraps in both). Every id and slot is bounds-checked: a corrupt table reads
@@ -261,11 +276,87 @@ done:
     return result;
 }
 
+static PyObject *page_ages(PyObject *self, PyObject *args) {
+    PyObject *obj[6];
+    unsigned long long upp;
+    if (!PyArg_ParseTuple(args, "OOOOKOO", &obj[0], &obj[1], &obj[2], &obj[3], &upp, &obj[4], &obj[5]))
+        return NULL;
+    static const Py_ssize_t itemsize[6] = {1, 4, 4, 4, 8, 1};
+    static const char *name[6] = {"state", "pins", "offset", "last_used", "recent", "blocked"};
+    Py_buffer buf[6];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 6; got++)
+        if (get_buf(obj[got], &buf[got], itemsize[got], got >= 4, name[got]) < 0)
+            goto done;
+    Py_ssize_t n = buf[0].len, pages = buf[4].len / 8;
+    if (buf[1].len / 4 < n || buf[2].len / 4 < n || buf[3].len / 4 < n || buf[5].len != pages || upp < 1) {
+        PyErr_SetString(PyExc_ValueError, "page_ages: array sizes do not match");
+        goto done;
+    }
+    const uint8_t *state = buf[0].buf;
+    const uint32_t *pins = buf[1].buf, *offset = buf[2].buf, *last = buf[3].buf;
+    int64_t *recent = buf[4].buf;
+    uint8_t *blocked = buf[5].buf;
+    for (Py_ssize_t id = 0; id < n; id++) {
+        if (state[id] != 1 && state[id] != 2)
+            continue;
+        unsigned long long page = offset[id] / upp;
+        if (page >= (unsigned long long)pages)
+            continue;
+        if ((int64_t)last[id] > recent[page])
+            recent[page] = last[id];
+        if (state[id] == 1 || pins[id] != 0)
+            blocked[page] = 1;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    while (got-- > 0)
+        PyBuffer_Release(&buf[got]);
+    return result;
+}
+
+static PyObject *on_page(PyObject *self, PyObject *args) {
+    PyObject *obj[3];
+    unsigned long long upp, want;
+    if (!PyArg_ParseTuple(args, "OOKKO", &obj[0], &obj[1], &upp, &want, &obj[2]))
+        return NULL;
+    static const Py_ssize_t itemsize[3] = {1, 4, 4};
+    static const char *name[3] = {"state", "offset", "out"};
+    Py_buffer buf[3];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 3; got++)
+        if (get_buf(obj[got], &buf[got], itemsize[got], got == 2, name[got]) < 0)
+            goto done;
+    Py_ssize_t n = buf[2].len / 4;
+    if (buf[0].len < n || buf[1].len / 4 < n || upp < 1) {
+        PyErr_SetString(PyExc_ValueError, "on_page: array sizes do not match");
+        goto done;
+    }
+    const uint8_t *state = buf[0].buf;
+    const uint32_t *offset = buf[1].buf;
+    uint32_t *out = buf[2].buf;
+    Py_ssize_t count = 0;
+    for (Py_ssize_t id = 0; id < n; id++)
+        if ((state[id] == 1 || state[id] == 2) && offset[id] / upp == want)
+            out[count++] = (uint32_t)id;
+    result = PyLong_FromSsize_t(count);
+done:
+    while (got-- > 0)
+        PyBuffer_Release(&buf[got]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"eligible", eligible, METH_VARARGS, "eligible(state, pins, offset, page_owner, units_per_page, cls, out)"},
     {"find", find, METH_VARARGS, "find(table, w0, rest, words, tags, ns, shift, out, prefix)"},
     {"place", place, METH_VARARGS, "place(table, w0, rest, ids, shift, limit) -> tombstones reused or -1"},
     {"slots_of", slots_of, METH_VARARGS, "slots_of(table, w0, rest, ids, shift, out)"},
+    {"page_ages", page_ages, METH_VARARGS,
+     "page_ages(state, pins, offset, last_used, units_per_page, recent, blocked)"},
+    {"on_page", on_page, METH_VARARGS, "on_page(state, offset, units_per_page, page, out) -> count"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_probe",

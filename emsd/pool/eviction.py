@@ -6,9 +6,10 @@ carries out the answer (mechanism apart from policy, as memcached's
 
 - ``lru_victims``: the least recently used of the eligible entries (READY,
   unpinned, of the class that is short), oldest first.
-- ``page_to_steal``: when a class cannot make room from its own entries, the
-  page of another class to take back: one whose live entries are all READY
-  and unpinned, and whose most recent use is the oldest. A page with no live
+- ``steal_choice`` (with ``page_ages``, or both as ``page_to_steal``): the
+  page of another class to take back when a class needs room and cannot, or
+  should not, evict its own: one whose live entries are all READY and
+  unpinned, and whose most recent use is the oldest. A page with no live
   entry at all is the best choice (its most recent use counts as -1).
 - ``chain_stamps``: the recency stamps of one call's keys under the
   ``prefix`` policy (below).
@@ -88,29 +89,42 @@ def copies_first(last_used: np.ndarray, cached: np.ndarray, eligible_ids: np.nda
     return np.concatenate([first, lru_victims(last_used, eligible_ids[~copy], n - first.size)])
 
 
-def page_to_steal(page_owner: np.ndarray, entry_pages: np.ndarray,
-                  entry_last_used: np.ndarray, entry_blocked: np.ndarray,
-                  requester: int, older_than: int | None = None) -> int | None:
-    """Page to take back for class ``requester``, or None if none can be.
-
-    ``page_owner``: class id per page (-1 free). ``entry_pages``,
-    ``entry_last_used``, ``entry_blocked``: per live entry, its page, its
-    last use, and whether it must stay (PENDING or pinned). Candidates are
-    pages owned by another class with no blocked entry; the answer is the one
-    whose most recent use is the oldest (lowest page index on a tie). With
-    ``older_than``, only a page whose most recent use is before it (every
-    block on it older than that stamp) is an answer.
-    """
-    pages = page_owner.size
+def page_ages(pages: int, entry_pages: np.ndarray, entry_last_used: np.ndarray,
+              entry_blocked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per page: the most recent use of its live entries (int64, -1 for none) and whether
+    one of them must stay (bool). ``entry_pages``, ``entry_last_used``, ``entry_blocked``:
+    per live entry, its page, its last use, and whether it is PENDING or pinned."""
     blocked = np.zeros(pages, dtype=bool)
     blocked[entry_pages[entry_blocked]] = True
-    candidate = (page_owner >= 0) & (page_owner != requester) & ~blocked
-    if not candidate.any():
-        return None
     recent = np.full(pages, -1, dtype=np.int64)
     np.maximum.at(recent, entry_pages, entry_last_used.astype(np.int64))
+    return recent, blocked
+
+
+def steal_choice(page_owner: np.ndarray, recent: np.ndarray, blocked: np.ndarray,
+                 requester: int, older_than: int | None = None) -> int | None:
+    """Page to take back for class ``requester``, or None if none can be.
+
+    ``page_owner``: class id per page (-1 free); ``recent``, ``blocked``: per
+    page, as ``page_ages`` gives them. Candidates are pages owned by another
+    class with no blocked entry; the answer is the one whose most recent use
+    is the oldest (lowest page index on a tie). With ``older_than``, only a
+    page whose most recent use is before it (every block on it older than
+    that stamp) is an answer.
+    """
+    candidate = (page_owner >= 0) & (page_owner != requester) & ~blocked.astype(bool)
+    if not candidate.any():
+        return None
     choices = np.flatnonzero(candidate)
     page = int(choices[np.argmin(recent[choices])])
     if older_than is not None and recent[page] >= older_than:
         return None
     return page
+
+
+def page_to_steal(page_owner: np.ndarray, entry_pages: np.ndarray,
+                  entry_last_used: np.ndarray, entry_blocked: np.ndarray,
+                  requester: int, older_than: int | None = None) -> int | None:
+    """``steal_choice`` from per-entry arrays (``page_ages``)."""
+    recent, blocked = page_ages(page_owner.size, entry_pages, entry_last_used, entry_blocked)
+    return steal_choice(page_owner, recent, blocked, requester, older_than)

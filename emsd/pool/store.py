@@ -45,8 +45,9 @@ owned elsewhere (``mark_cached``) before owned ones; then page stealing takes ba
 the page of another class whose entries are all READY and unpinned and
 whose latest use is the oldest. Before evicting its own blocks, a class
 takes back such a page if every block on it is older than the class's own
-oldest (``_older_page``, at most one look per page's worth of the class's
-evictions): LRU across classes, a page at a time, so that blocks of a new
+oldest (``_older_page``; after a look that found nothing, the next waits
+for a page's worth of the class's evictions and 1/1024 of the entries): LRU
+across classes, a page at a time, so that blocks of a new
 size (another model) do not stay confined to a page or two while old
 blocks of another size hold the rest of the pool.
 
@@ -77,7 +78,7 @@ from enum import IntEnum
 import numpy as np
 
 from emsd.pool.admission import AdmissionRule, SeenSketch, admitted, key_digest
-from emsd.pool.eviction import POLICIES, chain_stamps, copies_first, page_to_steal
+from emsd.pool.eviction import POLICIES, chain_stamps, copies_first, page_ages, steal_choice
 from emsd.pool.index import EMPTY, FIRST_ID, PENDING, READY, BlockIndex, first_occurrences
 from emsd.pool.keys import KeyBatch
 from emsd.pool.ledger import Ledger
@@ -89,6 +90,7 @@ except ImportError:  # pragma: no cover - extension not built
     _probe = None  # type: ignore[assignment]
 
 CLOCK_LIMIT = (1 << 32) - 1
+RECHECK_FRACTION = 1024  # _older_page: after a look that finds nothing, wait for entries / 1024 evictions
 LRU_QUEUE_FRACTION = 16  # a scan queues the oldest 1/16 of the eligible entries
 _READY = np.uint8(READY)  # numpy scalars: with them numpy skips a slow conversion
 _ONE = np.uint32(1)
@@ -691,15 +693,17 @@ class BlockStore:
         """Take back a page of another class whose blocks are all older than ``cls``'s oldest
         evictable block; False if there is none, or if it is not time to look.
 
-        Looking costs a pass over every entry, so it is done at most once per
-        page's worth of ``cls``'s own evictions, unless the last look found a
-        page (then the next need looks again at once). With one class in use
-        it costs a look at the page owners once per page's worth of evictions.
+        Looking costs a pass over every entry (2-6 ms at a million, in C), so
+        after a look that found nothing the next one waits until ``cls`` has
+        evicted a page's worth of its own blocks and 1/1024 of the entries (a
+        few microseconds a block, amortised); a look that found a page is
+        followed by another at the next need. With one class in use it costs
+        a look at the page owners as often.
         """
         if self._recheck.get(cls, 0) > 0:
             return False
         owner = self.slabs.page_owner
-        later = self.slabs.classes[cls].per_page
+        later = max(self.slabs.classes[cls].per_page, len(self.index) // RECHECK_FRACTION)
         if not bool(((owner >= 0) & (owner != cls)).any()):  # no other class holds a page
             self._recheck[cls] = later
             return False
@@ -713,14 +717,11 @@ class BlockStore:
     def _steal_page(self, cls: int, older_than: int | None = None) -> bool:
         """Take back a page from another class for ``cls`` (with ``older_than``: only a page
         whose blocks were all last used before that stamp); False if none can be."""
-        idx = self.index
-        live = idx.live_ids()
-        pages = idx.offset[live] // self._units_per_page
-        blocked = (idx.state[live] == PENDING) | (idx.pins[live] > 0)
-        page = page_to_steal(self.slabs.page_owner, pages, idx.last_used[live], blocked, cls, older_than)
+        recent, blocked = self._page_ages()
+        page = steal_choice(self.slabs.page_owner, recent, blocked, cls, older_than)
         if page is None:
             return False
-        self._evict(live[pages == page], "page")
+        self._evict(self._ids_on_page(page), "page")
         self.slabs.release_page(page)
         return True
 
@@ -753,6 +754,30 @@ class BlockStore:
             return
         for cls in np.unique(classes).tolist():
             self.slabs.free_many(cls, offs[classes == cls])
+
+    def _page_ages(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per page: the most recent use of its live entries (-1: none) and whether one
+        of them is PENDING or pinned (``eviction.page_ages``)."""
+        idx, pages = self.index, self.slabs.page_owner.size
+        if _probe is not None and idx.use_c:  # one pass in C: a few ms at a million entries
+            recent = np.full(pages, -1, dtype=np.int64)
+            blocked = np.zeros(pages, dtype=np.uint8)
+            hw = idx.high_water
+            _probe.page_ages(idx.state[:hw], idx.pins, idx.offset, idx.last_used, self._units_per_page,
+                             recent, blocked)
+            return recent, blocked
+        live = idx.live_ids()
+        return page_ages(pages, idx.offset[live] // self._units_per_page, idx.last_used[live],
+                         (idx.state[live] == PENDING) | (idx.pins[live] > 0))
+
+    def _ids_on_page(self, page: int) -> np.ndarray:
+        """Ids (uint32, ascending) of the live entries on ``page``."""
+        idx = self.index
+        if _probe is not None and idx.use_c:
+            ids = np.empty(idx.high_water, dtype=np.uint32)
+            return ids[: _probe.on_page(idx.state, idx.offset, self._units_per_page, page, ids)]
+        live = idx.live_ids()
+        return live[idx.offset[live] // self._units_per_page == page]
 
     def _eligible_of(self, cls: int) -> np.ndarray:
         """Ids (uint32, ascending) of the READY, unpinned entries of class ``cls``."""
