@@ -46,10 +46,10 @@ the page of another class whose entries are all READY and unpinned and
 whose latest use is the oldest. Before evicting its own blocks, a class
 takes back such a page if every block on it is older than the class's own
 oldest (``_older_page``; after a look that found nothing, the next waits
-for a page's worth of the class's evictions and 1/1024 of the entries): LRU
-across classes, a page at a time, so that blocks of a new
-size (another model) do not stay confined to a page or two while old
-blocks of another size hold the rest of the pool.
+for a page's worth of the class's evictions and 1/1024 of the entries):
+LRU across classes, a page at a time, so that blocks of a new size
+(another model) do not stay confined to a page or two while old blocks of
+another size hold the rest of the pool.
 
 LRU victims are found by a scan that keeps
 the oldest 1/16 of the eligible entries as a queue of candidates; a
