@@ -4,6 +4,7 @@
     emsctl [--socket-dir DIR] [--json] stats [--interval SECONDS]
     emsctl [--socket-dir DIR] [--json] owner --namespace NAME KEY [KEY ...]
     emsctl [--socket-dir DIR] [--json] drain [--timeout SECONDS]
+    emsctl [--socket-dir DIR] [--json] [--access-id ID] drop --namespace NAME [--timeout SECONDS]
     emsctl [--json] config check FILE
 
 It talks to the daemon over its Unix socket (``--socket-dir``, else
@@ -12,6 +13,13 @@ daemon's ``/metrics`` twice, ``--interval`` apart. It never writes to
 ZooKeeper: ``drain`` asks the daemon to leave the ring itself. Tables by
 default, ``--json`` for scripts. Exit status: 0 done, 1 the daemon could
 not be reached or refused, 2 a bad command line or config file.
+
+emsctl speaks for the default tenant, or with ``--access-id ID`` for tenant
+ID, whose key it takes from ``$EMS_ACCESS_KEY`` only (a command line is
+visible to every user of the host). A daemon with a tenants file refuses
+the default tenant unless ``tenants.allow_default``; and ``drop`` of a
+tenant's namespace needs that tenant, since the daemon keeps tenants'
+namespaces apart.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from emsd.config import ConfigError, load_config
 from emsd.pool.keys import KeyBatch, KeyError_
+from emsd.tenants import PREFIX as TENANT_PREFIX
 from emsd.transport.frames import PROTOCOL_VERSION, SOCKET_NAME, FrameDecoder, Op, encode_parts
 
 DEFAULT_SOCKET_DIR = "/dev/shm/ems"
@@ -46,15 +55,20 @@ class CtlError(Exception):
 class Control:
     """A control connection without the pool mapping (the HELLO's descriptor is closed at once)."""
 
-    def __init__(self, socket_dir: Path, timeout: float = 10.0) -> None:
+    def __init__(self, socket_dir: Path, timeout: float = 10.0, access_id: str | None = None,
+                 access_key: str | None = None) -> None:
+        """Connect as the default tenant, or as tenant ``access_id`` with ``access_key``."""
         self.path = socket_dir / SOCKET_NAME
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.settimeout(timeout)
         self.decoder = FrameDecoder()
         self.ids = 0
+        hello: dict[str, Any] = {"pid": os.getpid()}
+        if access_id is not None:
+            hello |= {"access_id": access_id, "access_key": access_key}
         try:
             self.sock.connect(str(self.path))
-            self._send(Op.HELLO, {"pid": os.getpid()})
+            self._send(Op.HELLO, hello)
             data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
             for fd in fds:
                 os.close(fd)
@@ -202,13 +216,29 @@ def drain(ctl: Control, timeout: float, progress: bool) -> dict[str, Any]:
 
 
 def drop(ctl: Control, namespace: str, timeout: float) -> dict[str, Any]:
-    """Drop a namespace on this node and every member of its cluster (``Service.drop_namespace``)."""
+    """Drop a namespace on this node and every member of its cluster (``Service.drop_namespace``).
+
+    ``namespace`` is the name ``ctl``'s tenant uses (``tenant_name``).
+    """
     ns = ctl.call(Op.NAMESPACE, {"name": namespace})["ns"]
     answer = ctl.call(Op.DROP, {"ns": ns, "to": max(1, int(timeout * 1000))}, timeout=timeout + 5)
     if answer.get("missed"):
         raise CtlError(f"drop: {answer['missed']} cluster member(s) did not confirm; their blocks "
                        "may still be found (run it again)")
     return {"namespace": namespace, "dropped": answer["dropped"]}
+
+
+def tenant_name(namespace: str, access_id: str | None) -> str:
+    """The name tenant ``access_id`` (None: the default tenant) opens for ``namespace``: the
+    name its clients use, or the daemon's name of it that ``status`` lists
+    (``tenant:<id>/<name>``). Raises ``CtlError`` for another tenant's namespace."""
+    if not namespace.startswith(TENANT_PREFIX):
+        return namespace
+    tenant, _, name = namespace[len(TENANT_PREFIX) :].partition("/")
+    if tenant == access_id:
+        return name
+    raise CtlError(f"{namespace} is a namespace of tenant {tenant!r}: run emsctl --access-id {tenant} "
+                   "with the tenant's key in $EMS_ACCESS_KEY", 2)
 
 
 def config_check(path: str) -> dict[str, Any]:
@@ -257,6 +287,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--socket-dir", default=os.environ.get("EMS_SOCKET_DIR", DEFAULT_SOCKET_DIR),
                    help="the daemon's node.socket_dir (default $EMS_SOCKET_DIR or /dev/shm/ems)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--access-id", default=None,
+                   help="speak for this tenant (its key from $EMS_ACCESS_KEY); default: the default tenant")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status", help="this node and the cluster view")
     st = sub.add_parser("stats", help="request rates and hit ratio")
@@ -285,7 +317,12 @@ def main(argv: list[str] | None = None) -> int:
             out, text = config_check(args.file), None
             text = f"{args.file}: ok (node {out['node']}, cluster {out['cluster'] or 'none'})"
         else:
-            ctl = Control(Path(args.socket_dir))
+            key = os.environ.get("EMS_ACCESS_KEY") or None
+            if args.access_id is not None and key is None:
+                raise CtlError("--access-id needs the tenant's key in $EMS_ACCESS_KEY", 2)
+            if args.cmd == "drop":
+                args.namespace = tenant_name(args.namespace, args.access_id)
+            ctl = Control(Path(args.socket_dir), access_id=args.access_id, access_key=key)
             try:
                 if args.cmd == "status":
                     out = status(ctl)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402
 from test_cluster import BLOCK, BLOCKS, KEYS, SLOTS, kv, load_equal, stats, use, wait_for  # noqa: E402
+from test_tenants import KEY_A, tenants_file  # noqa: E402, F401 - a fixture, taken through request
 
 from ems import CcConfig, CcKvOption, Ems  # noqa: E402
 from ems.namespace import namespace_name  # noqa: E402
@@ -21,10 +23,11 @@ from ems.namespace import namespace_name  # noqa: E402
 NS = namespace_name(None, CcConfig(rank_id=0, device_id=0, model_id="m"), "")
 
 
-def emsctl(*args: str, socket_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+def emsctl(*args: str, socket_dir: Path | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     where = ["--socket-dir", str(socket_dir)] if socket_dir is not None else []
     return subprocess.run([sys.executable, "-m", "emsd.ctl", *where, *args], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
 pytestmark = pytest.mark.usefixtures("reset_sdk")
@@ -92,6 +95,45 @@ def test_drop_forgets_a_namespace_that_the_engine_still_has_open(emsd: Any, monk
     assert again == {"namespace": NS, "dropped": 0}
     refused = emsctl("drop", "--namespace", "", socket_dir=emsd.socket_dir)
     assert refused.returncode == 1 and "namespace name" in refused.stderr
+
+
+def test_drop_of_a_tenants_namespace_speaks_for_that_tenant(emsd_factory: Any, request: Any,
+                                                            monkeypatch: Any) -> None:
+    from ems import EmsConfig
+
+    d = emsd_factory(tenants={"file": str(request.getfixturevalue("tenants_file"))})
+    monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
+    Ems._reset()
+    Ems.init(EmsConfig(access_id="team-a", access_key=KEY_A,
+                       cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+    cc = Ems.get_cc()
+    cc.register_kvcache(kv(2))
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+    ns = namespace_name("team-a", CcConfig(rank_id=0, device_id=0, model_id="m"), "")
+    team_a = {"EMS_ACCESS_KEY": KEY_A}
+    refused = emsctl("status", socket_dir=d.socket_dir)  # a tenants file: no default tenant here
+    assert refused.returncode == 1 and "refused the connection" in refused.stderr
+    status = emsctl("--json", "--access-id", "team-a", "status", socket_dir=d.socket_dir, env=team_a)
+    listed = f"tenant:team-a/{ns}"  # the daemon's name of it, as status lists it
+    assert listed in json.loads(status.stdout)["namespace_names"]
+    hint = emsctl("drop", "--namespace", listed, socket_dir=d.socket_dir)  # the default tenant cannot
+    assert hint.returncode == 2 and "--access-id team-a" in hint.stderr
+    other = emsctl("--access-id", "team-b", "drop", "--namespace", listed, socket_dir=d.socket_dir,
+                   env=team_a)
+    assert other.returncode == 2 and "tenant 'team-a'" in other.stderr
+    no_key = emsctl("--access-id", "team-a", "drop", "--namespace", ns, socket_dir=d.socket_dir,
+                    env={"EMS_ACCESS_KEY": ""})
+    assert no_key.returncode == 2 and "EMS_ACCESS_KEY" in no_key.stderr
+    wrong = emsctl("--access-id", "team-a", "drop", "--namespace", ns, socket_dir=d.socket_dir,
+                   env={"EMS_ACCESS_KEY": "x" * 44})
+    assert wrong.returncode == 1 and "refused" in wrong.stderr
+    assert cc.exists(KEYS).success == BLOCKS  # nothing dropped so far
+    out = emsctl("--json", "--access-id", "team-a", "drop", "--namespace", listed, socket_dir=d.socket_dir,
+                 env=team_a)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"namespace": ns, "dropped": BLOCKS}
+    assert cc.exists(KEYS).success == 0
+    assert d.proc.poll() is None
 
 
 def test_drain_moves_a_nodes_share_to_the_others_before_it_stops(emsd_factory: Any, tmp_path: Path,
