@@ -73,6 +73,24 @@ static int get_buf(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writ
     return 0;
 }
 
+/* get_buf for obj[0..n-1], those from index ``writable`` on writable; on failure the ones
+ * already taken are released. Returns 0, or -1 with the exception set. */
+static int get_bufs(PyObject **obj, Py_buffer *buf, int n, const Py_ssize_t *itemsize, const char **name,
+                    int writable) {
+    for (int i = 0; i < n; i++)
+        if (get_buf(obj[i], &buf[i], itemsize[i], i >= writable, name[i]) < 0) {
+            while (i-- > 0)
+                PyBuffer_Release(&buf[i]);
+            return -1;
+        }
+    return 0;
+}
+
+static void release_bufs(Py_buffer *buf, int n) {
+    for (int i = 0; i < n; i++)
+        PyBuffer_Release(&buf[i]);
+}
+
 enum { TABLE, W0, REST, WORDS, TAGS, OUT, NBUF };
 
 static PyObject *find(PyObject *self, PyObject *args) {
@@ -247,11 +265,9 @@ static PyObject *eligible(PyObject *self, PyObject *args) {
     static const Py_ssize_t itemsize[5] = {1, 4, 4, 4, 4};
     static const char *name[5] = {"state", "pins", "offset", "page_owner", "out"};
     Py_buffer buf[5];
-    int got = 0;
     PyObject *result = NULL;
-    for (; got < 5; got++)
-        if (get_buf(obj[got], &buf[got], itemsize[got], got == 4, name[got]) < 0)
-            goto done;
+    if (get_bufs(obj, buf, 5, itemsize, name, 4) < 0)
+        return NULL;
     Py_ssize_t n = buf[4].len / 4, pages = buf[3].len / 4;
     if (buf[0].len < n || buf[1].len / 4 < n || buf[2].len / 4 < n || upp < 1) {
         PyErr_SetString(PyExc_ValueError, "eligible: array sizes do not match");
@@ -271,8 +287,7 @@ static PyObject *eligible(PyObject *self, PyObject *args) {
     }
     result = PyLong_FromSsize_t(count);
 done:
-    while (got-- > 0)
-        PyBuffer_Release(&buf[got]);
+    release_bufs(buf, 5);
     return result;
 }
 
@@ -284,11 +299,9 @@ static PyObject *page_ages(PyObject *self, PyObject *args) {
     static const Py_ssize_t itemsize[6] = {1, 4, 4, 4, 8, 1};
     static const char *name[6] = {"state", "pins", "offset", "last_used", "recent", "blocked"};
     Py_buffer buf[6];
-    int got = 0;
     PyObject *result = NULL;
-    for (; got < 6; got++)
-        if (get_buf(obj[got], &buf[got], itemsize[got], got >= 4, name[got]) < 0)
-            goto done;
+    if (get_bufs(obj, buf, 6, itemsize, name, 4) < 0)
+        return NULL;
     Py_ssize_t n = buf[0].len, pages = buf[4].len / 8;
     if (buf[1].len / 4 < n || buf[2].len / 4 < n || buf[3].len / 4 < n || buf[5].len != pages || upp < 1) {
         PyErr_SetString(PyExc_ValueError, "page_ages: array sizes do not match");
@@ -312,8 +325,7 @@ static PyObject *page_ages(PyObject *self, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    while (got-- > 0)
-        PyBuffer_Release(&buf[got]);
+    release_bufs(buf, 6);
     return result;
 }
 
@@ -325,11 +337,9 @@ static PyObject *on_page(PyObject *self, PyObject *args) {
     static const Py_ssize_t itemsize[3] = {1, 4, 4};
     static const char *name[3] = {"state", "offset", "out"};
     Py_buffer buf[3];
-    int got = 0;
     PyObject *result = NULL;
-    for (; got < 3; got++)
-        if (get_buf(obj[got], &buf[got], itemsize[got], got == 2, name[got]) < 0)
-            goto done;
+    if (get_bufs(obj, buf, 3, itemsize, name, 2) < 0)
+        return NULL;
     Py_ssize_t n = buf[2].len / 4;
     if (buf[0].len < n || buf[1].len / 4 < n || upp < 1) {
         PyErr_SetString(PyExc_ValueError, "on_page: array sizes do not match");
@@ -344,8 +354,7 @@ static PyObject *on_page(PyObject *self, PyObject *args) {
             out[count++] = (uint32_t)id;
     result = PyLong_FromSsize_t(count);
 done:
-    while (got-- > 0)
-        PyBuffer_Release(&buf[got]);
+    release_bufs(buf, 3);
     return result;
 }
 
