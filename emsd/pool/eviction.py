@@ -6,7 +6,7 @@ carries out the answer (mechanism apart from policy, as memcached's
 
 - ``lru_victims``: the least recently used of the eligible entries (READY,
   unpinned, of the class that is short), oldest first.
-- ``steal_choice`` (with ``page_ages``, or both as ``page_to_steal``): the
+- ``steal_choice`` (over what ``page_ages`` gives): the
   page of another class to take back when a class needs room and cannot, or
   should not, evict its own: one whose live entries are all READY and
   unpinned, and whose most recent use is the oldest. A page with no live
@@ -121,10 +121,3 @@ def steal_choice(page_owner: np.ndarray, recent: np.ndarray, blocked: np.ndarray
         return None
     return page
 
-
-def page_to_steal(page_owner: np.ndarray, entry_pages: np.ndarray,
-                  entry_last_used: np.ndarray, entry_blocked: np.ndarray,
-                  requester: int, older_than: int | None = None) -> int | None:
-    """``steal_choice`` from per-entry arrays (``page_ages``)."""
-    recent, blocked = page_ages(page_owner.size, entry_pages, entry_last_used, entry_blocked)
-    return steal_choice(page_owner, recent, blocked, requester, older_than)

@@ -767,7 +767,7 @@ class BlockStore:
                              recent, blocked)
             return recent, blocked
         live = idx.live_ids()
-        return page_ages(pages, idx.offset[live] // self._units_per_page, idx.last_used[live],
+        return page_ages(pages, self._pages_of(live), idx.last_used[live],
                          (idx.state[live] == PENDING) | (idx.pins[live] > 0))
 
     def _ids_on_page(self, page: int) -> np.ndarray:
@@ -777,7 +777,7 @@ class BlockStore:
             ids = np.empty(idx.high_water, dtype=np.uint32)
             return ids[: _probe.on_page(idx.state, idx.offset, self._units_per_page, page, ids)]
         live = idx.live_ids()
-        return live[idx.offset[live] // self._units_per_page == page]
+        return live[self._pages_of(live) == page]
 
     def _eligible_of(self, cls: int) -> np.ndarray:
         """Ids (uint32, ascending) of the READY, unpinned entries of class ``cls``."""
@@ -799,8 +799,12 @@ class BlockStore:
         """Where entries' chunks start in the region, in bytes (uint64)."""
         return self.index.offset.take(ids).astype(np.uint64) * self._unit
 
+    def _pages_of(self, ids: np.ndarray) -> np.ndarray:
+        """The page each entry's chunk is on."""
+        return self.index.offset[ids] // self._units_per_page
+
     def _class_of(self, ids: np.ndarray) -> np.ndarray:
-        return self.slabs.page_owner[self.index.offset[ids] // self._units_per_page]
+        return self.slabs.page_owner[self._pages_of(ids)]
 
     # -- bookkeeping ----------------------------------------------------------------
 

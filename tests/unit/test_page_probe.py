@@ -25,13 +25,12 @@ def _store(sizes: list[int], pinned: list[int], pending: int, removed: list[int]
         if i >= len(sizes) - pending:
             continue  # PENDING
         store.commit(res.handles[res.status == 0])
-    keys = list(range(len(sizes)))
+    if not sizes:
+        return store
     for k in pinned:
-        if keys:
-            store.pin(k % 3, KeyBatch.from_user([keys[k % len(keys)]]))
+        store.pin(k % 3, KeyBatch.from_user([k % len(sizes)]))
     for k in removed:
-        if keys:
-            store.discard(k % 3, KeyBatch.from_user([keys[k % len(keys)]]))
+        store.discard(k % 3, KeyBatch.from_user([k % len(sizes)]))
     return store
 
 

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from emsd.pool.eviction import lru_victims, page_to_steal
+from emsd.pool.eviction import lru_victims, page_ages, steal_choice
 from emsd.pool.index import FREE, PENDING, READY
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore, Status
@@ -85,6 +85,13 @@ def test_lru_victims_are_the_oldest_first_with_ties_in_input_order() -> None:
     assert lru_victims(last_used, eligible, 10).tolist() == [3, 5, 6, 2, 4]
     assert lru_victims(last_used, eligible, 0).size == 0
     assert lru_victims(last_used, eligible[:0], 2).size == 0
+
+
+def page_to_steal(page_owner: np.ndarray, entry_pages: np.ndarray, entry_last_used: np.ndarray,
+                  entry_blocked: np.ndarray, requester: int, older_than: int | None = None) -> int | None:
+    """``steal_choice`` over ``page_ages`` of per-entry arrays, as the store's numpy path does."""
+    recent, blocked = page_ages(page_owner.size, entry_pages, entry_last_used, entry_blocked)
+    return steal_choice(page_owner, recent, blocked, requester, older_than)
 
 
 def test_page_to_steal_takes_the_page_used_longest_ago() -> None:
