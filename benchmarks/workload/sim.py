@@ -1,16 +1,24 @@
-"""Hit rates of a trace without a daemon: an infinite cache, and the pool's own store in process.
+"""Hit rates of a trace without a daemon, and its working set on two axes.
 
-Both follow the replay's protocol per request, which is a connector's: load
-the prompt's whole blocks (a hit is a leading run of stored blocks), then
-save the whole blocks of prompt + answer that were not loaded (token
-semantics with a mask over the loaded prefix; the save names the last
-loaded block as its predecessor). ``infinite`` keeps every block ever saved:
-the best any cache can do. ``in_store`` drives ``emsd.pool.store.BlockStore``
-(the daemon's synchronous core, same code) with a given capacity, eviction
-policy and admission threshold, which is fast enough to sweep many
-capacities; the real-daemon replays check it at a few points. ``belady``
-is the offline reference: a cache that evicts what is needed furthest in the
-future.
+All of them follow the replay's protocol per request, which is a
+connector's: load the prompt's whole blocks (a hit is a leading run of
+stored blocks), then save the whole blocks of prompt + answer that were not
+loaded (token semantics with a mask over the loaded prefix; the save names
+the last loaded block as its predecessor). ``infinite`` keeps every block
+ever saved: the best any cache can do. ``in_store`` drives
+``emsd.pool.store.BlockStore`` (the daemon's synchronous core, same code)
+with a given capacity, eviction policy and admission threshold, which is
+fast enough to sweep many capacities; the real-daemon replays check it at a
+few points. ``in_cluster`` does the same for several nodes on the real ring.
+``belady`` is the offline reference: a cache that evicts what is needed
+furthest in the future.
+
+Two sizes of a trace: ``working_set``, the distinct blocks ever saved, grows
+with the length of the trace; ``live_working_set``, the most blocks that are
+at one moment both saved and still to be loaded, does not. The latter is the
+smallest cache that, knowing the future, hits as often as an infinite one
+(``belady`` at that capacity is ``infinite``), which makes it the capacity
+axis on which eviction policies compare.
 """
 
 from __future__ import annotations
@@ -50,8 +58,55 @@ def chain(trace: list[Request], block: int) -> list[Chained]:
 
 
 def working_set(chained: list[Chained]) -> int:
-    """Distinct blocks ever saved."""
+    """Distinct blocks ever saved: grows with the length of the trace (every one-off adds its own)."""
     return len({k for c in chained for k in c.keys})
+
+
+def live_blocks(chained: list[Chained]) -> np.ndarray:
+    """Per request ``t``, the blocks live at the boundary before it: saved by a request
+    before ``t`` and loaded as a prompt block by ``t`` or a later request.
+
+    A block first saved by request ``i`` (as prompt or answer) and last
+    loaded by request ``j > i`` is live at boundaries ``i + 1`` to ``j``: the
+    request right after the one that saved it counts, the request that saved
+    it does not (its load came before its save), and a block never loaded
+    after it was first saved is never live. Saving a block again does not
+    change when it was first saved.
+    """
+    first_saved: dict[bytes, int] = {}
+    last_loaded: dict[bytes, int] = {}
+    for i, c in enumerate(chained):
+        for k in c.keys[: c.prompt_blocks]:
+            if k in first_saved:
+                last_loaded[k] = i
+        for k in c.keys:
+            first_saved.setdefault(k, i)
+    change = np.zeros(len(chained) + 1, dtype=np.int64)
+    for k, j in last_loaded.items():
+        change[first_saved[k] + 1] += 1
+        change[j + 1] -= 1
+    return np.cumsum(change[:-1])
+
+
+def live_working_set(chained: list[Chained]) -> int:
+    """The live working set: the most blocks live at one request boundary (``live_blocks``);
+    0 for a trace that never loads a block saved before.
+
+    A cache of this many blocks that knows the future hits as often as an
+    infinite cache: ``belady(chained, live_working_set(chained))`` equals
+    ``infinite(chained)``, request by request (after each request's save,
+    the stored blocks with a next use are exactly the live ones, so MIN
+    evicts none of them). With one block fewer, any cache lacks some live
+    block at the peak and misses it at its next load, unless a request in
+    between saves it again outside its prompt; that miss costs a hit where an
+    infinite cache hits it there (every block before it in that prompt saved
+    earlier). Chained keys of generated tokens meet both conditions (a block
+    comes back only inside a prompt, and a block's key implies its
+    predecessors'), so there this is the smallest cache that hits as often
+    as an infinite one; a hand-built trace need not.
+    """
+    live = live_blocks(chained)
+    return int(live.max()) if live.size else 0
 
 
 def infinite(chained: list[Chained]) -> np.ndarray:
