@@ -60,8 +60,17 @@ many evictions. Under ``prefix`` a call bounded by its predecessor can stamp
 below entries already queued; those wait for the next scan (the queue is
 the oldest 1/16, so the order is off by at most that much).
 
+Grants (``grant``, ``ungrant``, ``reserve(at=...)``): a save of one round
+trip. A client is handed chunks ahead of time, without entries; it writes
+its next blocks into them and then names them in the save, which makes the
+entries there (PENDING, and the daemon commits them at once) instead of
+allocating. Until then a granted chunk is nobody's block: no eviction takes
+it and the page it is on is never stolen (``_page_ages`` counts it as
+blocked). Whoever holds grants (the daemon's session of the client) gives
+them back when it ends.
+
 Accounting: ``bytes_used`` is the bytes of chunks holding an entry (PENDING
-or READY); ``bytes_free`` the bytes of free pages and free chunks; the rest
+or READY) or granted; ``bytes_free`` the bytes of free pages and free chunks; the rest
 of ``capacity`` is slack no chunk can use (page tails past the last chunk of
 their class, and the region past the last whole page)::
 
@@ -143,6 +152,7 @@ class StoreStats:
     ns_bytes: dict[int, int]  # committed (READY) bytes per namespace id
     classes: list[ClassStats] = field(default_factory=list)
     cached: int = 0  # READY entries that are read-cache copies of blocks owned elsewhere
+    granted: int = 0  # bytes of chunks granted to clients (``BlockStore.grant``), not yet used
 
 
 @dataclass
@@ -187,6 +197,8 @@ class BlockStore:
         self.sums: np.ndarray | None = None  # per entry id: checksum (emsd.pool.checksum), 0 none
         self._queues: dict[int, _LruQueue] = {}
         self._recheck: dict[int, int] = {}  # class -> own evictions before _older_page looks again
+        self._granted: dict[int, int] = {}  # byte offset -> chunk size of each chunk granted, unused
+        self.granted_bytes = 0  # their bytes
         self.ledger: Ledger | None = None  # rows of committed blocks, for a warm restart
 
     # -- the contract -------------------------------------------------------------
@@ -210,7 +222,7 @@ class BlockStore:
             self._seen = SeenSketch()
 
     def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray, admit: bool = False,
-                prev: KeyBatch | None = None) -> Reservation:
+                prev: KeyBatch | None = None, at: np.ndarray | None = None) -> Reservation:
         """Reserve places for blocks ``keys`` of ``sizes`` bytes, in order.
 
         Per key: present already (READY, or PENDING by anyone, including an
@@ -229,9 +241,13 @@ class BlockStore:
         the first key not admitted yet is FAILED with every key after it.
         ``prev``: the one key before ``keys[0]`` in their chain, when the
         caller left a prefix out (prefix policy only: see ``_below``).
+        ``at``: for a save into granted chunks (``grant``), the byte offset of
+        the chunk for each key, of the class of its size (the caller checks
+        both): a NEW key takes its chunk (no longer granted) and nothing is
+        allocated or evicted; the chunks of the other keys stay granted.
         """
         n = len(keys)
-        if len(sizes) != n:
+        if len(sizes) != n or (at is not None and len(at) != n):
             raise ValueError(f"{len(sizes)} sizes for {n} keys")
         status = np.full(n, int(Status.FAILED), dtype=np.uint8)
         handles = np.zeros(n, dtype=np.uint32)
@@ -249,8 +265,8 @@ class BlockStore:
         elif absent > 1:
             pos = np.flatnonzero(need)
             need[pos[~first_occurrences(keys.take(pos))]] = False
-        if int(sizes.min()) >= 1 and int(sizes.max()) <= self.max_block:
-            cut = n  # every size is valid (the usual case: one test instead of five)
+        if at is not None or (int(sizes.min()) >= 1 and int(sizes.max()) <= self.max_block):
+            cut = n  # every size is valid (the usual case: one test instead of five; ``at``: checked)
         else:
             bad = need & ~((sizes >= 1) & (sizes <= self.max_block))
             cut = int(bad.argmax()) if bad.any() else n
@@ -261,7 +277,7 @@ class BlockStore:
         if present.size:
             np.add.at(self.index.pins, present, _ONE)  # keep them through this call's evictions
         try:
-            made, cut = self._reserve_runs(ns, keys, todo, sizes, stamp, handles, offsets, cut)
+            made, cut = self._reserve_runs(ns, keys, todo, sizes, stamp, handles, offsets, cut, at)
         finally:
             if present.size:
                 np.subtract.at(self.index.pins, present, _ONE)
@@ -385,6 +401,44 @@ class BlockStore:
         self.index.remove(h)
         self._pending -= h.size
         return int(h.size)
+
+    def grant(self, size: int, k: int) -> np.ndarray:
+        """Up to ``k`` chunks for blocks of ``size`` bytes, handed to the caller without an
+        entry: their byte offsets (uint64). Room is found as ``reserve`` finds it (free
+        chunks, free pages, older pages of other classes, LRU eviction, page stealing).
+
+        A granted chunk belongs to the caller until it names it in ``reserve(at=...)``
+        (it then holds that block) or gives it back with ``ungrant``. No eviction
+        touches it and its page is never stolen; it counts in ``bytes_used`` and in
+        ``granted_bytes``. Empty if ``size`` is not in 1..``max_block``, ``k < 1``,
+        or no room can be made (everything else pinned or pending).
+        """
+        if k < 1 or not 1 <= size <= self.max_block:
+            return _NO_U8
+        cls = self.slabs.class_for(size)
+        if cls is None:
+            return _NO_U8
+        got = self._room(cls, k)
+        chunk = self.slabs.classes[cls].chunk_size
+        self._granted.update(dict.fromkeys(got.tolist(), chunk))
+        self.granted_bytes += chunk * got.size
+        return got
+
+    def ungrant(self, offsets: np.ndarray) -> int:
+        """Give back granted chunks (byte offsets, each granted and not used since, each
+        once: the caller keeps track); returns how many."""
+        offs = np.asarray(offsets, dtype=np.uint64)
+        if offs.size == 0:
+            return 0
+        self._ungranted(offs)
+        classes = self.slabs.class_of_offsets(offs)
+        for cls in np.unique(classes).tolist():
+            self.slabs.free_many(cls, offs[classes == cls])
+        return int(offs.size)
+
+    def _ungranted(self, offsets: np.ndarray) -> None:
+        """Chunks ``offsets`` are granted no more (used for a block, or given back)."""
+        self.granted_bytes -= sum(map(self._granted.pop, offsets.tolist()))
 
     def pin(self, ns: int, keys: KeyBatch, prev: KeyBatch | None = None) -> Pinned:
         """Pin the leading READY keys (up to the first key that is not READY).
@@ -569,15 +623,17 @@ class BlockStore:
             evictions=dict(self._evictions),
             ns_bytes=dict(self._ns_bytes),
             classes=classes,
+            granted=self.granted_bytes,
         )
 
     # -- allocation -----------------------------------------------------------------
 
     def _reserve_runs(self, ns: int, keys: KeyBatch, todo: np.ndarray, sizes: np.ndarray,
                       stamp: int, handles: np.ndarray, offsets: np.ndarray,
-                      cut: int) -> tuple[int, int]:
+                      cut: int, at: np.ndarray | None = None) -> tuple[int, int]:
         """Places and PENDING entries for keys ``todo`` (ascending positions),
-        run by run of one size class, in order.
+        run by run of one size class, in order; with ``at``, in the granted
+        chunks it names (see ``reserve``).
 
         Each run's entries go in the index before the next run makes room, so
         that no eviction or page steal can take a chunk just handed out.
@@ -586,20 +642,29 @@ class BlockStore:
         """
         if todo.size == 0:
             return 0, cut
+        if at is not None:
+            got = at[todo].astype(np.uint64)
+            self._ungranted(got)
+            self._place(ns, keys, todo, sizes, stamp, handles, offsets, got)
+            return todo.size, cut
         for a, b, cls in self._runs(sizes[todo]):
             got = self._room(cls, b - a) if cls >= 0 else _NO_U8
             if got.size:
-                sel = todo[a : a + got.size]
-                handles[sel] = self.index.insert_new(
-                    ns, keys.take(sel), (got // self._unit).astype(np.uint32),
-                    sizes[sel].astype(np.uint32), PENDING, stamp)
-                if self.sums is not None:
-                    self._set_sums(handles[sel], _NO_SUM)
-                offsets[sel] = got
-                self._pending += got.size
+                self._place(ns, keys, todo[a : a + got.size], sizes, stamp, handles, offsets, got)
             if got.size < b - a:
                 return a + got.size, int(todo[a + got.size])
         return todo.size, cut
+
+    def _place(self, ns: int, keys: KeyBatch, sel: np.ndarray, sizes: np.ndarray, stamp: int,
+               handles: np.ndarray, offsets: np.ndarray, got: np.ndarray) -> None:
+        """PENDING entries for the keys at positions ``sel`` in chunks ``got`` (byte offsets)."""
+        handles[sel] = self.index.insert_new(
+            ns, keys.take(sel), (got // self._unit).astype(np.uint32),
+            sizes[sel].astype(np.uint32), PENDING, stamp)
+        if self.sums is not None:
+            self._set_sums(handles[sel], _NO_SUM)
+        offsets[sel] = got
+        self._pending += got.size
 
     def _runs(self, want: np.ndarray) -> list[tuple[int, int, int]]:
         """(start, end, class or -1) of each run of consecutive sizes of one class."""
@@ -757,7 +822,7 @@ class BlockStore:
 
     def _page_ages(self) -> tuple[np.ndarray, np.ndarray]:
         """Per page: the most recent use of its live entries (-1: none) and whether one
-        of them is PENDING or pinned (``eviction.page_ages``)."""
+        of them is PENDING or pinned, or a chunk on it is granted (``eviction.page_ages``)."""
         idx, pages = self.index, self.slabs.page_owner.size
         if _probe is not None and idx.use_c:  # one pass in C: a few ms at a million entries
             recent = np.full(pages, -1, dtype=np.int64)
@@ -765,10 +830,14 @@ class BlockStore:
             hw = idx.high_water
             _probe.page_ages(idx.state[:hw], idx.pins, idx.offset, idx.last_used, self._units_per_page,
                              recent, blocked)
-            return recent, blocked
-        live = idx.live_ids()
-        return page_ages(pages, self._pages_of(live), idx.last_used[live],
-                         (idx.state[live] == PENDING) | (idx.pins[live] > 0))
+        else:
+            live = idx.live_ids()
+            recent, blocked = page_ages(pages, self._pages_of(live), idx.last_used[live],
+                                        (idx.state[live] == PENDING) | (idx.pins[live] > 0))
+        if self._granted:  # a granted chunk is in use without an entry
+            offs = np.fromiter(self._granted, dtype=np.uint64, count=len(self._granted))
+            blocked[(offs // np.uint64(self.page_size)).astype(np.int64)] = 1
+        return recent, blocked
 
     def _ids_on_page(self, page: int) -> np.ndarray:
         """Ids (uint32, ascending) of the live entries on ``page``."""

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from emsd.pool.eviction import lru_victims, page_ages, steal_choice
 from emsd.pool.index import FREE, PENDING, READY
 from emsd.pool.keys import KeyBatch
-from emsd.pool.store import BlockStore, Status
+from emsd.pool.store import BlockStore, Reservation, Status
 
 PAGE = 4096
 MODEL_KEYS = 40  # enough distinct keys to keep the model's pool under eviction pressure
@@ -55,7 +55,7 @@ def check_invariants(store: BlockStore) -> None:
     chunk = np.array([slabs.classes[c].chunk_size for c in owners.tolist()], dtype=np.int64)
     assert (lengths <= chunk).all() and (lengths > 0).all()
     assert (offs % slabs.page_size + chunk <= slabs.page_size).all()
-    assert int(sum(chunk)) == slabs.bytes_used()
+    assert int(sum(chunk)) + store.granted_bytes == slabs.bytes_used()
     free = np.concatenate([c.stack[: c.top] for c in slabs.classes] or [np.zeros(0, np.uint64)])
     assert np.unique(free).size == free.size, "a chunk is on a free stack twice"
     assert not np.isin(free, offs.astype(np.uint64)).any(), "a live block's chunk is on a free stack"
@@ -423,6 +423,7 @@ class StoreModel(RuleBasedStateMachine):
         self.pending: dict[tuple[int, int], int] = {}  # key -> handle
         self.ready: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (handle, size)
         self.pins: Counter[int] = Counter()  # handle -> pins we hold
+        self.granted: dict[int, int] = {}  # byte offset -> chunk size of the chunks granted to us
 
     def pinned(self, key: tuple[int, int]) -> bool:
         return key in self.ready and self.pins[self.ready[key][0]] > 0
@@ -436,6 +437,10 @@ class StoreModel(RuleBasedStateMachine):
         else:
             per_key = data.draw(st.lists(one, min_size=len(keys), max_size=len(keys)))
         res = self.store.reserve(ns, kb(*keys), np.array(per_key, dtype=np.uint64), admit=self.admit)
+        self.reserved(ns, keys, per_key, res)
+
+    def reserved(self, ns: int, keys: list[int], per_key: list[int], res: Reservation) -> None:
+        """Check a reservation's answer and learn from it."""
         status = res.status.tolist()
         failed = status.index(FAILED) if FAILED in status else len(keys)
         assert status[failed:] == [FAILED] * (len(keys) - failed)
@@ -457,6 +462,44 @@ class StoreModel(RuleBasedStateMachine):
                     del self.ready[gone]  # evicted: its entry id is reused
                 self.pending[key] = h
             batch.add(key)
+
+    @rule(size=st.sampled_from([1, 100, 1000, 2000, 4000, 0, PAGE + 1]), k=st.integers(0, 4))
+    def grant(self, size: int, k: int) -> None:
+        got = self.store.grant(size, k).tolist()
+        assert len(got) <= k
+        if not 1 <= size <= PAGE:
+            assert got == []
+        for off in got:
+            assert off not in self.granted, "a chunk was granted twice"
+            self.granted[off] = self.store.slabs.chunk_for(size)
+
+    @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, MODEL_KEYS), min_size=1, max_size=4),
+          data=st.data())
+    def put(self, ns: int, keys: list[int], data: st.DataObject) -> None:
+        """A save into granted chunks (``reserve(at=...)``), as a client with grants saves."""
+        if len(self.granted) < len(keys):
+            return
+        chosen = data.draw(st.permutations(sorted(self.granted)))[: len(keys)]
+        # any size whose chunk is the granted chunk's: from the chunk down to one alignment step less
+        per_key = [max(1, self.granted[o] - data.draw(st.integers(0, self.store.slabs.align - 1)))
+                   for o in chosen]
+        res = self.store.reserve(ns, kb(*keys), np.array(per_key, dtype=np.uint64), admit=self.admit,
+                                 at=np.array(chosen, dtype=np.uint64))
+        status = res.status.tolist()
+        assert FAILED not in status or self.admit, "a save into granted chunks failed without admission"
+        for o, s, off in zip(chosen, status, res.offsets.tolist(), strict=True):
+            if s == NEW:
+                assert off == o, "a NEW key did not take its granted chunk"
+                del self.granted[o]
+        self.reserved(ns, keys, per_key, res)
+
+    @rule(data=st.data())
+    def ungrant(self, data: st.DataObject) -> None:
+        back = data.draw(st.lists(st.sampled_from(sorted(self.granted) or [0]), unique=True))
+        back = [o for o in back if o in self.granted]
+        assert self.store.ungrant(np.array(back, dtype=np.uint64)) == len(back)
+        for o in back:
+            del self.granted[o]
 
     @rule(data=st.data(), junk=st.lists(st.integers(0, 40), max_size=3))
     def commit(self, data: st.DataObject, junk: list[int]) -> None:
@@ -516,6 +559,22 @@ class StoreModel(RuleBasedStateMachine):
     @invariant()
     def structure_holds(self) -> None:
         check_invariants(self.store)
+
+    @invariant()
+    def granted_chunks_are_nobody_elses(self) -> None:
+        st_ = self.store
+        assert st_.granted_bytes == sum(self.granted.values())
+        if not self.granted:
+            return
+        offs = np.array(sorted(self.granted), dtype=np.uint64)
+        free = np.concatenate([c.stack[: c.top] for c in st_.slabs.classes])
+        assert not np.isin(offs, free).any(), "a granted chunk is on a free stack"
+        live = st_.index.live_ids()
+        starts = st_.index.offset[live].astype(np.uint64) * np.uint64(st_.slabs.align)
+        assert not np.isin(offs, starts).any(), "a block was placed in a granted chunk"
+        owners = st_.slabs.page_owner[(offs // np.uint64(PAGE)).astype(np.int64)]
+        chunks = [st_.slabs.classes[c].chunk_size for c in owners.tolist()]
+        assert chunks == [self.granted[o] for o in offs.tolist()], "a granted chunk's page changed class"
 
     @invariant()
     def known_blocks_are_where_the_model_says(self) -> None:
