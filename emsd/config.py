@@ -54,6 +54,7 @@ class PoolConfig:
     eviction: str = "prefix"  # "lru" or "prefix" (emsd/pool/eviction.py)
     admit_after: int = 1  # store a block from its N-th save on; 1: admission off
     admit_after_namespaces: tuple[tuple[str, int], ...] = ()  # (namespace glob, N), first match wins
+    grants: bool = True  # hand clients chunks for their next saves: one round trip a save (emsd.service)
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def _node(t: dict[str, Any]) -> NodeConfig:
 
 def _pool(t: dict[str, Any]) -> PoolConfig:
     _only(t, "pool", {"size", "hugepages", "page_size", "prefault", "warm_restart", "state_dir",
-                      "checksum", "eviction", "admit_after", "admit_after_namespaces"})
+                      "checksum", "eviction", "admit_after", "admit_after_namespaces", "grants"})
     d = PoolConfig()
     size = parse_size("pool.size", t.get("size", d.size))
     if size < MIN_POOL:
@@ -248,6 +249,9 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     if eviction not in ("lru", "prefix"):
         raise ConfigError("pool.eviction", f'must be "lru" or "prefix" (got {eviction!r})')
     admit = _admit_count("pool.admit_after", t.get("admit_after", d.admit_after))
+    grants = t.get("grants", d.grants)
+    if not isinstance(grants, bool):
+        raise ConfigError("pool.grants", f"must be true or false (got {grants!r})")
     per_ns = t.get("admit_after_namespaces", {})
     if not isinstance(per_ns, dict):
         raise ConfigError("pool.admit_after_namespaces",
@@ -257,7 +261,7 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     return PoolConfig(size=size, hugepages=huge, page_size=min(page, size), prefault=prefault,
                       warm_restart=warm, state_dir=Path(state) if state else None,
                       eviction=eviction, admit_after=admit, admit_after_namespaces=patterns,
-                      checksum=checksum)
+                      checksum=checksum, grants=grants)
 
 
 def _admit_count(key: str, value: Any) -> int:

@@ -53,7 +53,7 @@ class Metrics:
                                  ["op"], buckets=LATENCY_BUCKETS, registry=r)
         self.keys = Counter("emsd_lookup_keys", "Keys looked up, by op and result (hit/miss)",
                             ["op", "result"], registry=r)
-        self.bytes = Counter("emsd_op_bytes", "Block bytes handed out, by op (reserve/pin)",
+        self.bytes = Counter("emsd_op_bytes", "Block bytes handed out, by op (reserve/put/pin)",
                              ["op"], registry=r)
         self.save_failed = Counter("emsd_reserve_failed_keys",
                                    "Keys a reserve could not place (pool full of pinned blocks)",
@@ -104,8 +104,9 @@ class Metrics:
         child[0].inc()
         child[1].observe(seconds)
 
-    def reserved(self, keys: int, nbytes: int, failed: int) -> None:
-        self._child(self.bytes, "reserve").inc(nbytes)
+    def reserved(self, keys: int, nbytes: int, failed: int, op: str = "reserve") -> None:
+        """A save (RESERVE or PUT: ``op``) placed ``keys`` new blocks of ``nbytes``; ``failed`` got none."""
+        self._child(self.bytes, op).inc(nbytes)
         if failed:
             self.save_failed.inc(failed)
 
@@ -159,6 +160,9 @@ class PoolCollector(Collector):
                                 value=st.pending)
         yield GaugeMetricFamily("emsd_pool_pinned_blocks", "Blocks pinned by readers",
                                 value=st.pinned)
+        yield GaugeMetricFamily("emsd_pool_granted_bytes",
+                                "Bytes of chunks granted to clients for their next saves, not yet used",
+                                value=st.granted)
         yield GaugeMetricFamily("emsd_pool_cached_blocks",
                                 "Read-cache copies of blocks owned by other nodes", value=st.cached)
         ev = CounterMetricFamily("emsd_pool_evictions", "Blocks evicted since start, by reason",

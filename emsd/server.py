@@ -109,6 +109,7 @@ class Daemon:
         service = Service(store, cfg.node.id, region.kind, self.metrics, self._tenants())
         if cfg.pool.checksum:
             service.checksums = Checksums(store, self._pool_view)
+        service.grants = cfg.pool.grants
         service.restore_namespaces(names)
         self.metrics.watch_pool(store.stats, service.namespace_name)
         self.metrics.restart.labels(self.restart_outcome.split(":")[0]).set(1)

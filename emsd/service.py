@@ -22,6 +22,20 @@ Payload layouts (little-endian, n keys; see ``emsd.pool.keys`` for keys):
 - RELEASE  request: handles u32 x n.
 - EXISTS   request: keys (``lo``: this node only; ``to``: ms). response header ``count``: leading
            keys held here or, in a cluster, by their owners (asked after the local look).
+- GRANT    request header ``size`` (block bytes), ``k`` and ``need`` (default 1); payload:
+           offsets u64 of granted chunks given back. response header ``k``; payload: offsets
+           u64 x k of chunks for blocks of ``size`` bytes, now this connection's
+           (``BlockStore.grant``): up to the ``k`` asked, none if fewer than ``need`` fit the
+           bounds below (the SDK asks for its next save's worth; fewer would only sit idle).
+- PUT      request: keys, then offsets u64 x n (chunks granted to this connection, already
+           written), then sizes u64 x n. The NEW blocks are committed at once (a save in one
+           round trip); the other keys' chunks stay granted. response: status u8 x n (as
+           RESERVE's); in a cluster header ``reached`` as COMMIT's, one byte per NEW key.
+
+Grants are bounded: a connection holds at most 1/``GRANT_SESSION_SHARE`` of the
+pool, all connections together 1/``GRANT_TOTAL_SHARE``; a GRANT past either bound
+gets fewer chunks (the SDK then saves with RESERVE and COMMIT). A closed
+connection's grants go back to the pool.
 """
 
 from __future__ import annotations
@@ -59,6 +73,8 @@ MAX_NAMESPACE_LEN = 4096
 MAX_NAMESPACES_PER_SESSION = 1024
 RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_namespace)
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
+GRANT_SESSION_SHARE = 64  # a connection holds at most 1/64 of the pool in granted chunks
+GRANT_TOTAL_SHARE = 16  # all connections together at most 1/16
 
 
 class RequestError(Exception):
@@ -82,6 +98,9 @@ class Session:
     fetched: set[int] = field(default_factory=set)  # copies fetched for the PIN being handled
     transient: set[int] = field(default_factory=set)  # pinned copies to drop on release (wr off)
     parsed: tuple[bytes, tuple[Any, Any, Any], tuple[int, KeyBatch, bytes]] | None = None  # Service._keys
+    granted: dict[int, int] = field(default_factory=dict)  # byte offset -> chunk size, chunks granted
+    granted_bytes: int = 0
+    put: np.ndarray | None = None  # entries the PUT being handled committed (for forward_commit)
 
 
 Response = tuple[dict[str, Any], list[bytes]]
@@ -94,6 +113,7 @@ class Service:
                  tenants: Tenants | None = None) -> None:
         self.store = store
         self.checksums: Checksums | None = None  # set when pool.checksum is on
+        self.grants = True  # pool.grants: GRANT hands out chunks (else it is refused)
         self.tenants = tenants or Tenants([])
         self._tenant_ns: dict[str, set[int]] = {}  # namespaces of each tenant (for quotas)
         self.node_id = node_id
@@ -125,7 +145,7 @@ class Service:
         session.authenticated = True
         self.sessions += 1
         return {"node": self.node_id, "pool_size": self.store.stats().capacity,
-                "region": self.region_kind, "server_pid": os.getpid()}
+                "region": self.region_kind, "server_pid": os.getpid(), "grants": self.grants}
 
     def handle(self, session: Session, header: dict[str, Any], payload: bytes) -> Response:
         """Answer one request; never raises for bad input (answers with a status)."""
@@ -157,6 +177,10 @@ class Service:
         if session.pending:
             self.store.abort(np.fromiter(session.pending, dtype=np.uint32))
             session.pending.clear()
+        if session.granted:
+            self.store.ungrant(np.fromiter(session.granted, dtype=np.uint64))
+            session.granted.clear()
+            session.granted_bytes = 0
         if session.pins:
             held = np.repeat(
                 np.fromiter(session.pins.keys(), dtype=np.uint32),
@@ -221,7 +245,7 @@ class Service:
             return self._drop_elsewhere(header, resp)
         if op == Op.EXISTS and not header.get("lo") and resp.get("count", 0) < header.get("n", 0):
             return self._exists_remote(session, header, payload, resp)
-        return self.forward_commit(header, payload, resp)
+        return self.forward_commit(header, payload, resp, session)
 
     async def _exists_remote(self, session: Session, header: dict[str, Any], payload: bytes,
                              resp: dict[str, Any]) -> dict[str, Any]:
@@ -282,20 +306,29 @@ class Service:
             owned = owned[~np.isin(idx.ns_of(owned), list(self._retired))]
         return owned
 
-    def forward_commit(self, header: dict[str, Any], payload: bytes,
-                       resp: dict[str, Any]) -> Awaitable[dict[str, Any]] | None:
-        """For a COMMIT in a cluster: send the committed blocks to their owners.
+    def forward_commit(self, header: dict[str, Any], payload: bytes, resp: dict[str, Any],
+                       session: Session | None = None) -> Awaitable[dict[str, Any]] | None:
+        """For a COMMIT or a PUT in a cluster: send the committed blocks to their owners.
 
-        The answer gains ``reached``: one byte per committed handle, 1 when
+        The answer gains ``reached``: one byte per committed handle (COMMIT) or
+        NEW key (PUT, whose handles its handler left in ``session.put``), 1 when
         the block is now at its owner (or is owned here). With ``wr`` false
         (write_rcache off) the local copies of blocks that reached another
         owner are dropped.
         """
-        nc = header.get("c", 0)
-        if self.cluster is None or header.get("op") != Op.COMMIT or resp.get("st") or not nc:
+        op = header.get("op")
+        if self.cluster is None or resp.get("st") or op not in (Op.COMMIT, Op.PUT):
             return None
-        handles = np.frombuffer(payload, dtype="<u4", count=nc).astype(np.uint32)
-        resp["reached"] = bytes(nc)  # what the answer says if forwarding fails outright
+        if op == Op.PUT:
+            handles = session.put if session is not None else None
+            if handles is None or handles.size == 0:
+                return None
+        else:
+            nc = header.get("c", 0)
+            if not nc:
+                return None
+            handles = np.frombuffer(payload, dtype="<u4", count=nc).astype(np.uint32)
+        resp["reached"] = bytes(handles.size)  # what the answer says if forwarding fails outright
         return self._push(handles, bool(header.get("wr", True)), _now() + _timeout(header), resp)
 
     async def _push(self, handles: np.ndarray, keep: bool, deadline: float,
@@ -441,6 +474,69 @@ class Service:
             np.asarray(res.status, dtype=np.uint8).tobytes(),
         ]
 
+    def _grant(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+        if not self.grants:
+            raise RequestError(Status.INVALID_ARGUMENT, "grants are off on this node (pool.grants)")
+        size, k, need = h.get("size"), h.get("k"), h.get("need", 1)
+        if type(size) is not int or not 1 <= size <= self.store.max_block:
+            raise RequestError(Status.INVALID_ARGUMENT, f"size must be an int in 1..{self.store.max_block}")
+        if type(k) is not int or not 0 <= k <= MAX_BATCH_KEYS:
+            raise RequestError(Status.INVALID_ARGUMENT, f"k must be an int in 0..{MAX_BATCH_KEYS}")
+        if type(need) is not int or not 0 <= need <= MAX_BATCH_KEYS:
+            raise RequestError(Status.INVALID_ARGUMENT, f"need must be an int in 0..{MAX_BATCH_KEYS}")
+        if len(p) % 8:
+            raise RequestError(Status.INVALID_ARGUMENT, "offsets given back: not a multiple of 8 bytes")
+        back = np.frombuffer(p, dtype="<u8").astype(np.uint64)
+        _granted_chunks(s, back.tolist())
+        self._ungrant(s, back)
+        chunk = self.store.slabs.chunk_for(size)
+        cap = self.store.capacity
+        room = min(cap // GRANT_SESSION_SHARE - s.granted_bytes,
+                   cap // GRANT_TOTAL_SHARE - self.store.granted_bytes) // chunk
+        got = self.store.grant(size, min(k, room) if room >= need else 0)
+        s.granted.update(dict.fromkeys(got.tolist(), chunk))
+        s.granted_bytes += chunk * got.size
+        return {"k": int(got.size)}, [np.asarray(got, dtype="<u8").tobytes()]
+
+    def _ungrant(self, s: Session, offsets: np.ndarray) -> None:
+        """Give back chunks granted to ``s`` (checked by the caller)."""
+        if offsets.size:
+            for o in offsets.tolist():
+                s.granted_bytes -= s.granted.pop(o)
+            self.store.ungrant(offsets)
+
+    def _put(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+        ns, keys, rest = self._keys(s, h, p)
+        n = len(keys)
+        if len(rest) != 16 * n:
+            raise RequestError(Status.INVALID_ARGUMENT, f"offsets and sizes: expected {16 * n} bytes, "
+                               f"got {len(rest)}")
+        s.put = None
+        at = np.frombuffer(rest, dtype="<u8", count=n).astype(np.uint64)
+        sizes = np.frombuffer(rest, dtype="<u8", count=n, offset=8 * n).astype(np.uint64)
+        align = self.store.slabs.align
+        for size, chunk in zip(sizes.tolist(), _granted_chunks(s, at.tolist()), strict=True):
+            if not 0 < size <= chunk < size + align:
+                raise RequestError(Status.INVALID_ARGUMENT, f"a block of {size} bytes does not "
+                                   f"fit its granted chunk of {chunk} exactly")
+        quota = self.tenants.quota(s.tenant)
+        fit = n if quota is None else self._fit_quota(s.tenant, quota, ns, keys, sizes)
+        res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
+                                 admit=True, prev=_prev_key(h), at=at[:fit])
+        if fit < n:
+            res = _pad_failed(res, n)
+        new = np.flatnonzero(res.status == SlotStatus.NEW)
+        handles = res.handles[new]
+        for o in at[new].tolist():
+            s.granted_bytes -= s.granted.pop(o)
+        if self.checksums is not None:
+            self.checksums.seal(handles)  # written before the PUT was sent: digest before READY
+        self.store.commit_reserved(handles)
+        s.put = handles
+        self.metrics.reserved(int(new.size), int(sizes[new].sum()),
+                              int((res.status == SlotStatus.FAILED).sum()), "put")
+        return {"n": n}, [np.asarray(res.status, dtype=np.uint8).tobytes()]
+
     def _fit_quota(self, tenant: str, quota: int, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
         """How many leading keys of a save fit the tenant's quota, after evicting its own LRU blocks."""
         mine = np.fromiter(self._tenant_ns.get(tenant, ()), dtype=np.int64)
@@ -546,6 +642,7 @@ class Service:
             "pending": st.pending,
             "pinned": st.pinned,
             "cached": st.cached,
+            "granted": st.granted,
             "evictions": dict(st.evictions),
             "clients": self.sessions,
             "namespaces": len(self._ns_names),
@@ -643,6 +740,8 @@ class Service:
         Op.OWNER: _owner,
         Op.DRAIN: _drain,
         Op.DROP: _drop,
+        Op.GRANT: _grant,
+        Op.PUT: _put,
     }
 
 
@@ -667,6 +766,19 @@ def _opened(s: Session, ns: object) -> int:
     if type(ns) is not int or ns not in s.namespaces:
         raise RequestError(Status.INVALID_ARGUMENT, f"namespace {ns!r} not opened on this connection")
     return ns
+
+
+def _granted_chunks(s: Session, offsets: list[int]) -> list[int]:
+    """The chunk size of each of ``offsets``: distinct chunks granted to ``s``; raises
+    ``RequestError`` otherwise."""
+    try:
+        chunks = [s.granted[o] for o in offsets]
+    except KeyError as exc:
+        raise RequestError(Status.INVALID_ARGUMENT,
+                           f"offset {exc.args[0]} is not a chunk granted to this connection") from None
+    if len(set(offsets)) != len(offsets):
+        raise RequestError(Status.INVALID_ARGUMENT, "a granted chunk is named twice")
+    return chunks
 
 
 def _own(pending: set[int], handles: list[int], what: str) -> None:

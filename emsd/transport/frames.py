@@ -51,6 +51,8 @@ class Op(IntEnum):
     OWNER = 10  # which nodes own these keys (operators: emsctl owner)
     DRAIN = 11  # leave the ring and move owned blocks to their new owners, a batch per call
     DROP = 12  # retire a namespace: its blocks are found no more, here and on every member
+    GRANT = 13  # chunks of one size held for this connection's next saves (and give some back)
+    PUT = 14  # store (key, size) x n in granted chunks already written, committed at once
 
 
 class Status(IntEnum):

@@ -7,7 +7,9 @@ socket handed to asyncio as a ``ControlProtocol``; from there on every frame
 is decoded with ``FrameDecoder`` and answered by ``Service.handle`` in
 arrival order. Requests are handled synchronously on the event loop (they
 only touch the in-memory index), so a response is written in the same
-``data_received`` call that completed its request.
+``data_received`` call that completed its request (the answers to a call's
+frames together, except that those before a GRANT are written before it is
+handled).
 
 A malformed frame is answered once with an error status (request id 0 when
 it could not be read) and the connection is closed; the daemon and every
@@ -34,6 +36,7 @@ from emsd.transport.frames import (
     Frame,
     FrameDecoder,
     FrameError,
+    Op,
     Status,
     check_lengths,
     decode_header,
@@ -78,6 +81,11 @@ class ControlProtocol(asyncio.Protocol):
             return
         out: list[bytes | memoryview] = []
         for frame in frames:
+            if out and frame.header.get("op") == Op.GRANT:
+                # A GRANT (the SDK sends one after a PUT, for its next save) may evict: the
+                # answers before it go out first, so that it never holds them up.
+                self.transport.writelines(out)
+                out = []
             fetch = self.service.remote_fetch(self.session, frame.header, frame.payload)
             if fetch is not None:  # answered when the peers have answered (by id, out of order)
                 self._spawn(self._pin_after(fetch, frame))

@@ -7,7 +7,10 @@ onto authenticated control connections:
 - well-framed requests with fuzzed headers: known and unknown ops, fields of
   every wrong type and range, payloads of random length and content, and
   out-of-order calls (COMMIT, RELEASE of handles never given out, RESERVE
-  without COMMIT);
+  without COMMIT, GRANT without PUT); half the GRANTs ask for plausible
+  chunks and half the PUTs name chunks granted on the connection (some
+  twice, some with a wrong size, some stale), so that real grants are used,
+  given back and left behind;
 - byte-flipped copies of valid frames;
 - frames cut short, then the connection closed;
 - oversized length prefixes;
@@ -16,7 +19,7 @@ onto authenticated control connections:
 After each well-framed request a PING marks the end of its answers, since
 some ops (RELEASE) never answer. Throughout, a real SDK client's blocks
 must load with identical bytes; at the end nothing stays reserved or
-pinned, and the daemon's memory has not grown beyond a small bound.
+pinned or granted, and the daemon's memory has not grown beyond a small bound.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import random
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,7 +47,10 @@ MARK = 0x7FFF_FFF0  # the PING's request id: the end of a fuzz frame's answers
 WEIRD: list[Any] = [0, 1, -1, 2, 7, 255, 65536, 65537, 2**31, 2**32 + 5, -(2**40), 2**63, 1.5, "x", "",
                     b"\x00" * 3, None, True, [], [1, 2], {}, {"a": 1}, "\u2603" * 40]
 OPS = [int(op) for op in Op if op != Op.HELLO]
-FIELDS = ["ns", "n", "kt", "c", "a", "to", "lo", "wr", "name", "tenant", "bulk", "count", "op", "v", "id"]
+FIELDS = ["ns", "n", "kt", "c", "a", "to", "lo", "wr", "name", "tenant", "bulk", "count", "op", "v", "id",
+          "size", "k"]
+GRANT_ID, PUT_ID = 0x7FFF_FF00, 0x7FFF_FF01  # plausible GRANTs and PUTs: their answers are read
+GRANT_SIZES = [64, 4096, 8192]
 
 
 class Conn:
@@ -60,16 +67,22 @@ class Conn:
             os.close(fd)
         assert msgpack.unpackb(data[8:])["st"] == 0
         self.buf = b""
+        self.payload = b""  # of the last answer read
+        self.granted: list[tuple[int, int]] = []  # (offset, size) of chunks granted here, maybe stale
+        self.sent: dict[str, Any] = {}  # the last plausible GRANT's size, PUT's chunks
+        self.ns: int | None = None  # a namespace opened here (learnt from a NAMESPACE answer)
 
     def frame(self) -> dict[str, Any] | None:
-        """The next answer's header; None once the daemon hung up."""
+        """The next answer's header (its payload in ``payload``); None once the daemon hung up."""
         while True:
             if len(self.buf) >= 8:
                 hlen, plen = struct.unpack_from("<II", self.buf)
                 if len(self.buf) >= 8 + hlen + plen:
                     head = msgpack.unpackb(self.buf[8 : 8 + hlen])
+                    self.payload = self.buf[8 + hlen : 8 + hlen + plen]
                     self.buf = self.buf[8 + hlen + plen :]
                     assert isinstance(head, dict) and "st" in head, head
+                    self.learn(head)
                     return head
             try:
                 chunk = self.sock.recv(1 << 16)
@@ -78,6 +91,19 @@ class Conn:
             if not chunk:
                 return None
             self.buf += chunk
+
+    def learn(self, head: dict[str, Any]) -> None:
+        """Keep track of the chunks a plausible GRANT got and a plausible PUT used."""
+        if head.get("st") != 0:
+            return
+        if type(head.get("ns")) is int:
+            self.ns = head["ns"]
+        if head.get("id") == GRANT_ID and "size" in self.sent:
+            offsets = struct.unpack(f"<{len(self.payload) // 8}Q", self.payload)
+            self.granted += [(o, self.sent["size"]) for o in offsets]
+        elif head.get("id") == PUT_ID and "at" in self.sent and len(self.payload) == len(self.sent["at"]):
+            used = {o for o, st in zip(self.sent["at"], self.payload, strict=True) if st == 0}
+            self.granted = [g for g in self.granted if g[0] not in used]
 
     def close(self) -> None:
         self.sock.close()
@@ -88,8 +114,9 @@ def _frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
     return struct.pack("<II", len(head), len(payload)) + head + payload
 
 
-def fuzzed_request(rng: random.Random) -> bytes:
-    """A well-framed request whose header and payload are fuzzed."""
+def fuzzed_request(rng: random.Random, conn: Conn | None = None) -> bytes:
+    """A well-framed request whose header and payload are fuzzed (GRANT and PUT sometimes
+    plausible, with the chunks ``conn`` was granted)."""
     header: dict[Any, Any] = {"v": PROTOCOL_VERSION, "id": rng.randrange(1000),
                               "op": rng.choice(OPS) if rng.random() < 0.85 else
                               rng.choice(WEIRD)}
@@ -110,10 +137,37 @@ def fuzzed_request(rng: random.Random) -> bytes:
         keys = rng.randbytes(8 * n)
         sizes = struct.pack(f"<{n}Q", *(rng.randrange(1, 1 << 20) for _ in range(n)))
         payload = keys + sizes
+    if conn is not None and header.get("op") in (Op.GRANT, Op.PUT) and rng.random() < 0.5:
+        header, payload = _plausible(rng, header, conn)
     try:
         return _frame(header, payload)
     except (TypeError, ValueError):
         return _frame({"v": PROTOCOL_VERSION, "id": 0, "op": int(Op.PING)})
+
+
+def _plausible(rng: random.Random, header: dict[Any, Any], conn: Conn) -> tuple[dict[Any, Any], bytes]:
+    """A GRANT of real sizes (giving some chunks back), or a PUT into chunks ``conn`` was
+    granted: mostly right, sometimes a chunk twice, a wrong size or a stale chunk."""
+    if header["op"] == Op.GRANT:
+        size = rng.choice(GRANT_SIZES)
+        back = rng.sample(conn.granted, rng.randrange(min(len(conn.granted), 3) + 1)) \
+            if rng.random() < 0.2 else []
+        conn.granted = [g for g in conn.granted if g not in back]
+        conn.sent = {"size": size}
+        header.update(id=GRANT_ID, size=size, k=rng.randrange(6))
+        return header, b"".join(struct.pack("<Q", o) for o, _ in back)
+    n = rng.randrange(1, min(len(conn.granted), 4) + 1) if conn.granted else 1
+    chosen = rng.sample(conn.granted, n) if conn.granted else [(rng.randrange(1 << 26), 64)]
+    if rng.random() < 0.1:
+        chosen.append(chosen[0])  # a chunk named twice
+    at = [o for o, _ in chosen]
+    sizes = [size if rng.random() < 0.9 else size + rng.choice([-64, 1, 4096]) for _, size in chosen]
+    conn.sent = {"at": at}
+    header.update(id=PUT_ID, n=len(at), kt=0)
+    if conn.ns is not None:
+        header["ns"] = conn.ns
+    keys = struct.pack(f"<{len(at)}Q", *(rng.randrange(1 << 64) for _ in at))
+    return header, keys + struct.pack(f"<{2 * len(at)}Q", *at, *(max(s, 0) for s in sizes))
 
 
 def broken_bytes(rng: random.Random, kind: int) -> bytes:
@@ -134,7 +188,7 @@ def broken_bytes(rng: random.Random, kind: int) -> bytes:
 
 @pytest.fixture
 def victim(emsd_factory: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any, list[Any]]]:
-    d = emsd_factory(log={"level": "error"})  # the refusals would fill the log
+    d = emsd_factory(log={"level": "error"}, pool={"grants": True})  # the refusals would fill the log
     monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
     Ems._reset()
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="fuzz")))
@@ -171,7 +225,7 @@ def test_a_hundred_thousand_hostile_frames(victim: tuple[Any, Any, list[Any]]) -
             if i % 10_000 == 0:
                 assert d.alive() and intact(cc, kv), f"seed {SEED}, frame {i}"
             if rng.random() < 0.96:
-                conn.sock.sendall(fuzzed_request(rng) + ping)
+                conn.sock.sendall(fuzzed_request(rng, conn) + ping)
                 while (head := conn.frame()) is not None and head.get("id") != MARK:
                     pass
                 if head is not None:
@@ -198,5 +252,17 @@ def test_a_hundred_thousand_hostile_frames(victim: tuple[Any, Any, list[Any]]) -
     finally:
         client.close()
     assert stats["pending"] == 0 and stats["pinned"] == 0, (SEED, stats)
+    Ems._reset()  # the SDK's connection goes too (it holds chunks for its next save): none stay granted
+    client = DaemonClient(d.socket_dir / "emsd.sock")
+    client.connect({})
+    try:
+        deadline = time.monotonic() + 10
+        while (granted := client.call(Op.STATS, {}, timeout=5)[0]["granted"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        client.close()
+    assert granted == 0, (SEED, granted)
+    stored = d.metric("emsd_op_bytes_total", 'op="put"')
+    assert stored > 100 * 64, f"only {stored} bytes were stored by PUTs into granted chunks (seed {SEED})"
     grown = rss.memory_info().rss - baseline
     assert grown < 16 << 20, f"daemon RSS grew {grown} bytes over the run (seed {SEED})"

@@ -1,0 +1,195 @@
+"""GRANT and PUT through ``Service.handle`` in one process: a save in one round trip into
+chunks granted ahead of time, only by the session they were granted to, within the bounds,
+and nothing left behind when the session ends."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from emsd.metrics import Metrics
+from emsd.pool.keys import KeyBatch
+from emsd.pool.store import BlockStore
+from emsd.pool.store import Status as SlotStatus
+from emsd.service import GRANT_SESSION_SHARE, GRANT_TOTAL_SHARE, Service, Session
+from emsd.transport.frames import Op, Status
+
+POOL, PAGE, BLOCK = 8 << 20, 1 << 20, 4096
+NEW, PRESENT, FAILED = int(SlotStatus.NEW), int(SlotStatus.PRESENT), int(SlotStatus.FAILED)
+
+
+def _session(svc: Service) -> tuple[Session, int]:
+    s = Session()
+    s.authenticated = True
+    resp, _ = svc.handle(s, {"op": int(Op.NAMESPACE), "name": "n", "id": 1}, b"")
+    return s, resp["ns"]
+
+
+def _setup(grants: bool = True) -> tuple[Service, Session, int]:
+    svc = Service(BlockStore(POOL, PAGE), "t", "shm", Metrics())
+    svc.grants = grants
+    s, ns = _session(svc)
+    return svc, s, ns
+
+
+def _grant(svc: Service, s: Session, k: int, size: int = BLOCK, back: np.ndarray | None = None) -> np.ndarray:
+    payload = b"" if back is None else back.astype("<u8").tobytes()
+    resp, parts = svc.handle(s, {"op": int(Op.GRANT), "size": size, "k": k, "id": 2}, payload)
+    assert resp["st"] == Status.OK, resp
+    got = np.frombuffer(parts[0], "<u8").copy()
+    assert got.size == resp["k"]
+    return got
+
+
+def _put(svc: Service, s: Session, ns: int, keys: list[int], at: np.ndarray,
+         sizes: list[int] | None = None) -> tuple[dict, np.ndarray]:
+    n = len(keys)
+    sz = np.array(sizes if sizes is not None else [BLOCK] * n, "<u8")
+    resp, parts = svc.handle(s, {"op": int(Op.PUT), "ns": ns, "n": n, "kt": 0, "id": 3},
+                             np.array(keys, "<u8").tobytes() + at.astype("<u8").tobytes() + sz.tobytes())
+    status = np.frombuffer(parts[0], np.uint8).copy() if parts else np.zeros(0, np.uint8)
+    return resp, status
+
+
+def _loadable(svc: Service, ns: int, keys: list[int]) -> int:
+    return svc.store.exists(ns, KeyBatch.from_user(keys))
+
+
+def test_a_put_into_granted_chunks_stores_and_commits_in_one_request() -> None:
+    svc, s, ns = _setup()
+    at = _grant(svc, s, 3)
+    assert at.size == 3 and svc.store.stats().granted == 3 * BLOCK and s.granted_bytes == 3 * BLOCK
+    resp, status = _put(svc, s, ns, [1, 2, 3], at)
+    assert resp["st"] == Status.OK and status.tolist() == [NEW] * 3
+    assert _loadable(svc, ns, [1, 2, 3]) == 3
+    pinned = svc.store.pin(ns, KeyBatch.from_user([1, 2, 3]))
+    assert pinned.offsets.tolist() == at.tolist()  # each block is where the client wrote it
+    st = svc.store.stats()
+    assert (st.granted, st.pending, st.ns_bytes[ns]) == (0, 0, 3 * BLOCK)
+    assert s.granted == {} and s.granted_bytes == 0
+
+
+def test_a_present_key_keeps_its_chunk_granted_for_the_next_save() -> None:
+    svc, s, ns = _setup()
+    at = _grant(svc, s, 2)
+    _put(svc, s, ns, [7], at[:1])
+    more = _grant(svc, s, 1)
+    resp, status = _put(svc, s, ns, [7, 8], np.array([at[1], more[0]]))
+    assert status.tolist() == [PRESENT, NEW]
+    assert list(s.granted) == [int(at[1])] and svc.store.stats().granted == BLOCK
+    assert _put(svc, s, ns, [9], at[1:])[1].tolist() == [NEW]  # and it can be used again
+
+
+@pytest.mark.parametrize("case", ["not granted", "named twice", "another session's", "wrong size",
+                                  "size past its chunk", "short payload"])
+def test_a_bad_put_is_refused_and_changes_nothing(case: str) -> None:
+    svc, s, ns = _setup()
+    other, _ = _session(svc)
+    mine, theirs = _grant(svc, s, 2), _grant(svc, other, 1)
+    at, sizes, keys = mine, [BLOCK, BLOCK], [1, 2]
+    if case == "not granted":
+        at = np.array([mine[0], mine[1] + np.uint64(POOL)])
+    elif case == "named twice":
+        at = np.array([mine[0], mine[0]])
+    elif case == "another session's":
+        at = np.array([mine[0], theirs[0]])
+    elif case == "wrong size":
+        sizes = [BLOCK, BLOCK - 64]  # another chunk size: another class
+    elif case == "size past its chunk":
+        sizes = [BLOCK, BLOCK + 1]
+    before = svc.store.stats()
+    if case == "short payload":
+        resp, _ = svc.handle(s, {"op": int(Op.PUT), "ns": ns, "n": 2, "kt": 0, "id": 3},
+                             np.array(keys, "<u8").tobytes() + mine.astype("<u8").tobytes())
+    else:
+        resp, _ = _put(svc, s, ns, keys, at, sizes)
+    assert resp["st"] == Status.INVALID_ARGUMENT and resp["msg"]
+    after = svc.store.stats()
+    assert (after.entries, after.granted, after.bytes_used) == \
+        (before.entries, before.granted, before.bytes_used)
+    assert sorted(s.granted) == sorted(mine.tolist()) and _loadable(svc, ns, keys) == 0
+    assert _put(svc, s, ns, keys, mine)[1].tolist() == [NEW, NEW]  # the chunks still work
+
+
+def test_a_closed_session_gives_its_grants_back() -> None:
+    svc, s, ns = _setup()
+    _grant(svc, s, 5)
+    used = svc.store.stats().bytes_used
+    svc.close(s)
+    st = svc.store.stats()
+    assert st.granted == 0 and st.bytes_used == used - 5 * BLOCK and s.granted == {}
+
+
+def test_chunks_given_back_with_a_grant_are_free_again() -> None:
+    svc, s, _ = _setup()
+    at = _grant(svc, s, 4)
+    again = _grant(svc, s, 0, back=at[:3])
+    assert again.size == 0 and list(s.granted) == [int(at[3])]
+    resp, _ = svc.handle(s, {"op": int(Op.GRANT), "size": BLOCK, "k": 0, "id": 2},
+                         at[:1].astype("<u8").tobytes())  # given back twice: refused
+    assert resp["st"] == Status.INVALID_ARGUMENT and svc.store.stats().granted == BLOCK
+
+
+def test_grants_are_bounded_per_session_and_in_all() -> None:
+    svc, s, _ = _setup()
+    per_session = POOL // GRANT_SESSION_SHARE // BLOCK
+    assert _grant(svc, s, per_session + 10).size == per_session
+    assert _grant(svc, s, 1).size == 0
+    others = [_session(svc)[0] for _ in range(GRANT_SESSION_SHARE)]
+    total = sum(_grant(svc, o, per_session).size for o in others) + per_session
+    assert total == POOL // GRANT_TOTAL_SHARE // BLOCK
+    assert svc.store.stats().granted == POOL // GRANT_TOTAL_SHARE
+
+
+def test_a_grant_that_cannot_give_what_the_next_save_needs_gives_nothing() -> None:
+    svc, s, _ = _setup()
+    per_session = POOL // GRANT_SESSION_SHARE // BLOCK
+    resp, parts = svc.handle(s, {"op": int(Op.GRANT), "size": BLOCK, "k": per_session + 4,
+                                 "need": per_session + 1, "id": 2}, b"")
+    assert (resp["st"], resp["k"], parts[0]) == (Status.OK, 0, b"") and svc.store.stats().granted == 0
+    resp, _ = svc.handle(s, {"op": int(Op.GRANT), "size": BLOCK, "k": per_session + 4,
+                             "need": per_session, "id": 2}, b"")
+    assert resp["k"] == per_session  # as many as fit, since that is enough
+
+
+@pytest.mark.parametrize("header", [{"size": 0, "k": 1}, {"size": PAGE + 1, "k": 1}, {"size": "4096", "k": 1},
+                                    {"size": BLOCK, "k": -1}, {"size": BLOCK, "k": True}, {"k": 1},
+                                    {"size": BLOCK, "k": 1, "need": -1},
+                                    {"size": BLOCK, "k": 1, "need": "2"}])
+def test_a_bad_grant_is_refused(header: dict) -> None:
+    svc, s, _ = _setup()
+    resp, _ = svc.handle(s, {"op": int(Op.GRANT), "id": 2, **header}, b"")
+    assert resp["st"] == Status.INVALID_ARGUMENT and svc.store.stats().granted == 0
+
+
+def test_grants_off_refuse_grant_and_say_so_in_hello() -> None:
+    svc, s, _ = _setup(grants=False)
+    resp, _ = svc.handle(s, {"op": int(Op.GRANT), "size": BLOCK, "k": 1, "id": 2}, b"")
+    assert resp["st"] == Status.INVALID_ARGUMENT and "pool.grants" in resp["msg"]
+    assert svc.hello(Session(), {"op": int(Op.HELLO)})["grants"] is False
+
+
+def test_granted_chunks_are_never_evicted_and_their_page_never_stolen() -> None:
+    svc, s, ns = _setup()
+    at = _grant(svc, s, 8)
+    pool = svc.store
+    other, ons = _session(svc)
+    # fill the rest of the pool with 4 KiB blocks, then with blocks of another size
+    for batch in range(POOL // BLOCK // 64 + 4):
+        keys = list(range(1000 + 64 * batch, 1000 + 64 * (batch + 1)))
+        resp, parts = svc.handle(other, {"op": int(Op.RESERVE), "ns": ons, "n": 64, "kt": 0, "id": 4},
+                                 np.array(keys, "<u8").tobytes() + np.full(64, BLOCK, "<u8").tobytes())
+        h = np.frombuffer(parts[1], "<u4")[np.frombuffer(parts[2], np.uint8) == NEW]
+        svc.handle(other, {"op": int(Op.COMMIT), "c": h.size, "a": 0, "id": 5}, h.astype("<u4").tobytes())
+    for batch in range(16):
+        keys = list(range(90000 + 8 * batch, 90000 + 8 * (batch + 1)))
+        resp, parts = svc.handle(other, {"op": int(Op.RESERVE), "ns": ons, "n": 8, "kt": 0, "id": 6},
+                                 np.array(keys, "<u8").tobytes() + np.full(8, PAGE, "<u8").tobytes())
+        h = np.frombuffer(parts[1], "<u4")[np.frombuffer(parts[2], np.uint8) == NEW]
+        svc.handle(other, {"op": int(Op.COMMIT), "c": h.size, "a": 0, "id": 7}, h.astype("<u4").tobytes())
+    assert pool.stats().evictions.get("page", 0) > 0  # pages did move between classes
+    live = pool.index.live_ids()
+    starts = set((pool.index.offset[live].astype(np.uint64) * np.uint64(pool.slabs.align)).tolist())
+    assert not starts & set(at.tolist())  # no block was placed in a granted chunk
+    assert _put(svc, s, ns, list(range(8)), at)[1].tolist() == [NEW] * 8
+    assert _loadable(svc, ns, list(range(8))) == 8
