@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ems.common.exception import EmsErrorCode, EmsException
+from ems.grants import Grants
 from emsd.transport.frames import (
     PROTOCOL_VERSION,
     SOCKET_NAME,
@@ -108,6 +109,7 @@ class DaemonClient:
         # a fresh n-byte object on every call.
         self._rbuf = bytearray(RECV_BUFFER)
         self._rview = memoryview(self._rbuf)
+        self.grants = Grants(self)  # chunks granted to this connection for its next saves
 
     # -- connection -------------------------------------------------------------
 

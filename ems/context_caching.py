@@ -4,8 +4,11 @@ A save is three steps: RESERVE places for the blocks (one round trip for the
 whole batch), copy the tensors' slots into those places in the mapped pool
 (one batched gather in this process, see ``ems.layout``), COMMIT (one round
 trip). Blocks the daemon already has come back as PRESENT and are not copied
-again. A load is PIN (one round trip), one batched scatter into the tensors,
-and a RELEASE sent without waiting for its answer.
+again. When the connection holds enough chunks granted ahead of time for the
+blocks' size (``ems.grants``; after its first save of that size, on a daemon
+with ``pool.grants``), a save is two: copy into those chunks, then one PUT,
+which the daemon commits at once. A load is PIN (one round trip), one batched
+scatter into the tensors, and a RELEASE sent without waiting for its answer.
 
 Results follow the EMS contract: ``CcResult.total`` is the number of keys,
 ``success`` the number of keys that succeeded consecutively from the first.
@@ -16,7 +19,9 @@ take space.
 
 Decisions the spec leaves open:
 - Blocks are content-addressed: saving a key that is already stored (or
-  being stored by another client) is a success without a copy.
+  being stored by another client) is a success without storing it again
+  (with RESERVE, without a copy; a save into granted chunks has copied it
+  by then, and its chunk is kept for the next save).
 - The namespace is (tenant, model, engine, KV-cache type, TP/PP shape and
   ranks); it does not include the registered tensors' shapes, so that a
   scheduler process can call ``exists`` without registering. A load whose
@@ -40,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from ems.cc_v1.cc_config import CcConfig_v1
+from ems.cc_v1.cc_config import CcConfig_v1, KVCacheType
 from ems.client import DaemonClient
 from ems.common.exception import EmsErrorCode, EmsException, invalid
 from ems.config import CcKvOption, resolve_option
@@ -68,6 +73,9 @@ class ContextCaching:
         self._profiler = profiler
         self._executor = ThreadPoolExecutor(max_workers=ASYNC_WORKERS, thread_name_prefix="ems-cc")
         self._lock = threading.Lock()
+        # Saves into granted chunks copy a key that is stored already for nothing: not for
+        # MLA namespaces, which every TP rank fills with the same keys (see ems.grants).
+        self._granted = cc_config.kvcache_type != KVCacheType.MLA
 
     def close(self) -> None:
         """Wait for async calls in flight, then close the profiling record file."""
@@ -209,6 +217,9 @@ class ContextCaching:
         return req
 
     def _save(self, req: BatchRequest, opt: CcKvOption) -> CcResult:
+        """A save: into granted chunks with one PUT when there are enough of the blocks'
+        one size (``ems.grants``), else RESERVE, copy, COMMIT. Either way, then asks for
+        chunks for the next save of this shape."""
         n = len(req.keys)
         if n == 0:
             return CcResult(0, req.total)
@@ -217,7 +228,48 @@ class ContextCaching:
         sizes = layout.block_bytes(req.counts).astype("<u8")
         kt, raw = req.keys.to_wire()
         _remaining(deadline)  # a call whose time is up reserves nothing
-        pending = client.submit(Op.RESERVE, {"ns": ns, "n": n, "kt": kt, **_prev(req)},
+        size = int(sizes[0]) if self._granted and int(sizes.min()) == int(sizes.max()) else 0
+        at = client.grants.take(size, n, _left(deadline)) if size else None
+        if at is not None:
+            return self._put(req, opt, client, deadline, {"ns": ns, "n": n, "kt": kt}, raw, sizes, at)
+        result = self._reserve_commit(req, opt, client, deadline, {"ns": ns, "n": n, "kt": kt}, raw, sizes)
+        if size:
+            client.grants.ask(size, n)
+        return result
+
+    def _put(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient, deadline: float | None,
+             keyed: dict[str, Any], raw: bytes, sizes: np.ndarray, at: np.ndarray) -> CcResult:
+        """Copy into the granted chunks ``at``, then one PUT; unused chunks go back to the grants."""
+        layout, n, size = self.layout, len(req.keys), int(sizes[0])
+        try:
+            segs = layout.place(layout.plan(req.slots, req.counts), client.pool_addr, at,
+                                pool_size=client.pool_size)
+            layout.copy(segs, client.pool_addr, client.pool_size, to_pool=True)
+        except BaseException:
+            client.grants.give_back(size, at)
+            raise
+        fields = {**keyed, "wr": opt.write_rcache, **_budget(deadline), **_prev(req)}
+        pending = client.submit(Op.PUT, fields, [raw, at.astype("<u8").tobytes(), sizes.tobytes()],
+                                late=_unused_back(client, size, at))
+        client.grants.ask(size, n)  # the daemon handles it after answering the PUT
+        try:
+            header, payload = client.wait(pending, _left(deadline))
+        except EmsException as exc:
+            if exc.status_code() != EmsErrorCode.EMS_IO_TIMEOUT:  # refused: nothing was stored
+                client.grants.give_back(size, at)
+            raise  # (a late answer gives the unused chunks back: _unused_back)
+        status = _put_status(payload, n)
+        client.grants.give_back(size, at[status != _NEW])
+        failed = np.flatnonzero(status == _FAILED)
+        good = int(failed[0]) if failed.size else n
+        return CcResult(_reached(header, np.flatnonzero(status == _NEW), good), req.total)
+
+    def _reserve_commit(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient,
+                        deadline: float | None, keyed: dict[str, Any], raw: bytes,
+                        sizes: np.ndarray) -> CcResult:
+        """RESERVE places (the copy is planned while the daemon answers), copy, COMMIT."""
+        layout, n = self.layout, len(req.keys)
+        pending = client.submit(Op.RESERVE, {**keyed, **_prev(req)},
                                 [raw, sizes.tobytes()], late=_abort_late(client, n))
         try:
             plan = layout.plan(req.slots, req.counts)  # while the daemon reserves
@@ -243,11 +295,7 @@ class ContextCaching:
                 raise
             commit = {"c": int(new.size), "a": 0, "wr": opt.write_rcache, **_budget(deadline)}
             answer, _ = client.call(Op.COMMIT, commit, [mine], timeout=_remaining(deadline))
-            reached = answer.get("reached")
-            if isinstance(reached, bytes) and len(reached) == new.size:
-                lost = new[np.frombuffer(reached, dtype=np.uint8) == 0]  # not at their owner
-                if lost.size:
-                    good = min(good, int(lost[0]))
+            good = _reached(answer, new, good)
         return CcResult(good, req.total)
 
     def _load(self, req: BatchRequest, opt: CcKvOption) -> CcResult:
@@ -369,6 +417,33 @@ def _split_reservation(payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray, 
     handles = np.frombuffer(payload, dtype="<u4", count=n, offset=8 * n)
     status = np.frombuffer(payload, dtype=np.uint8, count=n, offset=12 * n)
     return offsets, handles, status
+
+
+def _reached(answer: dict[str, Any], new: np.ndarray, good: int) -> int:
+    """``good`` cut at the first of the keys at positions ``new`` (the committed ones, in
+    order) that a cluster answer's ``reached`` says did not reach its owner."""
+    reached = answer.get("reached")
+    if isinstance(reached, bytes) and len(reached) == new.size:
+        lost = new[np.frombuffer(reached, dtype=np.uint8) == 0]
+        if lost.size:
+            return min(good, int(lost[0]))
+    return good
+
+
+def _put_status(payload: bytes, n: int) -> np.ndarray:
+    if len(payload) != n:
+        raise EmsException(EmsErrorCode.EMS_IO_ERROR, "malformed PUT answer from emsd")
+    return np.frombuffer(payload, dtype=np.uint8)
+
+
+def _unused_back(client: DaemonClient, size: int, at: np.ndarray) -> Callable[[dict[str, Any], bytes], None]:
+    """For a PUT whose answer came after the call timed out: its unused chunks are free again."""
+
+    def late(_header: dict[str, Any], payload: bytes) -> None:
+        if len(payload) == at.size:
+            client.grants.give_back(size, at[np.frombuffer(payload, dtype=np.uint8) != _NEW])
+
+    return late
 
 
 def _abort_late(client: DaemonClient, n: int) -> Callable[[dict[str, Any], bytes], None]:

@@ -228,7 +228,8 @@ CLIENT_LOOP = textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", ["save", "load"])
 def test_client_killed_mid_call_leaks_no_reservation_or_pin(emsd_factory: Any, mode: str) -> None:
-    d = emsd_factory(pool={"size": "256MiB", "page_size": "16MiB"})
+    # 1 GiB: a connection may hold 1/64 of the pool in grants, so the 16 MiB saves get them
+    d = emsd_factory(pool={"size": "1GiB", "page_size": "16MiB", "prefault": False})
     env = {**os.environ, "EMS_SOCKET_DIR": str(d.socket_dir)}
     if mode == "load":
         seed = subprocess.run([sys.executable, "-c", CLIENT_LOOP.replace("while True", "while i < 1"),
@@ -239,10 +240,12 @@ def test_client_killed_mid_call_leaks_no_reservation_or_pin(emsd_factory: Any, m
     assert victim.stdout is not None
     assert victim.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 20
-    op = "reserve" if mode == "save" else "pin"
-    while d.metric("emsd_ops_total", f'op="{op}",result="ok"') < 5:
+    ops = ("reserve", "put") if mode == "save" else ("pin",)
+    while sum(d.metric("emsd_ops_total", f'op="{op}",result="ok"') for op in ops) < 5:
         assert time.monotonic() < deadline, d.log()
         time.sleep(0.01)
+    if mode == "save":  # after its first save, it saves into granted chunks (one PUT a save)
+        assert d.metric("emsd_ops_total", 'op="put",result="ok"') >= 1
     victim.send_signal(signal.SIGKILL)
     victim.communicate()
     client = DaemonClient(d.socket_dir / "emsd.sock")
@@ -251,7 +254,8 @@ def test_client_killed_mid_call_leaks_no_reservation_or_pin(emsd_factory: Any, m
         deadline = time.monotonic() + 10
         while True:
             stats, _ = client.call(Op.STATS, {}, timeout=5)
-            if stats["pending"] == 0 and stats["pinned"] == 0 and d.metric("emsd_clients_connected") == 1:
+            if stats["pending"] == 0 and stats["pinned"] == 0 and stats["granted"] == 0 \
+                    and d.metric("emsd_clients_connected") == 1:
                 break
             assert time.monotonic() < deadline, stats
             time.sleep(0.02)

@@ -71,6 +71,11 @@ def sdk(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     Ems._reset()
 
 
+def saves(d: Any) -> float:
+    """Saves the daemon has committed: by COMMIT, or by PUT into granted chunks."""
+    return sum(d.metric("emsd_ops_total", f'op="{op}",result="ok"') for op in ("commit", "put"))
+
+
 def batch_in_pool(cc: Any, batch: int) -> tuple[int, bool]:
     """(blocks of ``batch`` that load, whether each of them holds exactly its batch number)."""
     kv = [[torch.full((BLOCKS, TOKENS, 16, 32), -1.0) for _ in range(2)] for _ in range(2)]
@@ -89,10 +94,10 @@ def test_kill_9_mid_saves_and_loads_then_restart_serves_every_committed_block(
                               stderr=subprocess.PIPE, text=True)
     assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 30
-    while d.metric("emsd_ops_total", 'op="commit",result="ok"') < 20:  # saves and loads under way
+    while saves(d) < 20:  # saves and loads under way
         assert time.monotonic() < deadline, d.log()
         time.sleep(0.01)
-    committed_before = d.metric("emsd_ops_total", 'op="commit",result="ok"')
+    committed_before = saves(d)
     d.kill9()
     writer.communicate(timeout=30)
 

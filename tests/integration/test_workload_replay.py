@@ -25,7 +25,8 @@ def test_replay_hits_match_the_daemons_own_store_in_process(emsd_factory: Any, e
     chained = sim.chain(trace, BLOCK)
     pool = 1 << 20  # the smallest pool: 256 blocks, under pressure for this trace
     assert sim.working_set(chained) > 2 * pool // BLOCK_BYTES
-    d = emsd_factory(pool={"size": pool, "page_size": PAGE, "eviction": eviction, "prefault": False})
+    d = emsd_factory(pool={"size": pool, "page_size": PAGE, "eviction": eviction, "prefault": False,
+                           "grants": False})  # as the benchmark runs: see daemons.start
     client = DaemonClient(d.socket_dir / "emsd.sock")
     client.connect({})
     try:
