@@ -71,12 +71,18 @@ def loads_equal(cc: Any, src: list[list[torch.Tensor]], keys: list[int]) -> bool
         cc.register_kvcache(src)
 
 
+def started(emsd_factory: Any, monkeypatch: Any, seed: int, **pool: Any) -> tuple[Any, Any, Any]:
+    """A daemon with grants on (and ``pool`` settings), the SDK on it, ``kv(seed)`` registered."""
+    d = emsd_factory(pool={"grants": True, **pool})
+    cc = use(d, monkeypatch)
+    src = kv(seed)
+    cc.register_kvcache(src)
+    return d, cc, src
+
+
 def test_saves_after_the_first_go_into_granted_chunks_with_one_put(emsd_factory: Any,
                                                                    monkeypatch: Any) -> None:
-    d = emsd_factory(pool={"grants": True})
-    cc = use(d, monkeypatch)
-    src = kv(1)
-    cc.register_kvcache(src)
+    d, cc, src = started(emsd_factory, monkeypatch, 1)
     assert save(cc, list(range(8))).success == 8  # RESERVE + COMMIT, then it asks for chunks
     assert (ops(d, "reserve"), ops(d, "put")) == (1, 0)
     for i in range(1, 4):
@@ -93,10 +99,7 @@ def test_saves_after_the_first_go_into_granted_chunks_with_one_put(emsd_factory:
 
 def test_a_put_of_present_keys_succeeds_without_storing_them_again(emsd_factory: Any,
                                                                    monkeypatch: Any) -> None:
-    d = emsd_factory(pool={"grants": True})
-    cc = use(d, monkeypatch)
-    src = kv(2)
-    cc.register_kvcache(src)
+    d, cc, src = started(emsd_factory, monkeypatch, 2)
     assert save(cc, list(range(8))).success == 8
     entries = d.metric("emsd_pool_entries")
     assert save(cc, [3, 4, 100, 101, 5], 3).success == 5  # three present, two new
@@ -106,10 +109,7 @@ def test_a_put_of_present_keys_succeeds_without_storing_them_again(emsd_factory:
 
 def test_a_put_cut_by_admission_keeps_its_chunks_for_the_next_save(emsd_factory: Any,
                                                                    monkeypatch: Any) -> None:
-    d = emsd_factory(pool={"grants": True, "admit_after": 2})
-    cc = use(d, monkeypatch)
-    src = kv(3)
-    cc.register_kvcache(src)
+    d, cc, src = started(emsd_factory, monkeypatch, 3, admit_after=2)
     assert save(cc, list(range(8))).success == 0  # RESERVE: first sightings, nothing admitted
     assert save(cc, list(range(8))).success == 8  # PUT: seen twice, admitted
     assert save(cc, [8, 9, 10], 8).success == 0  # PUT: first sightings, cut at the first
