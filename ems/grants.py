@@ -110,12 +110,6 @@ class Grants:
             except EmsException:
                 pass
 
-    def held(self) -> int:
-        """Block bytes of the unused granted chunks at hand, all sizes (each chunk is its block
-        size rounded up to the pool's alignment, 64 bytes)."""
-        with self._lock:
-            return sum(size * f.size for size, f in self._free.items())
-
     def _late(self, size: int) -> Any:
         def late(_header: dict[str, Any], payload: bytes) -> None:
             self.give_back(size, _offsets(payload))

@@ -1,0 +1,109 @@
+"""The SDK's grant pool (``ems.grants``) against a scripted daemon: what it asks for, when it
+stops asking, and that chunks it gets late or back from a save are not lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ems.common.exception import EmsErrorCode, EmsException
+from ems.grants import IDLE_AFTER_NONE, REFILL_BYTES, Grants, refill
+from emsd.transport.frames import Op
+
+POOL = 1 << 30
+
+
+class FakeDaemon:
+    """``submit``/``wait`` as ``DaemonClient`` has them; each GRANT answered by ``answer(fields)``:
+    a list of offsets, or an ``EmsException`` to raise."""
+
+    def __init__(self, answer: Any, grants: bool = True) -> None:
+        self.info = {"grants": grants}
+        self.pool_size = POOL
+        self.asked: list[dict[str, Any]] = []
+        self.answer = answer
+        self.late: list[Any] = []
+
+    def submit(self, op: Op, fields: dict[str, Any], late: Any = None) -> Any:
+        assert op == Op.GRANT
+        self.asked.append(fields)
+        self.late.append(late)
+        return fields
+
+    def wait(self, pending: Any, timeout: float | None = None) -> tuple[dict[str, Any], bytes]:
+        got = self.answer(pending)
+        if isinstance(got, EmsException):
+            raise got
+        return {"k": len(got)}, np.array(got, dtype="<u8").tobytes()
+
+
+def test_refill_holds_one_save_and_small_blocks_up_to_a_bound() -> None:
+    assert refill(2 << 20, 32, POOL) == 32
+    assert refill(64 << 10, 1, POOL) == (POOL // 1024) // (64 << 10)  # 1 MiB of 64 KiB chunks
+    assert refill(64 << 10, 1, 1 << 40) == REFILL_BYTES // (64 << 10)
+    assert refill(4096, 3, 1 << 20) == 3  # a tiny pool: only what a save takes
+
+
+def test_a_save_takes_granted_chunks_only_when_there_are_enough() -> None:
+    big = 2 << 20  # refill: just a save's worth
+    d = FakeDaemon(lambda f: list(range(0, big * f["k"], big)))
+    g = Grants(d)  # type: ignore[arg-type]
+    assert g.take(big, 4, None) is None  # nothing granted yet
+    g.ask(big, 4)
+    assert d.asked == [{"size": big, "k": 4, "need": 4}]
+    got = g.take(big, 4, None)
+    assert got is not None and sorted(got.tolist()) == [0, big, 2 * big, 3 * big]
+    assert g.take(big, 1, None) is None
+    g.give_back(big, got[:2])  # a save's unused chunks (present keys) serve the next save
+    assert g.take(big, 2, None) is not None
+    g.ask(big, 4)  # none at hand: asks for the next save's worth
+    assert d.asked[-1] == {"size": big, "k": 4, "need": 4}
+
+
+def test_small_blocks_are_asked_for_in_bulk_and_topped_up_at_half() -> None:
+    d = FakeDaemon(lambda f: list(range(0, 64 * f["k"], 64)))
+    g = Grants(d)  # type: ignore[arg-type]
+    want = refill(64, 1, POOL)
+    g.ask(64, 1)
+    assert d.asked == [{"size": 64, "k": want, "need": 1}]
+    for _ in range(want // 2):
+        assert g.take(64, 1, None) is not None
+        g.ask(64, 1)
+    assert len(d.asked) == 1  # half is still at hand
+    assert g.take(64, 1, None) is not None
+    g.ask(64, 1)
+    assert len(d.asked) == 2 and d.asked[1]["k"] == want - (want // 2 - 1)
+
+
+def test_no_grant_asks_again_only_after_a_while_and_a_refused_size_never() -> None:
+    d = FakeDaemon(lambda f: [])
+    g = Grants(d)  # type: ignore[arg-type]
+    g.ask(64, 2)
+    assert g.take(64, 2, None) is None  # the daemon had none to spare
+    for _ in range(IDLE_AFTER_NONE):
+        g.ask(64, 2)
+    assert len(d.asked) == 1
+    g.ask(64, 2)
+    assert len(d.asked) == 2
+    d.answer = lambda f: EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "size too large")
+    assert g.take(64, 2, None) is None
+    for _ in range(3 * IDLE_AFTER_NONE):
+        g.ask(64, 2)
+    assert len(d.asked) == 2
+
+
+def test_a_grant_answered_after_its_wait_gave_up_is_kept() -> None:
+    d = FakeDaemon(lambda f: EmsException(EmsErrorCode.EMS_IO_TIMEOUT, "late"))
+    g = Grants(d)  # type: ignore[arg-type]
+    g.ask(64, 2)
+    assert g.take(64, 2, 0.0) is None
+    d.late[0]({"k": 2}, np.array([640, 704], dtype="<u8").tobytes())  # the answer arrives
+    got = g.take(64, 2, None)
+    assert got is not None and sorted(got.tolist()) == [640, 704]
+
+
+def test_a_daemon_with_grants_off_is_never_asked() -> None:
+    d = FakeDaemon(lambda f: [0], grants=False)
+    Grants(d).ask(64, 2)  # type: ignore[arg-type]
+    assert d.asked == []
