@@ -247,7 +247,8 @@ def run_daemons(trace: list[Any], chained: list[sim.Chained], work: Path, sizes:
                 t0 = time.perf_counter()
                 rep = replay(trace, ccs, option)
                 took = time.perf_counter() - t0
-                reserved = sum(n.metric("emsd_op_bytes_total", 'op="reserve"') for n in dep.nodes)
+                reserved = sum(n.metric("emsd_op_bytes_total", f'op="{op}"')  # new blocks saved:
+                               for n in dep.nodes for op in ("reserve", "put"))  # two-step or by PUT
             finally:
                 dep.stop()
             row = {**where, "policy": policy, **summarise(rep, inf_hits), "seconds": took,
