@@ -119,7 +119,7 @@ def show_status(st: dict[str, Any]) -> str:
     lines = [
         f"node        {st['node']}   emsd {st.get('version', '?')}   pid {st.get('pid', '?')}",
         f"pool        {st['capacity'] / gib:.2f} GiB {st['region']}   used {st['bytes_used'] / gib:.2f} GiB"
-        f"   free {st['bytes_free'] / gib:.2f} GiB",
+        f" (granted {st.get('granted', 0) / gib:.2f})   free {st['bytes_free'] / gib:.2f} GiB",
         f"blocks      {st['entries']} (read-cache copies {st['cached']}, pinned {st['pinned']},"
         f" pending {st['pending']})   namespaces {st['namespaces']}   clients {st.get('clients', '?')}",
         f"evictions   {', '.join(f'{k} {v}' for k, v in sorted(st['evictions'].items())) or 'none'}",

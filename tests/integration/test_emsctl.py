@@ -45,6 +45,7 @@ def test_status_stats_owner_and_config_check_on_a_standalone_node(emsd: Any, mon
     st = json.loads(emsctl("--json", "status", socket_dir=emsd.socket_dir).stdout)
     assert st["entries"] == BLOCKS and st["restart"] == "new" and NS in st["namespace_names"]
     assert st["clients"] == 2  # the SDK and emsctl itself
+    assert st["granted"] >= 0 and "(granted " in out.stdout  # chunks held for clients' next saves
 
     stop = threading.Event()
 
