@@ -1,0 +1,212 @@
+"""Where a single-block call's time goes: the SDK against a real emsd, split by side.
+
+    python benchmarks/bench_latency.py [--size BYTES] [--n N] [--json]
+
+One block a call (64 KiB unless ``--size``), through the SDK against a
+standalone daemon (bench_sdk's), p50 over ``--n`` calls of each of save, load
+and exists:
+
+- the whole call;
+- before send: from the call to its first request on the socket (checks,
+  planning, and for a save the copy into the pool);
+- round trip: from that request to its answer (the daemon's handling and
+  two wake-ups);
+- after: from that answer to the return (a load's copy out and its
+  RELEASE; a save's request for more granted chunks).
+
+And in the same run, the references:
+
+- a raw Unix-socket echo of 100 bytes with the server in another process:
+  the floor of any round trip here;
+- the daemon's handling of the same requests without sockets
+  (``Service.handle`` in this process, on a store of the daemon's default
+  eviction policy): back to back ("hot"), and each after an 8 MiB copy
+  that evicts the caches, as the client's work does between two requests
+  on a real daemon ("cold").
+
+The split is read off the SDK's own socket calls (``DaemonClient._send`` and
+``_dispatch`` are wrapped in this process only). The machine is shared: read
+the columns of one run against each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sdk import SHM, connect, echo_p50_process, start_daemon, stop  # noqa: E402
+
+OPS = ("save", "load", "exists")
+PAGE = 64 << 20
+
+
+def pool_bytes(size: int, n: int) -> int:
+    """A pool that holds one pass of ``n`` blocks with room to spare: at least 1 GiB, whole pages."""
+    return max(1 << 30, -(-3 * n * size // 2 // PAGE) * PAGE)
+_marks: list[tuple[str, float]] = []  # ("send" | "answer", perf_counter) of the current call
+
+
+@contextlib.contextmanager
+def _marking() -> Iterator[None]:
+    """Record when the SDK sends a request and when an answer arrives."""
+    from ems.client import DaemonClient
+
+    send, dispatch = DaemonClient._send, DaemonClient._dispatch
+
+    def marked_send(self: DaemonClient, *args: Any) -> None:
+        _marks.append(("send", time.perf_counter()))
+        send(self, *args)
+
+    def marked_dispatch(self: DaemonClient, *args: Any) -> None:
+        _marks.append(("answer", time.perf_counter()))
+        dispatch(self, *args)
+
+    DaemonClient._send, DaemonClient._dispatch = marked_send, marked_dispatch  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        DaemonClient._send, DaemonClient._dispatch = send, dispatch  # type: ignore[method-assign,assignment]
+
+
+def split(t0: float, t1: float, marks: list[tuple[str, float]]) -> tuple[float, float, float, float]:
+    """(whole, before send, round trip, after) of one call from ``t0`` to ``t1``, in seconds; the
+    three parts add up to the whole. Round trip: the first send to the first answer after it;
+    after: from that answer to ``t1``. A call that sent nothing (or got no answer) is all before
+    (or all before and round trip)."""
+    sends = [t for kind, t in marks if kind == "send"]
+    if not sends:
+        return t1 - t0, t1 - t0, 0.0, 0.0
+    answers = [t for kind, t in marks if kind == "answer" and t >= sends[0]]
+    answered = answers[0] if answers else t1
+    return t1 - t0, sends[0] - t0, answered - sends[0], t1 - answered
+
+
+def bench_sdk_calls(size: int, n: int) -> dict[str, dict[str, float]]:
+    """p50 microseconds of each op's whole call and its three parts, after a warm-up pass."""
+    from ems import Ems
+
+    buf = np.ones(2 * n * size, dtype=np.uint8)
+    out: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(dir=SHM) as tmp:  # tmpfs: the pool file lives here
+        proc, sock_dir = start_daemon(Path(tmp), f"{pool_bytes(size, n) >> 20}MiB", f"{PAGE >> 20}MiB")
+        try:
+            cc = connect(sock_dir)
+            cc.register_kvcache([[buf.reshape(2 * n, 1, size)]])
+            calls: dict[str, Callable[[int, int], Any]] = {
+                "save": lambda i, base: cc.save([i], hashes=[base + i], offsets=[1]),
+                "load": lambda i, base: cc.load([n + i], hashes=[base + i], offsets=[1]),
+                "exists": lambda i, base: cc.exists([base + i]),
+            }
+            with _marking():
+                for base in (1_000_000, 2_000_000):  # the first pass warms up
+                    rows: dict[str, list[tuple[float, float, float, float]]] = {op: [] for op in OPS}
+                    for op in OPS:
+                        for i in range(n):
+                            _marks.clear()
+                            t0 = time.perf_counter()
+                            res = calls[op](i, base)
+                            t1 = time.perf_counter()
+                            if op != "exists" and res.success != 1:
+                                raise RuntimeError(f"{op} of block {i} did not succeed: {res}")
+                            rows[op].append(split(t0, t1, list(_marks)))
+            for op in OPS:
+                parts = list(zip(*rows[op], strict=True))
+                out[op] = {name: statistics.median(col) * 1e6
+                           for name, col in zip(("call", "before", "trip", "after"), parts, strict=True)}
+        finally:
+            Ems._reset()
+            stop(proc)
+    return out
+
+
+def bench_handler(size: int, n: int) -> dict[str, dict[str, float]]:
+    """p50 microseconds of ``Service.handle`` for the requests of each op, hot and cold."""
+    from emsd.config import PoolConfig
+    from emsd.metrics import Metrics
+    from emsd.pool.store import BlockStore
+    from emsd.service import Service, Session
+    from emsd.transport.frames import Op
+
+    store = BlockStore(pool_bytes(size, n), PAGE, eviction=PoolConfig().eviction)
+    svc = Service(store, "bench", "shm", Metrics())
+    s = Session()
+    s.authenticated = True
+    ns = svc.handle(s, {"op": int(Op.NAMESPACE), "name": "bench", "id": 1}, b"")[0]["ns"]
+    sizes = np.array([size], "<u8").tobytes()
+    chunks: list[int] = []
+
+    def key(i: int) -> bytes:
+        return np.array([i], "<u8").tobytes()
+
+    def save(i: int) -> None:  # what the SDK sends: PUT into a granted chunk (GRANT now and then)
+        if not chunks:
+            _, parts = svc.handle(s, {"op": int(Op.GRANT), "size": size, "k": 64, "id": 2}, b"")
+            chunks.extend(np.frombuffer(parts[0], "<u8").tolist())
+        at = np.array([chunks.pop()], "<u8").tobytes()
+        resp, _ = svc.handle(s, {"op": int(Op.PUT), "ns": ns, "n": 1, "kt": 0, "id": 3}, key(i) + at + sizes)
+        assert resp["st"] == 0, resp
+
+    def load(i: int) -> None:  # PIN, then RELEASE of what it pinned
+        resp, parts = svc.handle(s, {"op": int(Op.PIN), "ns": ns, "n": 1, "kt": 0, "id": 4}, key(i))
+        assert resp.get("count") == 1, resp
+        resp, _ = svc.handle(s, {"op": int(Op.RELEASE), "id": 0, "nr": True}, parts[2])
+        assert resp["st"] == 0, resp
+
+    def exists(i: int) -> None:
+        svc.handle(s, {"op": int(Op.EXISTS), "ns": ns, "n": 1, "kt": 0, "id": 5}, key(i))
+
+    junk, sink = np.ones(8 << 20, np.uint8), np.empty(8 << 20, np.uint8)
+    out: dict[str, dict[str, float]] = {op: {} for op in OPS}
+    for mode, base in (("hot", 10_000_000), ("cold", 20_000_000)):
+        for op, fn in (("save", save), ("load", load), ("exists", exists)):
+            times = []
+            for i in range(n):
+                if mode == "cold":
+                    np.copyto(sink, junk)
+                t0 = time.perf_counter()
+                fn(base + i)
+                times.append(time.perf_counter() - t0)
+            out[op][mode] = statistics.median(times) * 1e6
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=int, default=64 << 10, help="block bytes (default 64 KiB)")
+    ap.add_argument("--n", type=int, default=1000, help="calls per op (default 1000)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if not 4096 <= args.size <= 8 << 20 or not 10 <= args.n <= 100_000 or args.size * args.n > 4 << 30:
+        ap.error("--size must be 4 KiB..8 MiB, --n 10..100000, and --size times --n at most 4 GiB")
+    print(f"[latency] {args.n} calls of each op through the SDK ...", file=sys.stderr)
+    sdk = bench_sdk_calls(args.size, args.n)
+    print("[latency] the same requests on Service.handle in this process ...", file=sys.stderr)
+    handler = bench_handler(args.size, args.n)
+    echo = echo_p50_process(args.n) * 1e6
+    if args.json:
+        print(json.dumps({"size": args.size, "echo_us": echo, "sdk": sdk, "handler": handler}, indent=2))
+        return
+    print(f"single {args.size >> 10} KiB blocks, p50 us; raw Unix echo {echo:.0f} us")
+    print("| op | call | before send | round trip | after | round trip / echo | handler hot | handler cold |")
+    print("|---|---|---|---|---|---|---|---|")
+    for op in OPS:
+        c, h = sdk[op], handler[op]
+        print(f"| {op} | {c['call']:.0f} | {c['before']:.0f} | {c['trip']:.0f} | {c['after']:.0f} "
+              f"| {c['trip'] / echo:.1f}x | {h['hot']:.0f} | {h['cold']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
