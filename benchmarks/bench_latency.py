@@ -119,7 +119,7 @@ def bench_sdk_calls(size: int, n: int) -> dict[str, dict[str, float]]:
                             t0 = time.perf_counter()
                             res = calls[op](i, base)
                             t1 = time.perf_counter()
-                            if op != "exists" and res.success != 1:
+                            if res.success != 1:  # every op finds or stores its one block
                                 raise RuntimeError(f"{op} of block {i} did not succeed: {res}")
                             rows[op].append(split(t0, t1, list(_marks)))
             for op in OPS:
@@ -166,7 +166,8 @@ def bench_handler(size: int, n: int) -> dict[str, dict[str, float]]:
         assert resp["st"] == 0, resp
 
     def exists(i: int) -> None:
-        svc.handle(s, {"op": int(Op.EXISTS), "ns": ns, "n": 1, "kt": 0, "id": 5}, key(i))
+        resp, _ = svc.handle(s, {"op": int(Op.EXISTS), "ns": ns, "n": 1, "kt": 0, "id": 5}, key(i))
+        assert resp.get("count") == 1, resp
 
     junk, sink = np.ones(8 << 20, np.uint8), np.empty(8 << 20, np.uint8)
     out: dict[str, dict[str, float]] = {op: {} for op in OPS}
