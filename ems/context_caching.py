@@ -230,9 +230,10 @@ class ContextCaching:
         _remaining(deadline)  # a call whose time is up reserves nothing
         size = int(sizes[0]) if self._granted and int(sizes.min()) == int(sizes.max()) else 0
         at = client.grants.take(size, n, _left(deadline)) if size else None
+        keyed = {"ns": ns, "n": n, "kt": kt}
         if at is not None:
-            return self._put(req, opt, client, deadline, {"ns": ns, "n": n, "kt": kt}, raw, sizes, at)
-        result = self._reserve_commit(req, opt, client, deadline, {"ns": ns, "n": n, "kt": kt}, raw, sizes)
+            return self._put(req, opt, client, deadline, keyed, raw, sizes, at)
+        result = self._reserve_commit(req, opt, client, deadline, keyed, raw, sizes)
         if size:
             client.grants.ask(size, n)
         return result

@@ -102,6 +102,12 @@ class Session:
     granted_bytes: int = 0
     put: np.ndarray | None = None  # entries the PUT being handled committed (for forward_commit)
 
+    def forget_grants(self, offsets: list[int]) -> None:
+        """Chunks ``offsets``, granted to this session, are its no more (used for a block, or
+        given back to the store by the caller)."""
+        for o in offsets:
+            self.granted_bytes -= self.granted.pop(o)
+
 
 Response = tuple[dict[str, Any], list[bytes]]
 
@@ -447,8 +453,7 @@ class Service:
         if len(rest) != 8 * n:
             raise RequestError(Status.INVALID_ARGUMENT, f"sizes: expected {8 * n} bytes, got {len(rest)}")
         sizes = np.frombuffer(rest, dtype="<u8").astype(np.uint64)
-        quota = self.tenants.quota(s.tenant)
-        fit = n if quota is None else self._fit_quota(s.tenant, quota, ns, keys, sizes)
+        fit = self._fit_quota(s.tenant, ns, keys, sizes)
         if FAULTS is not None and FAULTS.at("pool.reserve") is not None:
             fit = 0  # injected: as if the pool were full of pinned blocks
         evicted = self.store.evicted_total
@@ -501,8 +506,7 @@ class Service:
     def _ungrant(self, s: Session, offsets: np.ndarray) -> None:
         """Give back chunks granted to ``s`` (checked by the caller)."""
         if offsets.size:
-            for o in offsets.tolist():
-                s.granted_bytes -= s.granted.pop(o)
+            s.forget_grants(offsets.tolist())
             self.store.ungrant(offsets)
 
     def _put(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
@@ -519,16 +523,14 @@ class Service:
             if not 0 < size <= chunk < size + align:
                 raise RequestError(Status.INVALID_ARGUMENT, f"a block of {size} bytes does not "
                                    f"fit its granted chunk of {chunk} exactly")
-        quota = self.tenants.quota(s.tenant)
-        fit = n if quota is None else self._fit_quota(s.tenant, quota, ns, keys, sizes)
+        fit = self._fit_quota(s.tenant, ns, keys, sizes)
         res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
                                  admit=True, prev=_prev_key(h), at=at[:fit])
         if fit < n:
             res = _pad_failed(res, n)
         new = np.flatnonzero(res.status == SlotStatus.NEW)
         handles = res.handles[new]
-        for o in at[new].tolist():
-            s.granted_bytes -= s.granted.pop(o)
+        s.forget_grants(at[new].tolist())
         if self.checksums is not None:
             self.checksums.seal(handles)  # written before the PUT was sent: digest before READY
         self.store.commit_reserved(handles)
@@ -537,8 +539,12 @@ class Service:
                               int((res.status == SlotStatus.FAILED).sum()), "put")
         return {"n": n}, [np.asarray(res.status, dtype=np.uint8).tobytes()]
 
-    def _fit_quota(self, tenant: str, quota: int, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
-        """How many leading keys of a save fit the tenant's quota, after evicting its own LRU blocks."""
+    def _fit_quota(self, tenant: str, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
+        """How many leading keys of a save fit the tenant's quota (all without one), after
+        evicting its own LRU blocks."""
+        quota = self.tenants.quota(tenant)
+        if quota is None:
+            return len(keys)
         mine = np.fromiter(self._tenant_ns.get(tenant, ()), dtype=np.int64)
         held = sum(self.store.ns_bytes(int(x)) for x in mine.tolist())
         want = int(sizes.sum())
