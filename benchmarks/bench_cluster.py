@@ -57,7 +57,9 @@ BATCH = 32
 MiB = 1 << 20
 
 
-def start_daemon(work: Path, name: str, zk_hosts: str, secret: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def start_daemon(work: Path, name: str, zk_hosts: str, secret: Path,
+                 cluster: str = "") -> tuple[subprocess.Popen[bytes], Path]:
+    """Daemon ``name`` of cluster "bench", ready; ``cluster``: more ``[cluster]`` lines."""
     sock = work / name / "sock"
     sock.parent.mkdir(parents=True)
     port, peer = zk.free_port(), zk.free_port()
@@ -67,7 +69,7 @@ def start_daemon(work: Path, name: str, zk_hosts: str, secret: Path) -> tuple[su
         f'[pool]\nsize = "{POOL >> 20}MiB"\nhugepages = "auto"\npage_size = "64MiB"\n'
         f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n'
         f'[cluster]\nname = "bench"\nzookeeper = "{zk_hosts}"\npeer_listen = "127.0.0.1:{peer}"\n'
-        f'secret_file = "{secret}"\nsession_timeout = 4\n')
+        f'secret_file = "{secret}"\nsession_timeout = 4\n{cluster}')
     proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(cfg)], cwd=ROOT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

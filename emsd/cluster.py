@@ -97,14 +97,16 @@ class Cluster:
         self.transports = PeerTransports(cfg.transport, "" if rdma is not None
                                          else rdma_reason or "no RDMA endpoint was opened")
         self.dial: Dialer = dialer or (lambda: SelectingLink(
-            PeerConnection(access, node_id, secret, tls), rdma, self.transports, self._advert, self._report))
+            PeerConnection(access, node_id, secret, tls, cfg.peer_socket_buffer), rdma, self.transports,
+            self._advert, self._report))
         self.node_id = node_id
         self.access = access
         self.secret = secret
         extra = {} if rdma is None else {EXTRA_KEY: rdma.descriptor.to_extra()}
         self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL, extra)
         control = None if rdma is None else (lambda: rdma.serving(access))
-        self.server = PeerServer(access, node_id, secret, control=control, tls=tls)
+        self.server = PeerServer(access, node_id, secret, control=control, tls=tls,
+                                 socket_buffer=cfg.peer_socket_buffer)
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
         self.membership: Membership = membership or ZooKeeperMembership(

@@ -86,6 +86,7 @@ class ClusterConfig:
     replicas: int = 1
     vnodes: int = 512  # every node of a cluster must use the same value
     peer_connections: int = 2
+    peer_socket_buffer: int = 256 << 10  # kernel buffer a direction of a peer connection; 0 = autotuning
     secret_file: str = ""  # file holding the cluster secret; required with zookeeper
     transport: str = "auto"  # peer data path: "auto" (RDMA where both ends can), "rdma" or "tcp"
     rdma_device: str = ""  # RDMA device name ("mlx5_0"); "" = the first one found
@@ -306,6 +307,10 @@ def _cluster(t: dict[str, Any]) -> ClusterConfig:
         if type(value) is not int or not low <= value <= high:
             raise ConfigError(f"cluster.{key}", f"must be an integer in {low}..{high} (got {value!r})")
         ints[key] = value
+    buffer = parse_size("cluster.peer_socket_buffer", t.get("peer_socket_buffer", d.peer_socket_buffer))
+    if buffer and not 4 << 10 <= buffer <= 1 << 30:
+        raise ConfigError("cluster.peer_socket_buffer", f"must be 0 (the kernel's autotuning) or 4KiB..1GiB "
+                          f"(got {buffer} bytes)")
     secret = t.get("secret_file", d.secret_file)
     if not isinstance(secret, str) or (secret and not secret.startswith("/")):
         raise ConfigError("cluster.secret_file", f"must be an absolute path (got {secret!r})")
@@ -328,7 +333,8 @@ def _cluster(t: dict[str, Any]) -> ClusterConfig:
     tls = _tls(t)
     return ClusterConfig(name=name, zookeeper=zk, peer_listen=t.get("peer_listen", d.peer_listen),
                          advertise=t.get("advertise", d.advertise), session_timeout=float(timeout),
-                         secret_file=secret, transport=transport, rdma_device=device, rdma_port=port,
+                         peer_socket_buffer=buffer, secret_file=secret, transport=transport,
+                         rdma_device=device, rdma_port=port,
                          rdma_gid_index=None if gid == "auto" else gid, tls_cert=tls["tls_cert"],
                          tls_key=tls["tls_key"], tls_ca=tls["tls_ca"], **ints)
 

@@ -99,19 +99,30 @@ NONCE_BYTES = 32
 AUTH_TIMEOUT = 5.0
 MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
-SOCKET_BUFFER = 4 << 20  # kernel buffers per direction: fewer wake-ups per block moved
+SOCKET_BUFFER = 256 << 10  # kernel buffers per direction (cluster.peer_socket_buffer; see _tune)
 BULK_STALL = 30  # seconds a bulk send or receive may make no progress before the connection fails
 
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, buffer: int = SOCKET_BUFFER) -> None:
+    """No Nagle delay, the bulk stall timeouts, and kernel buffers of ``buffer`` bytes a
+    direction (0: left to the kernel's autotuning).
+
+    The kernel doubles the value asked for, caps it at ``net.core.[rw]mem_max`` and
+    stops autotuning that socket. Small buffers move blocks faster between two
+    daemons of one host, as the benchmark runs them: what the sender copies into
+    the kernel is still in its core's cache when the receiver copies it out (256 KiB
+    against 4 MiB: about 1.25x on loopback; docs/benchmarks.md). Links with a
+    larger bandwidth-delay product than twice ``buffer`` (100 Gb/s at 40 us) want
+    a larger value, or 0.
+    """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     stall = struct.pack("ll", BULK_STALL, 0)  # struct timeval: a blocked bulk call gives up after this
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if buffer else ():
         try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:  # capped by net.core.[rw]mem_max: the kernel's choice stands
+            sock.setsockopt(socket.SOL_SOCKET, opt, buffer)
+        except OSError:  # refused outright: the kernel's choice stands
             pass
 
 
@@ -420,8 +431,10 @@ class PeerServer:
     """Serves this daemon's pool to authenticated peers over TCP (over mutual TLS with ``tls``)."""
 
     def __init__(self, access: PoolAccess, node_id: str, secret: bytes, *,
-                 control: Callable[[], ControlHandler] | None = None, tls: PeerTls | None = None) -> None:
+                 control: Callable[[], ControlHandler] | None = None, tls: PeerTls | None = None,
+                 socket_buffer: int = SOCKET_BUFFER) -> None:
         self.access = access
+        self.socket_buffer = socket_buffer  # bytes a direction per accepted connection (_tune)
         self.node_id = node_id
         self.secret = secret
         self.control = control  # RDMA control messages; None: refused (this node serves TCP only)
@@ -471,7 +484,7 @@ class PeerServer:
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
-            _tune(conn)
+            _tune(conn, self.socket_buffer)
             self._conns.add(conn)
             self._spawn(self._serve(conn))
 
@@ -626,8 +639,10 @@ class PeerServer:
 class PeerConnection:
     """One authenticated connection to a peer (over mutual TLS with ``tls``); one request at a time."""
 
-    def __init__(self, access: PoolAccess, node_id: str, secret: bytes, tls: PeerTls | None = None) -> None:
+    def __init__(self, access: PoolAccess, node_id: str, secret: bytes, tls: PeerTls | None = None,
+                 socket_buffer: int = SOCKET_BUFFER) -> None:
         self.access = access
+        self.socket_buffer = socket_buffer  # bytes a direction (_tune)
         self.node_id = node_id
         self.secret = secret
         self.tls = tls
@@ -644,7 +659,7 @@ class PeerConnection:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            _tune(sock)
+            _tune(sock, self.socket_buffer)
             await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
             if self.tls is not None:
                 sock = self.tls.client.wrap_socket(sock, do_handshake_on_connect=False)

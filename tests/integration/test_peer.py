@@ -301,3 +301,25 @@ async def test_an_unknown_op_is_refused_and_the_link_stays_up_unless_bulk_bytes_
         again.close()
     finally:
         await server.close()
+
+
+async def test_both_ends_of_a_link_use_the_configured_socket_buffer() -> None:
+    a, b = Node("a"), Node("b")
+    server = PeerServer(b.access, b.name, SECRET, socket_buffer=96 << 10)
+    _, port = await server.start("127.0.0.1", 0)
+    conn = PeerConnection(a.access, a.name, SECRET, socket_buffer=80 << 10)
+    try:
+        await conn.connect("127.0.0.1", port)
+        assert conn.sock is not None
+        (accepted,) = server._conns
+        # Linux reports twice what was asked (both sizes are far below any rmem_max/wmem_max).
+        assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 160 << 10
+        assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 192 << 10
+        a.put_local("ns", [1], blocks(1, 4096, 1))
+        pinned = a.store.pin(0, KeyBatch.from_user([1]))
+        assert await conn.put("ns", KeyBatch.from_user([1]), pinned.offsets, pinned.lengths) == 1
+        a.store.release(pinned.handles)
+        assert b.read("ns", [1]) == a.read("ns", [1])
+    finally:
+        conn.close()
+        await server.close()
