@@ -73,6 +73,8 @@ def start_daemon(work: Path, name: str, zk_hosts: str, secret: Path,
     proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(cfg)], cwd=ROOT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"emsd {name} exited with status {proc.returncode} before it was ready")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
                 if r.status == 200:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def label(size: int) -> str:
 
 def one_pair(work: Path, zk_hosts: str, secret: Path, size: int, calls: int, first_key: int,
              kv: list[list[torch.Tensor]]) -> tuple[list[float], list[float]]:
-    """Seconds of each remote save and load of ``calls`` batches through a fresh pair of daemons."""
+    """Seconds of each remote save and load of ``calls`` batches through a fresh pair of daemons
+    in ``work``, which is removed afterwards (their pool files are there, in tmpfs)."""
     from ems import CcConfig, CcKvOption, Ems
     from ems.namespace import namespace_name
 
@@ -91,6 +93,7 @@ def one_pair(work: Path, zk_hosts: str, secret: Path, size: int, calls: int, fir
         for p in procs:
             p.terminate()
             p.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:

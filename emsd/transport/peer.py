@@ -111,7 +111,7 @@ def _tune(sock: socket.socket, buffer: int = SOCKET_BUFFER) -> None:
     stops autotuning that socket. Small buffers move blocks faster between two
     daemons of one host, as the benchmark runs them: what the sender copies into
     the kernel is still in its core's cache when the receiver copies it out (256 KiB
-    against 4 MiB: about 1.25x on loopback; docs/benchmarks.md). Links with a
+    against 4 MiB: about 1.4x on loopback; docs/benchmarks.md). Links with a
     larger bandwidth-delay product than twice ``buffer`` (100 Gb/s at 40 us) want
     a larger value, or 0.
     """
