@@ -94,15 +94,22 @@ class ZooKeeperMembership:
         self._worker.start()
 
     def stop(self) -> None:
-        """Leave the cluster (delete our znode) and close the client."""
+        """Leave the cluster (delete our znode, if it is ours) and close the client.
+
+        A znode of this id that another session created (a live daemon that refused
+        us as a duplicate) is left alone: deleting it would take that daemon out of
+        every view.
+        """
         self._stopped = True
         self._wake.set()
         if self._worker.is_alive():
             self._worker.join(5)
         try:
             if self._zk.connected:
-                self._zk.delete(self.path)
-        except KazooException:
+                _, stat = self._zk.get(self.path)
+                if stat.ephemeralOwner == self._zk.client_id[0]:
+                    self._zk.delete(self.path, version=stat.version)
+        except KazooException:  # NoNodeError included: nothing of ours to delete
             pass
         self._zk.stop()
         self._zk.close()

@@ -244,6 +244,20 @@ def test_a_peer_with_the_wrong_secret_is_refused_and_the_daemon_stays_up(cluster
     assert a.alive() and stats(a)["membership"] == "joined"
 
 
+def test_a_second_daemon_with_a_taken_node_id_exits_and_the_first_stays_in_the_view(
+        cluster: Any, emsd_factory: Any) -> None:
+    a, b = cluster(2)
+    cfg = dict(a.sections["cluster"])
+    cfg["peer_listen"] = f"127.0.0.1:{zk.free_port()}"
+    twin = emsd_factory(start=False, node={"id": a.sections["node"]["id"]}, cluster=cfg)
+    twin.start(wait=False)
+    assert twin.proc.wait(60) == 2
+    assert "already registered" in twin.log()
+    time.sleep(1.0)  # had the twin deleted a's registration on its way out, b would see it go
+    assert sorted(stats(b)["members"]) == sorted([a.sections["node"]["id"], b.sections["node"]["id"]])
+    assert a.alive() and stats(a)["membership"] == "joined"
+
+
 def test_a_joining_node_takes_new_saves_for_its_share(cluster: Any, emsd_factory: Any,
                                                       monkeypatch: Any) -> None:
     (a,) = cluster(1)

@@ -18,6 +18,9 @@ from emsd.membership.zookeeper import ZooKeeperMembership  # noqa: E402
 
 pytestmark = pytest.mark.skipif(zk.available() is not None, reason=str(zk.available()))
 SESSION = 2.0
+# Clients whose start() must reach ZooKeeper in time (to be refused there): kazoo gives the
+# connect handshake the session timeout, so a short one fails on a busy machine's slow JVM.
+PATIENT = 10.0
 
 
 @pytest.fixture
@@ -69,11 +72,35 @@ def test_change_callbacks_fire(members: Callable[..., ZooKeeperMembership]) -> N
     wait_for(lambda: ["a", "b"] in seen)
 
 
-def test_a_duplicate_node_id_is_refused(members: Callable[..., ZooKeeperMembership]) -> None:
+def test_a_duplicate_node_id_is_refused(zookeeper: zk.ZooKeeperServer,
+                                        members: Callable[..., ZooKeeperMembership]) -> None:
     members("a")
-    twin = members("a", start=False)
-    with pytest.raises(DuplicateNodeError, match="already registered"):
-        twin.start()
+    twin = ZooKeeperMembership(zookeeper.hosts, "test", info("a"), session_timeout=PATIENT)
+    try:
+        with pytest.raises(DuplicateNodeError, match="already registered"):
+            twin.start(timeout=30)
+    finally:
+        twin.stop()
+
+
+def test_a_refused_duplicate_that_stops_leaves_the_live_registration_alone(
+        zookeeper: zk.ZooKeeperServer, members: Callable[..., ZooKeeperMembership]) -> None:
+    a, b = members("a"), members("b")
+    wait_for(lambda: ids(b) == ["a", "b"])
+    twin = ZooKeeperMembership(zookeeper.hosts, "test", info("a"), session_timeout=PATIENT)
+    with pytest.raises(DuplicateNodeError):
+        twin.start(timeout=30)
+    twin.stop()  # as the daemon does when it refuses to start
+    client = KazooClient(hosts=zookeeper.hosts, timeout=PATIENT)
+    client.start(timeout=30)
+    try:
+        stat = client.exists("/emsd/test/nodes/a")
+        assert stat is not None and stat.ephemeralOwner == a._zk.client_id[0]
+    finally:
+        client.stop()
+        client.close()
+    time.sleep(0.5)  # a deletion would reach b's watch by now
+    assert ids(b) == ["a", "b"]
 
 
 def test_a_restarted_node_replaces_its_dead_predecessors_registration(
@@ -82,14 +109,14 @@ def test_a_restarted_node_replaces_its_dead_predecessors_registration(
     old.start()  # "killed": its session lives on for 30 s
     try:
         other_endpoint = NodeInfo("a", "127.0.0.1:4242", 4 << 30, 1)
-        stranger = ZooKeeperMembership(zookeeper.hosts, "test", other_endpoint, session_timeout=SESSION,
+        stranger = ZooKeeperMembership(zookeeper.hosts, "test", other_endpoint, session_timeout=PATIENT,
                                        endpoint_is_mine=True)
         with pytest.raises(DuplicateNodeError):
-            stranger.start()  # another endpoint: a different live daemon, refused
+            stranger.start(timeout=30)  # another endpoint: a different live daemon, refused
         stranger.stop()
-        again = ZooKeeperMembership(zookeeper.hosts, "test", info("a"), session_timeout=SESSION,
+        again = ZooKeeperMembership(zookeeper.hosts, "test", info("a"), session_timeout=PATIENT,
                                     endpoint_is_mine=True)
-        again.start()  # same endpoint, which the caller has bound: the old process is dead
+        again.start(timeout=30)  # same endpoint, which the caller has bound: the old process is dead
         try:
             assert again.state is MembershipState.JOINED and ids(again) == ["a"]
         finally:
