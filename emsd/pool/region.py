@@ -18,6 +18,15 @@ the right size was mapped (its bytes kept) rather than a new one. Without
 a hugetlbfs mount, hugepages stay a memfd and the reason says that warm
 restart is off.
 
+One daemon per pool file: ``_map_file`` takes an exclusive ``flock`` on the
+file before it looks at it or resizes it, on a descriptor of its own that
+clients never receive (they map the file through ``fd``, and a mapping keeps
+its open file's lock alive: a lock on ``fd`` would outlive a killed daemon
+for as long as its clients run, and block its warm restart). A second
+daemon given the same file (the same ``node.id`` and state directory) gets
+``RegionBusy`` and has touched nothing: resizing the file would have zeroed
+the live daemon's pool under it.
+
 The decision (``_choose``) is apart from the mapping (``_map_memfd``,
 ``_map_file``).
 
@@ -31,6 +40,7 @@ start, not mid-service.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 from dataclasses import dataclass
@@ -44,6 +54,10 @@ NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
 
 class RegionError(Exception):
     """The region cannot be created; ``str()`` is one line for the operator."""
+
+
+class RegionBusy(RegionError):
+    """Another live process holds the pool file (``_map_file``)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,7 @@ class Region:
     mm: mmap.mmap  # the whole region
     path: Path | None = None  # the file, when the region outlives the process
     reused: bool = False  # an existing file was mapped with its bytes
+    lock_fd: int = -1  # with a file: the descriptor holding its flock (never given to clients)
 
     @classmethod
     def create(cls, size: int, hugepages: str, name: str = "emsd-pool",
@@ -87,8 +102,8 @@ class Region:
                 mount = hugetlbfs_mount() if persist_dir is not None else None
                 if mount is not None:
                     path = mount / f"{name}.pool"
-                    fd, mm, reused = _map_file(path, huge_size)
-                    return cls("hugetlb", reason, huge_size, fd, mm, path, reused)
+                    fd, mm, reused, lock = _map_file(path, huge_size)
+                    return cls("hugetlb", reason, huge_size, fd, mm, path, reused, lock)
                 if persist_dir is not None:
                     reason += ("; warm restart off: no hugetlbfs mount "
                                "(mount -t hugetlbfs none /dev/hugepages)")
@@ -108,8 +123,8 @@ class Region:
         try:
             if persist_dir is not None:
                 path = persist_dir / f"{name}.pool"
-                fd, mm, reused = _map_file(path, shm_size)
-                return cls("shm", reason, shm_size, fd, mm, path, reused)
+                fd, mm, reused, lock = _map_file(path, shm_size)
+                return cls("shm", reason, shm_size, fd, mm, path, reused, lock)
             fd, mm = _map_memfd(name, shm_size, huge=False)
         except OSError as exc:
             raise RegionError(
@@ -153,6 +168,9 @@ class Region:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
 
     def _page_size(self) -> int:
         if self.kind == "hugetlb":
@@ -219,9 +237,31 @@ def _map_memfd(name: str, size: int, huge: bool) -> tuple[int, mmap.mmap]:
     return fd, mm
 
 
-def _map_file(path: Path, size: int) -> tuple[int, mmap.mmap, bool]:
-    """Map ``path`` shared, ``size`` bytes; (fd, map, reused). An existing file of
-    exactly ``size`` bytes keeps its bytes; any other is emptied first."""
+def _map_file(path: Path, size: int) -> tuple[int, mmap.mmap, bool, int]:
+    """Map ``path`` shared, ``size`` bytes; (fd, map, reused, lock fd). An existing file
+    of exactly ``size`` bytes keeps its bytes; any other is emptied first. Raises
+    ``RegionBusy`` (before anything is changed) while another process holds the file,
+    ``OSError`` otherwise."""
+    lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        raise RegionBusy(f"another emsd holds {path} (a second daemon with the same node.id and "
+                         "pool.state_dir?); it was left as it is") from None
+    except BaseException:
+        os.close(lock)
+        raise
+    try:
+        fd, mm, reused = _map_locked(path, size)
+    except BaseException:
+        os.close(lock)
+        raise
+    return fd, mm, reused, lock
+
+
+def _map_locked(path: Path, size: int) -> tuple[int, mmap.mmap, bool]:
+    """``_map_file``'s mapping, the lock held."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         reused = os.fstat(fd).st_size == size

@@ -173,3 +173,21 @@ def test_the_sdk_reconnects_on_its_own_after_a_restart_and_fails_fast_meanwhile(
             time.sleep(0.05)
     assert batch_in_pool(cc, 3) == (BLOCKS, True)
     assert cc.save(slots, hashes=[k + 1 for k in keys], offsets=[TOKENS] * BLOCKS).success == BLOCKS
+
+
+def test_a_second_daemon_on_the_same_pool_files_is_refused_and_leaves_them_alone(
+        emsd_factory: Any, sdk: Any) -> None:
+    a = emsd_factory()
+    cc = sdk(a)
+    kv = [[torch.full((BLOCKS, TOKENS, 16, 32), 7.0) for _ in range(2)] for _ in range(2)]
+    cc.register_kvcache(kv)
+    assert cc.save(list(range(BLOCKS * TOKENS)), hashes=[7000 + k for k in range(BLOCKS)],
+                   offsets=[TOKENS] * BLOCKS).success == BLOCKS
+    for size in (a.sections["pool"]["size"], "128MiB"):  # the same pool, and one of another size
+        twin = emsd_factory(start=False, node={"id": a.sections["node"]["id"]},
+                            pool={"state_dir": a.sections["pool"]["state_dir"], "size": size})
+        twin.start(wait=False)
+        assert twin.proc.wait(60) == 2, twin.log()
+        assert "another emsd" in twin.log()
+    assert a.alive()
+    assert batch_in_pool(cc, 7) == (BLOCKS, True)

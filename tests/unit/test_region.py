@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from emsd.pool import region as region_mod
-from emsd.pool.region import HugepageInfo, Region, RegionError, _choose, read_hugepage_info
+from emsd.pool.region import HugepageInfo, Region, RegionBusy, RegionError, _choose, read_hugepage_info
 
 MIB = 1 << 20
 NO_HUGEPAGES = HugepageInfo(page_size=2 * MIB, total=0, free=0)
@@ -149,3 +149,33 @@ def test_hugetlb_region_when_hugepages_are_reserved(hugepages: int) -> None:
         assert auto.kind == "hugetlb"
     finally:
         auto.close()
+
+
+def test_a_second_region_on_a_held_pool_file_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    first = Region.create(1 << 20, "off", name="p", persist_dir=tmp_path)
+    try:
+        first.mm[:4] = b"live"
+        for size in (1 << 20, 2 << 20):  # the same size, and one that would resize the file
+            with pytest.raises(RegionBusy, match="another emsd holds"):
+                Region.create(size, "off", name="p", persist_dir=tmp_path)
+        assert first.mm[:4] == b"live" and os.fstat(first.fd).st_size == 1 << 20
+    finally:
+        first.close()
+    again = Region.create(1 << 20, "off", name="p", persist_dir=tmp_path)  # the holder is gone
+    try:
+        assert again.reused and again.mm[:4] == b"live"
+    finally:
+        again.close()
+
+
+def test_a_clients_mapping_of_the_pool_does_not_keep_it_locked(tmp_path: Path) -> None:
+    first = Region.create(1 << 20, "off", name="p", persist_dir=tmp_path)
+    client_fd = os.dup(first.fd)  # what a client holds: the fd it was sent, and its mapping
+    client_map = mmap.mmap(client_fd, 1 << 20, flags=mmap.MAP_SHARED)
+    try:
+        first.close()  # the daemon dies; its client lives on
+        again = Region.create(1 << 20, "off", name="p", persist_dir=tmp_path)  # the warm restart
+        again.close()
+    finally:
+        client_map.close()
+        os.close(client_fd)
