@@ -40,6 +40,7 @@ from emsd.faults import FAULTS
 from emsd.membership.base import Membership, MembershipState, NodeInfo
 from emsd.membership.zookeeper import ZooKeeperMembership
 from emsd.metrics import Metrics
+from emsd.placement.agreement import Params, advertised, disagreeing
 from emsd.placement.ring import ClusterView, Member, Ring
 from emsd.pool.keys import KeyBatch
 from emsd.transport.link import Dialer, PeerLink
@@ -102,7 +103,9 @@ class Cluster:
         self.node_id = node_id
         self.access = access
         self.secret = secret
-        extra = {} if rdma is None else {EXTRA_KEY: rdma.descriptor.to_extra()}
+        extra = advertised(cfg.vnodes, cfg.replicas)
+        if rdma is not None:
+            extra[EXTRA_KEY] = rdma.descriptor.to_extra()
         self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL, extra)
         control = None if rdma is None else (lambda: rdma.serving(access))
         self.server = PeerServer(access, node_id, secret, control=control, tls=tls,
@@ -120,6 +123,8 @@ class Cluster:
         self.draining = False  # left the ring (emsctl drain): owns nothing, serves what it has
         self._down: set[str] = set()  # peers last seen failing (logged once)
         self._fresh: set[PeerLink] = set()  # links dialed and not used yet
+        self.disagree: dict[str, Params] = {}  # members whose ring parameters differ (set_view)
+        self._disagree_logged: set[tuple[str, Params]] = set()
 
     async def start(self) -> None:
         """Listen for peers and join; raises ``DuplicateNodeError`` if the id is taken."""
@@ -162,6 +167,7 @@ class Cluster:
         self.view = view
         self.ring = Ring.build(ClusterView.of(Member(n.node_id, n.capacity) for n in view),
                                self.cfg.vnodes, self.cfg.replicas)
+        self._check_placement(view)
         present = {n.node_id for n in view}
         for gone in set(self._conns) - present:
             for conn in self._conns.pop(gone):
@@ -169,6 +175,18 @@ class Cluster:
                 self._fresh.discard(conn)
             self.transports.forget(gone)
         log.info("placement ring: %d members (%s)", len(view), ", ".join(sorted(present)))
+
+    def _check_placement(self, view: tuple[NodeInfo, ...]) -> None:
+        """Name the members that place keys otherwise (``emsd.placement.agreement``): in
+        ``self.disagree`` (STATS), and in one error line per member and value."""
+        mine = (self.cfg.vnodes, self.cfg.replicas)
+        self.disagree = disagreeing(view, self.node_id, mine)
+        for node, theirs in self.disagree.items():
+            if (node, theirs) not in self._disagree_logged:
+                self._disagree_logged.add((node, theirs))
+                log.error("placement: node %s uses vnodes=%d replicas=%d, this node vnodes=%d replicas=%d: "
+                          "they disagree on owners and loads between them miss; set the same "
+                          "cluster.vnodes and cluster.replicas on every node", node, *theirs, *mine)
 
     def owners(self, ns_name: str, keys: KeyBatch) -> np.ndarray:
         """(n, r) owner indices into ``self.ring.view.members``, primary first (r = min(replicas, N))."""

@@ -126,6 +126,7 @@ def show_status(st: dict[str, Any]) -> str:
         f"restart     {st.get('restart', '?')} ({st.get('restored', 0)} blocks restored)",
         f"membership  {st['membership']}{'  (draining)' if st.get('draining') else ''}"
         f"   transport {st.get('transport', '?')}",
+        *_placement_differs(st),
         "",
         table(["member", "capacity GiB", "share", "peer", "via"],
               [[m["id"], f"{m['capacity'] / gib:.2f}", f"{st['share'].get(m['id'], 0.0):.1%}", m["peer"],
@@ -133,6 +134,13 @@ def show_status(st: dict[str, Any]) -> str:
                for m in st.get("view", [])]),
     ]
     return "\n".join(lines)
+
+
+def _placement_differs(st: dict[str, Any]) -> list[str]:
+    """One line per member that places keys otherwise than this node (none when all agree)."""
+    return [f"PLACEMENT   {node} uses vnodes={p.get('vnodes')} replicas={p.get('replicas')}, this node "
+            f"vnodes={st.get('vnodes')} replicas={st.get('replicas')}: loads between them miss"
+            for node, p in sorted(st.get("placement_differs", {}).items())]
 
 
 def _via(path: dict[str, str] | None) -> str:

@@ -668,7 +668,9 @@ class Service:
         c = self.cluster
         return {"transport": c.transport_name, "peer_transports": c.transports.snapshot(),
                 "share": c.share(), "draining": c.draining,
-                "replicas": c.cfg.replicas,
+                "replicas": c.cfg.replicas, "vnodes": c.cfg.vnodes,
+                "placement_differs": {node: {"vnodes": v, "replicas": r}
+                                      for node, (v, r) in c.disagree.items()},
                 "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in c.view]}
 
     def _owner(self, _s: Session, h: dict[str, Any], p: bytes) -> Response:

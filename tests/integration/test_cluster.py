@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -256,6 +257,24 @@ def test_a_second_daemon_with_a_taken_node_id_exits_and_the_first_stays_in_the_v
     time.sleep(1.0)  # had the twin deleted a's registration on its way out, b would see it go
     assert sorted(stats(b)["members"]) == sorted([a.sections["node"]["id"], b.sections["node"]["id"]])
     assert a.alive() and stats(a)["membership"] == "joined"
+
+
+def test_members_that_place_keys_otherwise_are_named_in_stats_status_and_the_log(
+        cluster: Any, emsd_factory: Any) -> None:
+    (a,) = cluster(1)
+    cfg = dict(a.sections["cluster"])
+    b = emsd_factory(cluster={**cfg, "peer_listen": f"127.0.0.1:{zk.free_port()}", "vnodes": 160})
+    c = emsd_factory(cluster={**cfg, "peer_listen": f"127.0.0.1:{zk.free_port()}"})
+    ids = {d: d.sections["node"]["id"] for d in (a, b, c)}
+    wait_for(lambda: all(len(stats(d)["members"]) == 3 for d in (a, b, c)))
+    wait_for(lambda: stats(a)["placement_differs"] == {ids[b]: {"vnodes": 160, "replicas": 1}})
+    assert stats(c)["placement_differs"] == {ids[b]: {"vnodes": 160, "replicas": 1}}
+    assert stats(b)["placement_differs"] == {ids[a]: {"vnodes": 512, "replicas": 1},
+                                             ids[c]: {"vnodes": 512, "replicas": 1}}
+    assert f"placement: node {ids[b]} uses vnodes=160 replicas=1" in a.log()
+    shown = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(a.socket_dir), "status"],
+                           capture_output=True, text=True, timeout=30)
+    assert f"PLACEMENT   {ids[b]} uses vnodes=160" in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_a_joining_node_takes_new_saves_for_its_share(cluster: Any, emsd_factory: Any,
