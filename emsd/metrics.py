@@ -130,8 +130,9 @@ class Metrics:
         """Publish the store's gauges, read from ``stats()`` at each scrape."""
         self.registry.register(PoolCollector(stats, ns_name))
 
-    def watch_cluster(self, view: Callable[[], tuple[str, int]]) -> None:
-        """Publish the membership state and size, read from ``view()`` -> (state, members)."""
+    def watch_cluster(self, view: Callable[[], tuple[str, int, int]]) -> None:
+        """Publish the membership state and size, read from ``view()`` -> (state, members,
+        members whose ring parameters differ from this node's)."""
         self.registry.register(ClusterCollector(view))
 
     def render(self) -> bytes:
@@ -193,16 +194,19 @@ class ClusterCollector(Collector):
 
     STATES = ("standalone", "connecting", "joined", "suspended", "lost")
 
-    def __init__(self, view: Callable[[], tuple[str, int]]) -> None:
+    def __init__(self, view: Callable[[], tuple[str, int, int]]) -> None:
         self._view = view
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        state, members = self._view()
+        state, members, differs = self._view()
         yield GaugeMetricFamily("emsd_cluster_members", "Nodes in this node's view of the ring",
                                 value=members)
+        yield GaugeMetricFamily("emsd_cluster_placement_differs",
+                                "Members whose vnodes or replicas differ from this node's (loads between "
+                                "them miss)", value=differs)
         fam = GaugeMetricFamily("emsd_cluster_membership_state",
                                 "ZooKeeper membership state (1 = current)", labels=["state"])
         for name in self.STATES:

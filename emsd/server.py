@@ -290,10 +290,10 @@ class Daemon:
             return f"cluster membership is {self.cluster.state.value}"
         return None
 
-    def _membership(self) -> tuple[str, int]:
+    def _membership(self) -> tuple[str, int, int]:
         if self.cluster is None:
-            return "standalone", 1
-        return self.cluster.state.value, len(self.cluster.view)
+            return "standalone", 1, 0
+        return self.cluster.state.value, len(self.cluster.view), len(self.cluster.disagree)
 
     def stop(self) -> None:
         self._stop.set()

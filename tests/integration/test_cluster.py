@@ -272,6 +272,7 @@ def test_members_that_place_keys_otherwise_are_named_in_stats_status_and_the_log
     assert stats(b)["placement_differs"] == {ids[a]: {"vnodes": 512, "replicas": 1},
                                              ids[c]: {"vnodes": 512, "replicas": 1}}
     assert f"placement: node {ids[b]} uses vnodes=160 replicas=1" in a.log()
+    assert [d.metric("emsd_cluster_placement_differs") for d in (a, b, c)] == [1, 2, 1]
     shown = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(a.socket_dir), "status"],
                            capture_output=True, text=True, timeout=30)
     assert f"PLACEMENT   {ids[b]} uses vnodes=160" in shown.stdout, shown.stdout + shown.stderr
