@@ -164,6 +164,7 @@ class UnixControlServer:
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: set[ControlProtocol] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bind() made
 
     def bind(self) -> None:
         """Create the socket file (replacing a stale one); raises OSError if one is live."""
@@ -180,6 +181,8 @@ class UnixControlServer:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(str(self.path))
+        st = os.stat(self.path)
+        self._bound = (st.st_dev, st.st_ino)
         os.chmod(self.path, self.mode)
         sock.listen(512)
         sock.setblocking(False)
@@ -270,7 +273,8 @@ class UnixControlServer:
         self._on_count(len(self._conns))
 
     async def close(self) -> None:
-        """Stop accepting, close every connection, remove the socket file."""
+        """Stop accepting, close every connection, remove the socket file if ``bind`` made it
+        (a daemon refused because another serves there leaves that one's file alone)."""
         if self._accept_task is not None:
             self._accept_task.cancel()
         for task in list(self._handshakes):
@@ -283,9 +287,12 @@ class UnixControlServer:
             await asyncio.wait(pending, timeout=5.0)
         await asyncio.sleep(0)
         try:
-            self.path.unlink()
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._bound:
+                self.path.unlink()
         except FileNotFoundError:
             pass
+        self._bound = None
 
 
 async def _recv_exact(loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) -> bytes:

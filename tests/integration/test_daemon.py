@@ -296,6 +296,13 @@ def test_a_second_daemon_on_the_same_socket_refuses_to_start(emsd: Any, emsd_fac
     assert other.proc.wait(20) == 2
     assert "already serving" in other.log()
     assert emsd.alive()
+    # The refused daemon leaves the running one's socket file alone: new clients still reach it.
+    client = DaemonClient(emsd.socket_dir / "emsd.sock")
+    client.connect({})
+    try:
+        assert client.call(Op.STATS, {}, timeout=5)[0]["node"] == emsd.sections["node"]["id"]
+    finally:
+        client.close()
 
 
 def test_full_pool_of_pinned_blocks_shows_in_success_not_an_exception(emsd_factory: Any,
