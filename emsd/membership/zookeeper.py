@@ -106,10 +106,10 @@ class ZooKeeperMembership:
             self._worker.join(5)
         try:
             if self._zk.connected:
-                _, stat = self._zk.get(self.path)
-                if stat.ephemeralOwner == self._zk.client_id[0]:
+                stat = self._zk.exists(self.path)
+                if stat is not None and stat.ephemeralOwner == self._zk.client_id[0]:
                     self._zk.delete(self.path, version=stat.version)
-        except KazooException:  # NoNodeError included: nothing of ours to delete
+        except KazooException:  # NoNodeError (gone meanwhile) included: nothing of ours to delete
             pass
         self._zk.stop()
         self._zk.close()

@@ -244,15 +244,11 @@ def _map_file(path: Path, size: int) -> tuple[int, mmap.mmap, bool, int]:
     ``OSError`` otherwise."""
     lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock)
-        raise RegionBusy(f"another emsd holds {path} (a second daemon with the same node.id and "
-                         "pool.state_dir?); it was left as it is") from None
-    except BaseException:
-        os.close(lock)
-        raise
-    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RegionBusy(f"another emsd holds {path} (a second daemon with the same node.id and "
+                             "pool.state_dir?); it was left as it is") from None
         fd, mm, reused = _map_locked(path, size)
     except BaseException:
         os.close(lock)
