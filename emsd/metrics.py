@@ -7,7 +7,9 @@ time by ``PoolCollector``, so the hot path pays nothing for them.
 
 ``HttpEndpoint`` answers ``GET /healthz`` (200 while the process serves:
 liveness), ``GET /readyz`` (200 once the pool is attached and the node is
-standalone or joined to its cluster, else 503 and the reason: readiness),
+standalone or joined to its cluster, else 503 and the reason: readiness; a
+ready node that runs without a part, such as a failed disk tier, adds a
+``degraded:`` line),
 ``GET /metrics`` (Prometheus text format) and 404 otherwise. It is a
 deliberately tiny HTTP/1.0 server on asyncio: one request per connection, a
 bounded request line, no body.
@@ -135,8 +137,52 @@ class Metrics:
         members whose ring parameters differ from this node's)."""
         self.registry.register(ClusterCollector(view))
 
+    def watch_disk(self, stats: Callable[[], Any]) -> None:
+        """Publish the disk tier's gauges and counters, read from ``stats()`` (``TierStats``) at
+        each scrape; its read latency is observed by the reader threads (``disk_read``)."""
+        self.disk_read = Histogram("emsd_disk_read_seconds", "Time of one block read from the disk tier",
+                                   buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(DiskCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class DiskCollector(Collector):
+    """Disk tier gauges and counters computed at scrape time from ``DiskTier.stats()``."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        st = self._stats()
+        size = GaugeMetricFamily("emsd_disk_bytes", "Disk tier bytes by state", labels=["state"])
+        size.add_metric(["capacity"], st.capacity)
+        size.add_metric(["used"], st.bytes_used)
+        yield size
+        yield GaugeMetricFamily("emsd_disk_blocks", "Blocks on the disk tier", value=st.blocks)
+        yield GaugeMetricFamily("emsd_disk_queue_blocks", "Demotions waiting for a writer", value=st.queued)
+        yield GaugeMetricFamily("emsd_disk_queue_bytes", "Bytes of demotions waiting for a writer",
+                                value=st.queued_bytes)
+        yield CounterMetricFamily("emsd_disk_writes", "Blocks written to the disk tier", value=st.writes)
+        yield CounterMetricFamily("emsd_disk_reads", "Blocks read back from the disk tier (checked)",
+                                  value=st.reads)
+        yield CounterMetricFamily("emsd_disk_corrupt", "Blocks read from disk that failed their checksum",
+                                  value=st.corrupt)
+        yield CounterMetricFamily("emsd_disk_evictions", "Blocks removed from disk for room",
+                                  value=st.evicted)
+        dropped = CounterMetricFamily("emsd_disk_dropped_demotions",
+                                      "Evicted blocks not written to disk, by reason", labels=["reason"])
+        for reason, n in sorted(st.dropped.items()):
+            dropped.add_metric([reason], n)
+        yield dropped
+        yield GaugeMetricFamily("emsd_disk_failed", "1 when the disk tier failed (DRAM only since)",
+                                value=1 if st.failed else 0)
+        yield GaugeMetricFamily("emsd_disk_direct_io", "1 when the data file moves with O_DIRECT",
+                                value=1 if st.direct else 0)
 
 
 class PoolCollector(Collector):
@@ -224,6 +270,7 @@ class HttpEndpoint:
     def __init__(self, metrics: Metrics, readiness: Callable[[], str | None]) -> None:
         self.metrics = metrics
         self.readiness = readiness  # None: ready; else the reason it is not
+        self.degraded: Callable[[], str | None] = lambda: None  # ready, but a part is off (a failed disk)
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -254,6 +301,9 @@ class HttpEndpoint:
                 why = self.readiness()
                 status = "200 OK" if why is None else "503 Service Unavailable"
                 ctype, body = "text/plain", b"ready\n" if why is None else why.encode() + b"\n"
+                less = self.degraded() if why is None else None
+                if less:
+                    body += f"degraded: {less}\n".encode()
             elif path == "/metrics":
                 status, body = "200 OK", self.metrics.render()
                 ctype = "text/plain; version=0.0.4; charset=utf-8"

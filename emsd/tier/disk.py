@@ -52,6 +52,7 @@ index under one lock, held only for bookkeeping, never during I/O.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -65,6 +66,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from emsd.faults import FAULTS
 from emsd.pool.keys import KeyBatch
 from emsd.tier.engine import DataFile, Engine, aligned, read_block
 from emsd.tier.ledger import NS_SLOTS, DiskLedger
@@ -103,6 +105,18 @@ def digest(buf: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(buf) or 1
 
 
+def _inject_read() -> None:
+    """The ``disk.read`` fault site (tests only): a slow or failing device."""
+    assert FAULTS is not None
+    rule = FAULTS.at("disk.read")
+    if rule is None:
+        return
+    if rule.action == "delay":
+        time.sleep(rule.seconds)
+    else:
+        raise OSError(errno.EIO, "injected fault at disk.read")
+
+
 @dataclass
 class DiskEntry:
     """One block on disk."""
@@ -130,7 +144,7 @@ class TierStats:
     queued_bytes: int
     writes: int
     reads: int
-    dropped: dict[str, int]  # demotions not written, by reason: "queue", "room", "quota", "failed"
+    dropped: dict[str, int]  # demotions not written, by reason: queue, room, quota, failed, corrupt
     corrupt: int  # reads whose bytes failed their digest
     evicted: int  # blocks removed from disk for room
     direct: bool
@@ -183,7 +197,7 @@ class DiskTier:
         self.reads = 0
         self.corrupt = 0
         self.evicted = 0
-        self.dropped = {"queue": 0, "room": 0, "quota": 0, "failed": 0}
+        self.dropped = {"queue": 0, "room": 0, "quota": 0, "failed": 0, "corrupt": 0}
         self.failed = ""
         self.restored = self._restore()
         self._stop = threading.Event()
@@ -298,11 +312,13 @@ class DiskTier:
     # -- demotion -----------------------------------------------------------------------------
 
     def demote(self, name: str, keys: KeyBatch, pool: memoryview, offsets: np.ndarray,
-               lengths: np.ndarray) -> int:
+               lengths: np.ndarray, sums: np.ndarray | None = None) -> int:
         """Queue blocks leaving DRAM (bytes at ``pool[offsets[i]:][:lengths[i]]``) for writing.
 
         Copies each block into a staging buffer now (its chunk is reused right
         after); never waits. Blocks already on disk are only refreshed (LRU).
+        ``sums``: the pool's seals of the blocks (``emsd.pool.checksum``; 0 none):
+        a block whose bytes no longer match its seal is not written.
         Returns how many were queued; the rest are counted in ``dropped``.
         """
         if self.failed:
@@ -313,7 +329,9 @@ class DiskTier:
             self.dropped["room"] += len(keys)
             return 0
         queued = 0
-        for kb, off, n in zip(key_bytes(keys), offsets.tolist(), lengths.tolist(), strict=True):
+        seals = sums.tolist() if sums is not None else [0] * len(keys)
+        for kb, off, n, seal in zip(key_bytes(keys), offsets.tolist(), lengths.tolist(), seals,
+                                    strict=True):
             key = (ns, kb)
             with self._lock:
                 e = self._index.get(key)
@@ -328,14 +346,19 @@ class DiskTier:
             buf[:n] = pool[off : off + n]
             self.queued += 1
             self.queued_bytes += slot
-            self.engine.write(self._write, key, name, buf, n)
+            self.engine.write(self._write, key, name, buf, n, seal)
             queued += 1
         return queued
 
-    def _write(self, key: Key, name: str, buf: mmap.mmap, length: int) -> None:
-        """Writer thread: place, write, record one staged block."""
+    def _write(self, key: Key, name: str, buf: mmap.mmap, length: int, seal: int = 0) -> None:
+        """Writer thread: place, write, record one staged block (``seal``: its pool digest, 0 none)."""
         slot = slot_for(length)
         try:
+            with memoryview(buf) as view:
+                sealed = digest(view[:length])
+            if seal and sealed != seal:  # changed in the pool since its commit: not worth keeping
+                self.dropped["corrupt"] += 1
+                return
             with self._lock:
                 if self.failed:
                     self.dropped["failed"] += 1
@@ -353,12 +376,9 @@ class DiskTier:
                 self._index[key] = entry
                 self._at[offset] = key
                 self._count(key[0], slot)
-            view = memoryview(buf)
-            try:
-                entry.digest = digest(view[:length])
+            entry.digest = sealed
+            with memoryview(buf) as view:
                 self.data.write(offset, view)
-            finally:
-                view.release()
             with self._lock:
                 entry.ready = True
                 self.writes += 1
@@ -447,6 +467,8 @@ class DiskTier:
         start = time.perf_counter()
         ok = False
         try:
+            if FAULTS is not None:
+                _inject_read()
             read_block(self.data, entry.offset, dest, base)
             ok = digest(dest) == entry.digest
             if not ok:
