@@ -290,11 +290,11 @@ class Daemon:
         except (OSError, ValueError) as exc:
             self.disk_error = f"cannot open {cfg.dir}: {exc}"
             log.error("disk tier off: %s; serving from DRAM only", self.disk_error)
+            service.info.update(disk={"dir": str(cfg.dir), "failed": self.disk_error})
             return None
         log.info("disk tier: %d MiB in %s, index %s, %d blocks; %s", self.disk.space.size >> 20, cfg.dir,
                  self.disk.outcome, self.disk.restored,
                  "O_DIRECT" if self.disk.data.direct else self.disk.data.reason)
-        service.info.update(disk=str(cfg.dir))
         return TierStack(store, self.disk, self._pool_view, service.namespace_name, service.checksums)
 
     def _disk_stats(self) -> TierStats:

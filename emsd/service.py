@@ -680,6 +680,7 @@ class Service:
             "membership": "standalone" if self.cluster is None else self.cluster.state.value,
             "members": [self.node_id] if self.cluster is None else [n.node_id for n in self.cluster.view],
             **self.info,
+            **({"disk": self.tiers.summary()} if self.tiers is not None else {}),
             **self._cluster_stats(),
         }, []
 

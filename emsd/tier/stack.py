@@ -168,6 +168,15 @@ class TierStack:
         if bad:
             self.store.abort(np.array(bad, dtype=np.uint32))
 
+    def summary(self) -> dict[str, object]:
+        """The tier's state for STATS (``emsctl status``)."""
+        st = self.disk.stats()
+        self.disk.check()
+        return {"dir": str(self.disk.directory), "capacity": st.capacity, "bytes_used": st.bytes_used,
+                "blocks": st.blocks, "queued": st.queued, "writes": st.writes, "reads": st.reads,
+                "promoted": self.promoted, "late": self.late, "corrupt": st.corrupt,
+                "evicted": st.evicted, "dropped": st.dropped, "direct": st.direct, "failed": self.disk.failed}
+
     def drop(self, name: str) -> int:
         """Remove namespace ``name``'s blocks from disk; returns how many."""
         return self.disk.drop(name)

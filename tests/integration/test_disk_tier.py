@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -93,6 +94,9 @@ def test_blocks_evicted_from_dram_are_on_disk_and_load_back_identical(
     assert d.metric("emsd_disk_reads_total") >= reads + 3 * BLOCKS
     assert d.metric("emsd_disk_read_seconds_count") >= 3 * BLOCKS
     assert cc.exists(_keys(99)).success == 0
+    out = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(d.socket_dir), "status"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and f"in {disk_dir}" in out.stdout and "O_DIRECT" in out.stdout, out
 
 
 def test_drop_removes_the_namespace_from_disk(emsd_factory: Any, sdk: Any, disk_dir: Path) -> None:
@@ -169,6 +173,9 @@ def test_a_disk_that_disappears_is_reported_and_dram_keeps_serving(
     assert cc.exists(_keys(1)).success == 0  # what was only on disk is gone, never half-served
     assert save(cc, 50) == BLOCKS and load(cc, 50) == (BLOCKS, True)
     assert "disk tier failed" in d.log()
+    out = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(d.socket_dir), "status"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "FAILED: " in out.stdout, out
 
 
 def test_a_read_slower_than_the_load_timeout_is_a_miss_not_a_hang(
