@@ -16,6 +16,8 @@ Decisions where the published API is silent:
   both): one field under two names. Giving both to the constructor is accepted
   only when they are the same config (the same object or equal values);
   otherwise it is ambiguous and refused.
+- ``access_key=""`` means no key, as ``None``: the published vllm-ascend
+  connector passes ``os.environ.get("ACCELERATE_KEY", "")``.
 - ``access_id=None`` is the default tenant. An ``access_key`` without an
   ``access_id`` is refused: a key authenticates a named tenant. An
   ``access_id`` without a key is accepted here; the daemon refuses it if the
@@ -54,8 +56,8 @@ def _access_id(value: Any) -> str | None:
 
 
 def _access_key(value: Any) -> str | None:
-    """The key, checked; messages never contain the key itself."""
-    if value is None:
+    """The key, checked; messages never contain the key itself. ``""`` is no key (``None``)."""
+    if value is None or value == "":
         return None
     rule = f"{MIN_ACCESS_KEY}-{MAX_ACCESS_KEY} characters of [0-9A-Za-z+/=]"
     if not isinstance(value, str):

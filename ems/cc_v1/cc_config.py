@@ -27,8 +27,10 @@ Interpretations where the published API is silent:
 - Integer fields take ``int`` or numpy integers, never ``bool``.
 - ``kvcache_type`` takes a ``KVCacheType`` or its exact string value
   (``"MHA"``, ``"GQA"``, ``"MQA"``, ``"MLA"``; case-sensitive).
-- ``llm_engine`` follows the ``model_id`` alphabet, ``[0-9a-z._@-]``, 1-64
-  characters (``"vllm"``, ``"sglang"``, ``"mindie"``...).
+- ``llm_engine``: the reference sets no rule but "a string"; the published
+  vllm-ascend connector passes ``"vllm@<last two parts of the model path>"``,
+  upper case included. Any printable string of 1-256 characters is accepted
+  (the bound keeps the namespace name within the daemon's limit).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import numpy as np
 from ems.common.exception import invalid
 
 MAX_MODEL_ID = 512
-MAX_ENGINE = 64
+MAX_ENGINE = 256  # with model_id and access_id, the namespace stays under emsd's 4096
 _NAME_RE = re.compile(r"[0-9a-z._@-]+")
 
 
@@ -101,7 +103,15 @@ def _check_model_id(value: Any) -> str:
 
 
 def _check_llm_engine(value: Any) -> str:
-    return check_name(value, "CcConfig_v1", "llm_engine", MAX_ENGINE)
+    """Any printable str of 1-``MAX_ENGINE`` characters (the reference sets no alphabet)."""
+    rule = f"a printable str of 1-{MAX_ENGINE} characters"
+    if not isinstance(value, str):
+        raise invalid(f"CcConfig_v1: llm_engine must be {rule}, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_ENGINE or not value.isprintable():
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        raise invalid(f"CcConfig_v1: llm_engine must be {rule}, got {shown!r} "
+                      f"({len(value)} characters)")
+    return value
 
 
 def _field(name: str, check: Callable[[Any], Any]) -> property:
@@ -135,7 +145,7 @@ class CcConfig_v1:  # the published name
     - ``rank_in_tp_group`` in ``[0, tp_world_size)``, ``rank_in_pp_group`` in
       ``[0, pp_world_size)`` (the upper bounds by ``validate()``);
     - ``model_id``: 1-512 characters of ``[0-9a-z._@-]``;
-    - ``llm_engine``: 1-64 characters of ``[0-9a-z._@-]``;
+    - ``llm_engine``: a printable str of 1-256 characters;
     - ``kvcache_type``: a ``KVCacheType`` or its string value (read back as a
       ``KVCacheType``).
     """

@@ -73,7 +73,7 @@ def test_cc_config_is_mutable_as_the_published_connector_uses_it() -> None:
 @pytest.mark.parametrize(("field", "bad", "rule"), [
     ("rank_id", -1, ">= 0"), ("device_id", True, "int"), ("tp_world_size", 0, ">= 1"),
     ("rank_in_pp_group", 1.0, "int"), ("model_id", "Upper", "[0-9a-z._@-]"),
-    ("llm_engine", "", "[0-9a-z._@-]"), ("kvcache_type", "mla", "KVCacheType")])
+    ("llm_engine", "", "printable"), ("kvcache_type", "mla", "KVCacheType")])
 def test_cc_config_assignment_checks_the_field_and_keeps_the_old_value(field: str, bad: object,
                                                                        rule: str) -> None:
     c = cc()
@@ -178,9 +178,16 @@ def test_cc_config_model_id_must_be_str() -> None:
     assert "model_id" in invalid_message(cc, model_id=b"llama")
 
 
-@pytest.mark.parametrize("bad", ["", "vLLM", "x" * 65, None])
+@pytest.mark.parametrize("bad", ["", "x" * 257, "a\nb", None, b"vllm"])
 def test_cc_config_llm_engine_rule(bad: object) -> None:
-    assert "llm_engine" in invalid_message(cc, llm_engine=bad)
+    msg = invalid_message(cc, llm_engine=bad)
+    assert "llm_engine must be a printable str of 1-256 characters" in msg
+
+
+def test_cc_config_llm_engine_takes_the_published_connectors_value() -> None:
+    # vllm-ascend: f"{EmsEnv.llm_engine}@{model_name}", model_name from the model path.
+    assert cc(llm_engine="vllm@models_Kimi-K2.5-w4a8").llm_engine == "vllm@models_Kimi-K2.5-w4a8"
+    assert cc(llm_engine="x" * 256).llm_engine == "x" * 256
 
 
 def test_cc_config_equality_and_repr() -> None:
@@ -246,6 +253,11 @@ def test_ems_config_access_key_rule_never_shows_the_key(bad: str) -> None:
 def test_ems_config_access_key_accepts_bounds() -> None:
     assert EmsConfig(access_id="me", access_key="a+/=" * 8).access_key == "a+/=" * 8
     assert EmsConfig(access_id="me", access_key="Z" * 256).access_key == "Z" * 256
+
+
+def test_ems_config_empty_access_key_is_no_key() -> None:
+    # The published vllm-ascend connector's default: os.environ.get("ACCELERATE_KEY", "").
+    assert EmsConfig(access_id="cc_kvstore@_@ds_default_ns_001", access_key="").access_key is None
 
 
 def test_ems_config_access_key_requires_access_id() -> None:
