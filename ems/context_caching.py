@@ -210,9 +210,8 @@ class ContextCaching:
         if "token_ids" in kwargs:
             if hashes is not None or offsets is not None:
                 raise invalid("give either hashes/offsets or token_ids/mask, not both")
-            if "mask" not in kwargs:
-                raise invalid("token semantics need both token_ids= and mask=")
-            req = token_request(slot_mapping, kwargs["token_ids"], kwargs["mask"],
+            # mask is optional (reference tables 8-4/8-9/8-15/8-20): None = all ones
+            req = token_request(slot_mapping, kwargs["token_ids"], kwargs.get("mask"),
                                 layout.block_size, for_save)
         else:
             if "mask" in kwargs:

@@ -917,3 +917,21 @@ def test_9_2_message(ns: Namespace) -> None:
     status, out = run(mend(MESSAGE_9_2, *EIGHT_SLOTS), ns)
     assert (status, out) == (None, "")
     assert ns["result"].total == 2
+
+
+# -- the reference's tables, where no example shows them -----------------------------------------
+
+
+def test_table_8_4_mask_is_optional(ns: Namespace) -> None:
+    # Tables 8-4/8-9/8-15/8-20: mask 是否必选 否, 默认取值 None (no prefix skipped).
+    registered(ns)
+    before = kv_snapshot(ns)
+    cc, tokens = ns["cc"], [101, 102, 103, 104, 105, 106]
+    assert cc.save(slot_mapping=list(range(6)), token_ids=tokens) == CcResult(2, 2)
+    zero_kv(ns)
+    assert cc.load(slot_mapping=list(range(6)), token_ids=tokens, mask=None) == CcResult(2, 2)
+    assert slots_equal(ns, before, list(range(6)))
+    # The same keys as with an all-ones mask: found by the §8.4 token example, mended.
+    zero_kv(ns)
+    status, out = run(mend(LOAD_TOKEN_8_4, *TOKEN_CALL_TYPO), ns)
+    assert (status, out) == (None, "succeed to load key num 2.\nCcResult(success=2, total=2)\n")
