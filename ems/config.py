@@ -176,12 +176,16 @@ def _check_key_has_id(access_id: str | None, access_key: str | None) -> None:
 
 
 def _bool_field(value: Any, name: str) -> bool:
+    if value is True or value is False:  # the usual case first: options are built per call
+        return value
     if not isinstance(value, bool | np.bool_):
         raise invalid(f"CcKvOption: {name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
 
 
 def _timeout(value: Any) -> int:
+    if type(value) is int and 0 <= value <= MAX_TIMEOUT_MS:  # the usual case first
+        return value
     rule = f"an int number of milliseconds in [0, {MAX_TIMEOUT_MS}] (0 = no limit)"
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
         raise invalid(f"CcKvOption: timeout must be {rule}, got {type(value).__name__} {value!r}")
