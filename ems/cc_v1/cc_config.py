@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Any
+from typing import Any, Generic, TypeVar, cast, overload
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from ems.common.exception import invalid
 MAX_MODEL_ID = 512
 MAX_ENGINE = 256  # with model_id and access_id, the namespace stays under emsd's 4096
 _NAME_RE = re.compile(r"[0-9a-z._@-]+")
+T = TypeVar("T")
 
 
 class KVCacheType(StrEnum):
@@ -114,17 +115,28 @@ def _check_llm_engine(value: Any) -> str:
     return value
 
 
-def _field(name: str, check: Callable[[Any], Any]) -> property:
-    """A property over the slot ``_<name>`` whose setter stores ``check(value)``."""
-    slot = "_" + name
+class _Field(Generic[T]):
+    """A field over the slot ``_<name>``: reads it, stores ``check(value)`` on assignment."""
 
-    def get(self: CcConfig_v1) -> Any:
-        return getattr(self, slot)
+    def __init__(self, check: Callable[[Any], T]) -> None:
+        self._check = check
+        self._slot = ""
 
-    def set_(self: CcConfig_v1, value: Any) -> None:
-        setattr(self, slot, check(value))
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = "_" + name
+        self.__doc__ = f"``{name}``, checked on assignment."
 
-    return property(get, set_, doc=f"``{name}``, checked on assignment.")
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Field[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+    def __get__(self, obj: object | None, owner: type) -> _Field[T] | T:
+        if obj is None:
+            return self
+        return cast(T, getattr(obj, self._slot))
+
+    def __set__(self, obj: object, value: Any) -> None:
+        setattr(obj, self._slot, self._check(value))
 
 
 def _at_least(name: str, minimum: int) -> Callable[[Any], int]:
@@ -163,15 +175,15 @@ class CcConfig_v1:  # the published name
     _llm_engine: str
     _kvcache_type: KVCacheType
 
-    rank_id = _field("rank_id", _at_least("rank_id", 0))
-    device_id = _field("device_id", _at_least("device_id", 0))
-    model_id = _field("model_id", _check_model_id)
-    tp_world_size = _field("tp_world_size", _at_least("tp_world_size", 1))
-    pp_world_size = _field("pp_world_size", _at_least("pp_world_size", 1))
-    rank_in_tp_group = _field("rank_in_tp_group", _at_least("rank_in_tp_group", 0))
-    rank_in_pp_group = _field("rank_in_pp_group", _at_least("rank_in_pp_group", 0))
-    llm_engine = _field("llm_engine", _check_llm_engine)
-    kvcache_type = _field("kvcache_type", _check_kvcache_type)
+    rank_id = _Field(_at_least("rank_id", 0))
+    device_id = _Field(_at_least("device_id", 0))
+    model_id = _Field(_check_model_id)
+    tp_world_size = _Field(_at_least("tp_world_size", 1))
+    pp_world_size = _Field(_at_least("pp_world_size", 1))
+    rank_in_tp_group = _Field(_at_least("rank_in_tp_group", 0))
+    rank_in_pp_group = _Field(_at_least("rank_in_pp_group", 0))
+    llm_engine = _Field(_check_llm_engine)
+    kvcache_type = _Field(_check_kvcache_type)
 
     def __init__(
         self,
