@@ -55,6 +55,7 @@ class PoolConfig:
     admit_after: int = 1  # store a block from its N-th save on; 1: admission off
     admit_after_namespaces: tuple[tuple[str, int], ...] = ()  # (namespace glob, N), first match wins
     grants: bool = True  # hand clients chunks for their next saves: one round trip a save (emsd.service)
+    connection_uncommitted: int = 0  # bytes a connection may hold reserved + granted; 0: half of size
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,8 @@ def _node(t: dict[str, Any]) -> NodeConfig:
 
 def _pool(t: dict[str, Any]) -> PoolConfig:
     _only(t, "pool", {"size", "hugepages", "page_size", "prefault", "warm_restart", "state_dir",
-                      "checksum", "eviction", "admit_after", "admit_after_namespaces", "grants"})
+                      "checksum", "eviction", "admit_after", "admit_after_namespaces", "grants",
+                      "connection_uncommitted"})
     d = PoolConfig()
     size = parse_size("pool.size", t.get("size", d.size))
     if size < MIN_POOL:
@@ -253,6 +255,8 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     grants = t.get("grants", d.grants)
     if not isinstance(grants, bool):
         raise ConfigError("pool.grants", f"must be true or false (got {grants!r})")
+    uncommitted = parse_size("pool.connection_uncommitted",
+                             t.get("connection_uncommitted", d.connection_uncommitted))
     per_ns = t.get("admit_after_namespaces", {})
     if not isinstance(per_ns, dict):
         raise ConfigError("pool.admit_after_namespaces",
@@ -262,7 +266,7 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     return PoolConfig(size=size, hugepages=huge, page_size=min(page, size), prefault=prefault,
                       warm_restart=warm, state_dir=Path(state) if state else None,
                       eviction=eviction, admit_after=admit, admit_after_namespaces=patterns,
-                      checksum=checksum, grants=grants)
+                      checksum=checksum, grants=grants, connection_uncommitted=uncommitted)
 
 
 def _admit_count(key: str, value: Any) -> int:

@@ -110,6 +110,8 @@ class Daemon:
         if cfg.pool.checksum:
             service.checksums = Checksums(store, self._pool_view)
         service.grants = cfg.pool.grants
+        if cfg.pool.connection_uncommitted:
+            service.connection_uncommitted = cfg.pool.connection_uncommitted
         service.restore_namespaces(names)
         self.metrics.watch_pool(store.stats, service.namespace_name)
         self.metrics.restart.labels(self.restart_outcome.split(":")[0]).set(1)

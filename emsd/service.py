@@ -75,6 +75,7 @@ RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
 GRANT_SESSION_SHARE = 64  # a connection holds at most 1/64 of the pool in granted chunks
 GRANT_TOTAL_SHARE = 16  # all connections together at most 1/16
+CONNECTION_UNCOMMITTED_SHARE = 2  # default pool.connection_uncommitted: half the pool
 
 
 class RequestError(Exception):
@@ -100,7 +101,13 @@ class Session:
     parsed: tuple[bytes, tuple[Any, Any, Any], tuple[int, KeyBatch, bytes]] | None = None  # Service._keys
     granted: dict[int, int] = field(default_factory=dict)  # byte offset -> chunk size, chunks granted
     granted_bytes: int = 0
+    pending_bytes: int = 0  # block lengths of ``pending``
     put: np.ndarray | None = None  # entries the PUT being handled committed (for forward_commit)
+
+    @property
+    def uncommitted(self) -> int:
+        """Bytes this connection holds that no quota counted as committed: pending and granted."""
+        return self.pending_bytes + self.granted_bytes
 
     def forget_grants(self, offsets: list[int]) -> None:
         """Chunks ``offsets``, granted to this session, are its no more (used for a block, or
@@ -122,6 +129,8 @@ class Service:
         self.grants = True  # pool.grants: GRANT hands out chunks (else it is refused)
         self.tenants = tenants or Tenants([])
         self._tenant_ns: dict[str, set[int]] = {}  # namespaces of each tenant (for quotas)
+        self._uncommitted: dict[str, int] = {}  # tenant -> its sessions' pending + granted bytes
+        self.connection_uncommitted = store.capacity // CONNECTION_UNCOMMITTED_SHARE  # pool.*
         self.node_id = node_id
         self.region_kind = region_kind
         self.metrics = metrics
@@ -162,7 +171,12 @@ class Service:
             handler = self._handlers.get(op) if type(op) is int else None  # type: ignore[call-overload]
             if handler is None:
                 raise RequestError(Status.INVALID_ARGUMENT, f"unknown op {op!r}")
-            resp, parts = handler(self, session, header, payload)
+            held = session.uncommitted
+            try:
+                resp, parts = handler(self, session, header, payload)
+            finally:
+                if session.uncommitted != held:  # RESERVE, COMMIT, GRANT, PUT: the tenant's total follows
+                    self._hold(session.tenant, session.uncommitted - held)
             resp.setdefault("st", Status.OK)
             result = "ok"
         except RequestError as exc:
@@ -180,9 +194,11 @@ class Service:
         if session.authenticated:
             session.authenticated = False
             self.sessions -= 1
+        self._hold(session.tenant, -session.uncommitted)
         if session.pending:
             self.store.abort(np.fromiter(session.pending, dtype=np.uint32))
             session.pending.clear()
+            session.pending_bytes = 0
         if session.granted:
             self.store.ungrant(np.fromiter(session.granted, dtype=np.uint64))
             session.granted.clear()
@@ -453,7 +469,7 @@ class Service:
         if len(rest) != 8 * n:
             raise RequestError(Status.INVALID_ARGUMENT, f"sizes: expected {8 * n} bytes, got {len(rest)}")
         sizes = np.frombuffer(rest, dtype="<u8").astype(np.uint64)
-        fit = self._fit_quota(s.tenant, ns, keys, sizes)
+        fit = min(self._fit_quota(s.tenant, ns, keys, sizes), self._fit_connection(s, sizes))
         if FAULTS is not None and FAULTS.at("pool.reserve") is not None:
             fit = 0  # injected: as if the pool were full of pinned blocks
         evicted = self.store.evicted_total
@@ -467,12 +483,14 @@ class Service:
                      dict(st.evictions), st.bytes_used >> 20, st.capacity >> 20)
         if not res.status.any():  # every key NEW (0): the usual save of new blocks
             s.pending.update(res.handles.tolist())
-            self.metrics.reserved(n, int(sizes.sum()), 0)
+            nbytes = int(sizes.sum())
+            self.metrics.reserved(n, nbytes, 0)
         else:
             new = res.status == SlotStatus.NEW
             s.pending.update(res.handles[new].tolist())
-            self.metrics.reserved(int(new.sum()), int(sizes[new].sum()),
-                                  int((res.status == SlotStatus.FAILED).sum()))
+            nbytes = int(sizes[new].sum())
+            self.metrics.reserved(int(new.sum()), nbytes, int((res.status == SlotStatus.FAILED).sum()))
+        s.pending_bytes += nbytes
         return {"n": n}, [
             np.asarray(res.offsets, dtype="<u8").tobytes(),  # no copy when already so (x86)
             np.asarray(res.handles, dtype="<u4").tobytes(),
@@ -497,7 +515,10 @@ class Service:
         chunk = self.store.slabs.chunk_for(size)
         cap = self.store.capacity
         room = min(cap // GRANT_SESSION_SHARE - s.granted_bytes,
-                   cap // GRANT_TOTAL_SHARE - self.store.granted_bytes) // chunk
+                   cap // GRANT_TOTAL_SHARE - self.store.granted_bytes,
+                   self.connection_uncommitted - s.uncommitted) // chunk
+        if room >= need and k:
+            room = self._fit_quota_grant(s.tenant, chunk, min(k, room))
         got = self.store.grant(size, min(k, room) if room >= need else 0)
         s.granted.update(dict.fromkeys(got.tolist(), chunk))
         s.granted_bytes += chunk * got.size
@@ -519,11 +540,13 @@ class Service:
         at = np.frombuffer(rest, dtype="<u8", count=n).astype(np.uint64)
         sizes = np.frombuffer(rest, dtype="<u8", count=n, offset=8 * n).astype(np.uint64)
         align = self.store.slabs.align
-        for size, chunk in zip(sizes.tolist(), _granted_chunks(s, at.tolist()), strict=True):
+        chunks = _granted_chunks(s, at.tolist())
+        for size, chunk in zip(sizes.tolist(), chunks, strict=True):
             if not 0 < size <= chunk < size + align:
                 raise RequestError(Status.INVALID_ARGUMENT, f"a block of {size} bytes does not "
                                    f"fit its granted chunk of {chunk} exactly")
-        fit = self._fit_quota(s.tenant, ns, keys, sizes)
+        # The chunks named are counted (granted) already: only the blocks' own bytes are new.
+        fit = self._fit_quota(s.tenant, ns, keys, sizes, counted=sum(chunks))
         res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
                                  admit=True, prev=_prev_key(h), at=at[:fit])
         if fit < n:
@@ -539,20 +562,65 @@ class Service:
                               int((res.status == SlotStatus.FAILED).sum()), "put")
         return {"n": n}, [np.asarray(res.status, dtype=np.uint8).tobytes()]
 
-    def _fit_quota(self, tenant: str, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
+    def _fit_quota(self, tenant: str, ns: int, keys: KeyBatch, sizes: np.ndarray, counted: int = 0) -> int:
         """How many leading keys of a save fit the tenant's quota (all without one), after
-        evicting its own LRU blocks."""
+        evicting its own LRU blocks.
+
+        The quota holds the tenant's committed bytes and the bytes its connections
+        hold uncommitted (reserved or granted: ``_hold``), less ``counted`` (granted
+        chunks this save fills: already in the uncommitted total).
+        """
         quota = self.tenants.quota(tenant)
         if quota is None:
             return len(keys)
-        mine = np.fromiter(self._tenant_ns.get(tenant, ()), dtype=np.int64)
-        held = sum(self.store.ns_bytes(int(x)) for x in mine.tolist())
         want = int(sizes.sum())
+        held = self._quota_held(tenant) - counted
         if held + want > quota:
             present = self.store.index.find(ns, keys)
-            held -= self.store.evict_within(mine, held + want - quota, present[present >= FIRST_ID])
+            held -= self._evict_own(tenant, held + want - quota, present[present >= FIRST_ID])
         room = np.cumsum(sizes.astype(np.int64)) <= quota - held
         return int(room.argmin()) if not room.all() else len(keys)
+
+    def _fit_quota_grant(self, tenant: str, chunk: int, k: int) -> int:
+        """How many of ``k`` chunks of ``chunk`` bytes a GRANT may hand tenant ``tenant`` (all
+        without a quota): granted chunks count against the quota until used or given back.
+
+        Only from room the quota has free: a GRANT never evicts. It is speculative (the SDK
+        asks after each save for the next one's worth, and more), so evicting for it would
+        drop the blocks just saved; a tenant at its quota gets none and saves with RESERVE,
+        which evicts its own LRU blocks as a commit over the quota does.
+        """
+        quota = self.tenants.quota(tenant)
+        if quota is None:
+            return k
+        return max(0, min(k, (quota - self._quota_held(tenant)) // chunk))
+
+    def _fit_connection(self, s: Session, sizes: np.ndarray) -> int:
+        """How many leading blocks of ``sizes`` a RESERVE of ``s`` may hold pending: a connection
+        holds at most ``connection_uncommitted`` bytes reserved and granted."""
+        room = self.connection_uncommitted - s.uncommitted
+        if int(sizes.sum()) <= room:  # the usual case: one sum, no cumulative array
+            return len(sizes)
+        return int(np.searchsorted(np.cumsum(sizes.astype(np.int64)), room, side="right"))
+
+    def _quota_held(self, tenant: str) -> int:
+        """What tenant ``tenant``'s quota counts now: committed bytes of its namespaces plus the
+        pending and granted bytes of its connections."""
+        committed = sum(self.store.ns_bytes(ns) for ns in self._tenant_ns.get(tenant, ()))
+        return committed + self._uncommitted.get(tenant, 0)
+
+    def _evict_own(self, tenant: str, nbytes: int, keep: np.ndarray) -> int:
+        """Evict ``nbytes`` of tenant ``tenant``'s own LRU blocks (never ``keep``); bytes freed."""
+        mine = np.fromiter(self._tenant_ns.get(tenant, ()), dtype=np.int64)
+        return self.store.evict_within(mine, nbytes, keep)
+
+    def _hold(self, tenant: str, delta: int) -> None:
+        """A connection of ``tenant`` holds ``delta`` more bytes reserved or granted."""
+        left = self._uncommitted.get(tenant, 0) + delta
+        if left:
+            self._uncommitted[tenant] = left
+        else:
+            self._uncommitted.pop(tenant, None)
 
     def _commit(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         nc, na = h.get("c", 0), h.get("a", 0)
@@ -566,6 +634,7 @@ class Service:
         _own(s.pending, listed[:nc], "commit")
         _own(s.pending, listed[nc:], "abort")
         s.pending.difference_update(listed)
+        s.pending_bytes -= self._lengths(listed)
         if nc and self.checksums is not None:
             self.checksums.seal(commit)  # the client has written them: digest before they are READY
         done = 0
@@ -579,6 +648,13 @@ class Service:
         if na:
             self.store.abort(abort)
         return {"committed": int(done)}, []
+
+    def _lengths(self, handles: list[int]) -> int:
+        """Total length of the distinct entries ``handles`` (PENDING entries of a session)."""
+        if not handles:
+            return 0
+        ids = np.fromiter(dict.fromkeys(handles), dtype=np.int64)
+        return int(self.store.index.length[ids].sum(dtype=np.int64))
 
     def _pin(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         ns, keys, rest = self._keys(s, h, p)

@@ -1,0 +1,188 @@
+"""Attacks of one tenant on the others, against a real daemon with a tenants file (issue 25).
+
+Raw protocol clients (``ems.client.DaemonClient``) play a hostile tenant
+that never commits, grants itself chunks, opens namespace after namespace
+or reads STATS and /metrics for other tenants' names, next to a victim
+tenant whose committed blocks are checked byte for byte afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ems.client import DaemonClient
+from emsd.transport.frames import Op
+
+KEY_A = "A" * 43 + "="  # the attacker, team-a: a 4 MiB quota
+KEY_B = "b" * 40 + "/+=="  # the victim, team-b: no quota
+BLOCK = 512 << 10
+QUOTA = 4 << 20
+POOL = 64 << 20
+
+
+def fill(key: int) -> bytes:
+    """The victim's block for ``key``: bytes derived from the key, to prove nothing changed them."""
+    seed = int.from_bytes(hashlib.blake2b(struct.pack("<Q", key), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
+
+
+class Tenant:
+    """One raw connection of a tenant, with one namespace opened."""
+
+    def __init__(self, sock: Path, access_id: str | None, key: str | None, name: str = "m") -> None:
+        self.client = DaemonClient(sock)
+        self.client.connect({} if access_id is None else {"access_id": access_id, "access_key": key})
+        self.ns = self.open(name)
+
+    def open(self, name: str) -> int:
+        return int(self.call(Op.NAMESPACE, {"name": name})[0]["ns"])
+
+    def call(self, op: Op, fields: dict[str, Any], *payload: bytes) -> tuple[dict[str, Any], bytes]:
+        return self.client.call(op, fields, list(payload), timeout=10)
+
+    def reserve(self, keys: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """RESERVE ``keys`` of BLOCK bytes: (offsets, handles, status) per key."""
+        n = len(keys)
+        _, p = self.call(Op.RESERVE, {"ns": self.ns, "n": n, "kt": 0}, struct.pack(f"<{n}Q", *keys),
+                         struct.pack(f"<{n}Q", *[BLOCK] * n))
+        return (np.frombuffer(p, "<u8", n), np.frombuffer(p, "<u4", n, 8 * n),
+                np.frombuffer(p, np.uint8, n, 12 * n))
+
+    def save(self, keys: list[int]) -> int:
+        """Reserve, write ``fill(key)``, commit; how many blocks were stored."""
+        offsets, handles, status = self.reserve(keys)
+        pool = self.client.pool_array
+        assert pool is not None
+        new = [(k, o, h) for k, o, h, st in zip(keys, offsets.tolist(), handles.tolist(), status.tolist(),
+                                                strict=True) if st == 0]
+        for key, off, _ in new:
+            pool[off : off + BLOCK] = np.frombuffer(fill(key), np.uint8)
+        hs = [h for _, _, h in new]
+        self.call(Op.COMMIT, {"c": len(hs), "a": 0}, struct.pack(f"<{len(hs)}I", *hs))
+        return len(new)
+
+    def intact(self, keys: list[int]) -> int:
+        """How many of ``keys`` are present with their exact bytes (pinned, compared, released)."""
+        good = 0
+        pool = self.client.pool_array
+        assert pool is not None
+        for key in keys:
+            h, p = self.call(Op.PIN, {"ns": self.ns, "n": 1, "kt": 0}, struct.pack("<Q", key))
+            if h["count"] == 1:
+                off, length, handle = struct.unpack("<QQI", p)
+                good += length == BLOCK and bytes(pool[off : off + length]) == fill(key)
+                self.call(Op.RELEASE, {}, struct.pack("<I", handle))
+        return good
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@pytest.fixture
+def tenants_file(tmp_path: Path) -> Path:
+    f = tmp_path / "tenants.toml"
+    f.write_text(f'[[tenant]]\naccess_id = "team-a"\naccess_key = "{KEY_A}"\nquota = {QUOTA}\n\n'
+                 f'[[tenant]]\naccess_id = "team-b"\naccess_key = "{KEY_B}"\n')
+    f.chmod(0o600)
+    return f
+
+
+@pytest.fixture
+def daemon(emsd_factory: Any, tenants_file: Path) -> Any:
+    return emsd_factory(tenants={"file": str(tenants_file), "allow_default": True})
+
+
+@pytest.fixture
+def opened() -> Iterator[list[Tenant]]:
+    """Connections a test opens (closed at the end)."""
+    conns: list[Tenant] = []
+    yield conns
+    for c in conns:
+        c.close()
+
+
+def connect(daemon: Any, opened: list[Tenant], access_id: str | None, key: str | None,
+            name: str = "m") -> Tenant:
+    t = Tenant(daemon.socket_dir / "emsd.sock", access_id, key, name)
+    opened.append(t)
+    return t
+
+
+# -- item 3: uncommitted reservations and grants count against the quota ---------------------
+
+
+def test_uncommitted_reservations_cannot_take_the_pool_past_the_quota(
+        daemon: Any, opened: list[Tenant]) -> None:
+    """The attack: a 4 MiB-quota tenant reserves 128 x 512 KiB on four connections and never
+    commits. Before the fix it took the whole 64 MiB pool, evicting the victim's blocks."""
+    victim = connect(daemon, opened, "team-b", KEY_B)
+    kept = list(range(40))  # 20 MiB
+    assert victim.save(kept) == len(kept)
+    reserved = 0
+    for c in range(4):
+        attacker = connect(daemon, opened, "team-a", KEY_A)
+        for batch in range(4):
+            keys = [10_000 * c + 8 * batch + i for i in range(8)]
+            reserved += int((attacker.reserve(keys)[2] == 0).sum())
+    assert reserved * BLOCK <= QUOTA  # pending bytes count against the quota
+    assert victim.intact(kept) == len(kept)  # no block of the victim lost or changed
+    more = list(range(100, 140))  # another 20 MiB: the pool has room for the victim's saves
+    assert victim.save(more) == len(more)
+    assert victim.intact(kept + more) == len(kept + more)
+    assert daemon.metric("emsd_pool_evictions_total", 'reason="lru"') == 0
+    assert daemon.alive()
+
+
+def test_grants_count_against_the_quota_and_come_back_on_close(daemon: Any, opened: list[Tenant]) -> None:
+    """Granted chunks held uncommitted fill the quota: a RESERVE past it fails; when the
+    connections close, the tenant's whole quota is its own again."""
+    holders = [connect(daemon, opened, "team-a", KEY_A) for _ in range(8)]
+    granted = 0
+    for h in holders:
+        granted += int(h.call(Op.GRANT, {"size": BLOCK, "k": 64})[0]["k"])
+    assert 0 < granted * BLOCK <= QUOTA
+    _, _, status = holders[0].reserve(list(range(8)))  # 4 MiB more: over the quota
+    assert int((status == 0).sum()) * BLOCK + granted * BLOCK <= QUOTA
+    for h in holders:
+        h.close()
+    opened.clear()
+    fresh = connect(daemon, opened, "team-a", KEY_A)
+    assert fresh.save(list(range(100, 108))) == QUOTA // BLOCK  # all 4 MiB: nothing left counted
+    assert daemon.alive()
+
+
+def test_commits_move_bytes_from_uncommitted_to_committed_without_leaking(
+        daemon: Any, opened: list[Tenant]) -> None:
+    """Reserve/commit and reserve/abort cycles leave no uncommitted bytes behind: the tenant
+    keeps saving up to its quota (its own old blocks evicted), never past it."""
+    a = connect(daemon, opened, "team-a", KEY_A)
+    for round_ in range(6):  # 6 x 4 MiB through a 4 MiB quota
+        _, handles, status = a.reserve([1000 + 8 * round_ + i for i in range(4)])
+        hs = handles[status == 0].tolist()
+        assert len(hs) == 4
+        a.call(Op.COMMIT, {"c": 0, "a": len(hs)}, struct.pack(f"<{len(hs)}I", *hs))  # abort
+        assert a.save([8 * round_ + i for i in range(8)]) == 8  # the whole quota: nothing left held
+    assert a.intact(list(range(40, 48))) == 8  # the last round is all there
+    assert daemon.metric("emsd_pool_evictions_total", 'reason="quota"') > 0
+
+
+def test_one_connection_holds_at_most_its_share_uncommitted(emsd_factory: Any, opened: list[Tenant]) -> None:
+    """Without tenants (no quota), one connection that reserves the whole pool without
+    committing gets pool.connection_uncommitted (default half the pool); another client's
+    committed blocks stay."""
+    d = emsd_factory()
+    victim = connect(d, opened, None, None)
+    kept = list(range(40))  # 20 MiB
+    assert victim.save(kept) == len(kept)
+    hog = connect(d, opened, None, None, name="hog")
+    got = sum(int((hog.reserve([10_000 + 8 * b + i for i in range(8)])[2] == 0).sum()) for b in range(16))
+    assert got * BLOCK == POOL // 2
+    assert victim.intact(kept) == len(kept)
+    assert d.alive()
