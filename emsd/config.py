@@ -61,6 +61,7 @@ class PoolConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     listen: str = "127.0.0.1:9400"  # "" disables the HTTP endpoint
+    namespace_labels: bool = False  # emsd_pool_namespace_bytes by namespace name (names are clients')
 
     def address(self) -> tuple[str, int] | None:
         if not self.listen:
@@ -276,11 +277,14 @@ def _admit_count(key: str, value: Any) -> int:
 
 
 def _metrics(t: dict[str, Any]) -> MetricsConfig:
-    _only(t, "metrics", {"listen"})
+    _only(t, "metrics", {"listen", "namespace_labels"})
     listen = t.get("listen", MetricsConfig().listen)
     if not isinstance(listen, str) or (listen and not _is_endpoint(listen)):
         raise ConfigError("metrics.listen", f'must be "host:port" or "" (got {listen!r})')
-    return MetricsConfig(listen=listen)
+    labels = t.get("namespace_labels", False)
+    if not isinstance(labels, bool):
+        raise ConfigError("metrics.namespace_labels", f"must be true or false (got {labels!r})")
+    return MetricsConfig(listen=listen, namespace_labels=labels)
 
 
 def _is_endpoint(value: str) -> bool:

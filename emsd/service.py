@@ -712,8 +712,9 @@ class Service:
         self.metrics.looked_up("exists", count, len(keys) - count, 0)
         return {"count": count}, []
 
-    def _stats(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
+    def _stats(self, s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         st = self.store.stats()
+        names = self._visible_names(s.tenant)
         return {
             "node": self.node_id,
             "region": self.region_kind,
@@ -727,15 +728,22 @@ class Service:
             "granted": st.granted,
             "evictions": dict(st.evictions),
             "clients": self.sessions,
-            "namespaces": len(self._ns_names),
-            "namespace_names": [n for i, n in enumerate(self._ns_names[:100])
-                                if not n.startswith("\0") and i not in self._retired],
+            "namespaces": len(names),
+            "namespace_names": names[:100],
             "uptime_s": time.time() - self.started,
             "membership": "standalone" if self.cluster is None else self.cluster.state.value,
             "members": [self.node_id] if self.cluster is None else [n.node_id for n in self.cluster.view],
             **self.info,
             **self._cluster_stats(),
         }, []
+
+    def _visible_names(self, tenant: str) -> list[str]:
+        """The live namespace names STATS shows a client of ``tenant``, oldest first: every
+        name without a tenants file (one default tenant, the operator's); with one, only
+        the tenant's own (the default tenant's too), so no tenant learns another's names."""
+        ids = sorted(self._tenant_ns.get(tenant, ())) if self.tenants.enabled else range(len(self._ns_names))
+        return [self._ns_names[i] for i in ids
+                if i not in self._retired and not self._ns_names[i].startswith("\0")]
 
     def _cluster_stats(self) -> dict[str, Any]:
         if self.cluster is None:

@@ -186,3 +186,33 @@ def test_one_connection_holds_at_most_its_share_uncommitted(emsd_factory: Any, o
     assert got * BLOCK == POOL // 2
     assert victim.intact(kept) == len(kept)
     assert d.alive()
+
+
+# -- item 8: other tenants' namespace names do not leak ----------------------------------------
+
+
+SECRET = "secret-model-7b-finetune-for-customer-x"
+
+
+def test_stats_and_metrics_do_not_show_a_tenant_the_names_of_anothers(
+        daemon: Any, opened: list[Tenant]) -> None:
+    owner = connect(daemon, opened, "team-a", KEY_A, name=SECRET)
+    assert owner.save([1, 2]) == 2
+    snoop = connect(daemon, opened, "team-b", KEY_B, name="mine")
+    seen = snoop.call(Op.STATS, {})[0]
+    assert seen["namespace_names"] == ["tenant:team-b/mine"] and seen["namespaces"] == 1
+    default = connect(daemon, opened, None, None, name="plain")  # allow_default: a tenant like the others
+    assert default.call(Op.STATS, {})[0]["namespace_names"] == ["plain"]
+    assert owner.call(Op.STATS, {})[0]["namespace_names"] == [f"tenant:team-a/{SECRET}"]  # its own
+    status, body = daemon.http("/metrics")
+    assert status == 200 and SECRET.encode() not in body
+    assert daemon.metric("emsd_pool_tenant_bytes", 'tenant="team-a"') == 2 * BLOCK
+    assert daemon.alive()
+
+
+def test_namespace_labels_are_the_operators_choice(emsd_factory: Any, opened: list[Tenant]) -> None:
+    d = emsd_factory(metrics={"namespace_labels": True})
+    c = connect(d, opened, None, None, name=SECRET)
+    assert c.save([1]) == 1
+    assert d.metric("emsd_pool_namespace_bytes", f'namespace="{SECRET}"') == BLOCK
+    assert c.call(Op.STATS, {})[0]["namespace_names"] == [SECRET]  # no tenants file: everything
