@@ -36,6 +36,12 @@ Grants are bounded: a connection holds at most 1/``GRANT_SESSION_SHARE`` of the
 pool, all connections together 1/``GRANT_TOTAL_SHARE``; a GRANT past either bound
 gets fewer chunks (the SDK then saves with RESERVE and COMMIT). A closed
 connection's grants go back to the pool.
+
+Uncommitted bytes are bounded too (issue 25): a connection holds at most
+``connection_uncommitted`` bytes reserved and granted (``pool.connection_uncommitted``,
+default half the pool), and a tenant's quota counts its committed bytes plus its
+connections' reserved and granted ones (``_quota_held``; ``handle`` keeps the
+per-tenant total from each session's ``uncommitted`` with integer arithmetic).
 """
 
 from __future__ import annotations
