@@ -116,6 +116,7 @@ class ClusterConfig:
 class TenantsConfig:
     file: Path | None = None  # None: one default tenant for everyone
     allow_default: bool = False  # with a file: also serve clients that give no access_id
+    max_namespaces: int = 1024  # namespaces a tenant may have in use at once on a node
 
 
 @dataclass(frozen=True)
@@ -174,14 +175,17 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 
 def _tenants(t: dict[str, Any]) -> TenantsConfig:
-    _only(t, "tenants", {"file", "allow_default"})
+    _only(t, "tenants", {"file", "allow_default", "max_namespaces"})
     file = t.get("file", "")
     if not isinstance(file, str) or (file and not file.startswith("/")):
         raise ConfigError("tenants.file", f"must be an absolute path or empty (got {file!r})")
     allow = t.get("allow_default", False)
     if not isinstance(allow, bool):
         raise ConfigError("tenants.allow_default", f"must be true or false (got {allow!r})")
-    return TenantsConfig(file=Path(file) if file else None, allow_default=allow)
+    most = t.get("max_namespaces", TenantsConfig.max_namespaces)
+    if type(most) is not int or not 1 <= most <= 65536:
+        raise ConfigError("tenants.max_namespaces", f"must be an integer in 1..65536 (got {most!r})")
+    return TenantsConfig(file=Path(file) if file else None, allow_default=allow, max_namespaces=most)
 
 
 def _ids(key: str, value: Any) -> tuple[int, ...]:

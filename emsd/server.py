@@ -110,6 +110,7 @@ class Daemon:
         if cfg.pool.checksum:
             service.checksums = Checksums(store, self._pool_view)
         service.grants = cfg.pool.grants
+        service.max_namespaces = cfg.tenants.max_namespaces
         if cfg.pool.connection_uncommitted:
             service.connection_uncommitted = cfg.pool.connection_uncommitted
         service.restore_namespaces(names)

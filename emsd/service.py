@@ -47,6 +47,7 @@ per-tenant total from each session's ``uncommitted`` with integer arithmetic).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import os
 import time
@@ -77,6 +78,8 @@ log = logging.getLogger("emsd.service")
 
 MAX_NAMESPACE_LEN = 4096
 MAX_NAMESPACES_PER_SESSION = 1024
+MAX_NAMESPACES_PER_TENANT = 1024  # default tenants.max_namespaces
+FREED = "\0free"  # the name of a namespace id freed for reuse (_free_unused)
 RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_namespace)
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
 GRANT_SESSION_SHARE = 64  # a connection holds at most 1/64 of the pool in granted chunks
@@ -143,6 +146,11 @@ class Service:
         self._ns_ids: dict[str, int] = {}
         self._ns_names: list[str] = []
         self._retired: dict[int, int] = {}  # dropped namespace id -> the id its name has now
+        self.max_namespaces = MAX_NAMESPACES_PER_TENANT  # tenants.max_namespaces
+        self._ns_open: Counter[int] = Counter()  # namespace id -> sessions that opened it
+        self._free_ids: list[int] = []  # freed namespace ids, a heap: the lowest is reused first
+        self._may_free: set[str] = set()  # tenants with a session closed since _free_unused looked
+        self._unkept = Once(60.0)  # "namespace will not survive a restart", at most once a minute
         self.started = time.time()
         self.cluster: Cluster | None = None  # set when the node runs in a cluster
         self.info: dict[str, Any] = {}  # start-up facts STATS reports (restart outcome, metrics address)
@@ -217,6 +225,10 @@ class Service:
             self.store.release(held)
             session.pins.clear()
         self._drop_transient(session, session.transient)
+        if session.namespaces:
+            self._ns_open.subtract(session.namespaces)
+            self._may_free.add(session.tenant)
+            session.namespaces.clear()
 
     # -- cluster hooks (async work around a synchronous handler) ----------------
 
@@ -408,17 +420,25 @@ class Service:
         gone = self.store.drop_namespaces([ns for ns in names if ns not in live])
         if gone:
             log.info("warm restart: %d blocks of dropped namespaces evicted", gone)
+        in_use = self.store.namespaces_in_use()  # a dropped id's pinned blocks are gone after a restart
+        self._free_ids = [ns for ns in range(top) if ns not in live and ns not in in_use]
+        for ns in self._free_ids:
+            self._ns_names[ns] = FREED
 
     def namespace_id(self, name: str) -> int:
         """The local id of namespace ``name``, created on first use (ids are per daemon)."""
         ns = self._ns_ids.get(name)
         if ns is None:
-            ns = len(self._ns_names)
+            ns = heapq.heappop(self._free_ids) if self._free_ids else len(self._ns_names)
             ledger = self.store.ledger
-            if ledger is not None and not ledger.add_namespace(ns, name):
-                log.warning("namespace %d (%d bytes of name) will not survive a restart", ns, len(name))
+            if ledger is not None and not ledger.add_namespace(ns, name) and self._unkept.due():
+                log.warning("namespace %d (%d bytes of name) will not survive a restart (nor may others "
+                            "for a minute: this is said once a minute)", ns, len(name))
             self._ns_ids[name] = ns
-            self._ns_names.append(name)
+            if ns < len(self._ns_names):
+                self._ns_names[ns] = name
+            else:
+                self._ns_names.append(name)
             self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
             self.store.name_namespace(ns, name)
         return ns
@@ -463,11 +483,67 @@ class Service:
         if s.tenant == DEFAULT_TENANT and name.startswith(TENANT_PREFIX):
             raise RequestError(Status.INVALID_ARGUMENT,
                                f"namespace names starting {TENANT_PREFIX!r} are reserved")
-        ns = self.namespace_id(Tenants.qualify(s.tenant, name))
-        if ns not in s.namespaces and len(s.namespaces) >= MAX_NAMESPACES_PER_SESSION:
-            raise RequestError(Status.INVALID_ARGUMENT, "too many namespaces on one connection")
-        s.namespaces.add(ns)
+        qualified = Tenants.qualify(s.tenant, name)
+        ns = self._ns_ids.get(qualified)
+        if ns is None or ns not in s.namespaces:
+            if len(s.namespaces) >= MAX_NAMESPACES_PER_SESSION:
+                raise RequestError(Status.INVALID_ARGUMENT, "too many namespaces on one connection")
+            if ns is None:
+                self._room_for_namespace(s.tenant)
+                ns = self.namespace_id(qualified)
+            s.namespaces.add(ns)
+            self._ns_open[ns] += 1
         return {"ns": ns}, []
+
+    def _room_for_namespace(self, tenant: str) -> None:
+        """Make sure ``tenant`` may open one more namespace: at most ``max_namespaces`` live at
+        once (freeing its unused ones first, ``_free_unused``); raises ``RequestError``."""
+        if self._live_count(tenant) < self.max_namespaces:
+            return
+        if tenant in self._may_free:
+            self._free_unused(tenant)
+        if self._live_count(tenant) >= self.max_namespaces:
+            raise RequestError(Status.INVALID_ARGUMENT,
+                               f"this tenant has {self.max_namespaces} namespaces in use on this node "
+                               "(tenants.max_namespaces): close connections or drop namespaces")
+
+    def _live_count(self, tenant: str) -> int:
+        """Namespaces of ``tenant`` a NAMESPACE request can reach (dropped ids do not count)."""
+        mine = self._tenant_ns.get(tenant, ())
+        return len(mine) - sum(1 for ns in self._retired if ns in mine)
+
+    def _free_unused(self, tenant: str) -> int:
+        """Free ``tenant``'s unused namespaces; returns how many.
+
+        Unused: no connection has it open, no entry (PENDING or READY, so no pin
+        either) is in it, and no dropped id leads to it or is it (``_retired``:
+        sessions may still name those). Its id goes back to ``_free_ids`` for the
+        next new name, and its ledger slot is overwritten then: the namespace had
+        no committed block, so no ledger row names the id and a warm restart
+        cannot give a block to the wrong name. Peer transfers resolve a name to
+        its id and reserve in the same step (no await between), so their
+        blocks in flight are PENDING entries here. One scan of the index, done
+        only when the tenant is at its cap and one of its connections closed
+        since the last scan.
+        """
+        self._may_free.discard(tenant)
+        in_use = self.store.namespaces_in_use()
+        pinned = set(self._retired) | set(self._retired.values())
+        mine = self._tenant_ns.get(tenant, set())
+        unused = [ns for ns in mine
+                  if ns not in in_use and ns not in pinned and self._ns_open[ns] <= 0]
+        for ns in unused:
+            mine.discard(ns)
+            del self._ns_ids[self._ns_names[ns]]
+            self._ns_names[ns] = FREED
+            self._ns_open.pop(ns, None)
+            self.store.forget_namespace(ns)
+            if self.store.ledger is not None:  # its old name must not come back with the next name's blocks
+                self.store.ledger.add_namespace(ns, RETIRED)
+            heapq.heappush(self._free_ids, ns)
+        if unused:
+            log.info("tenant %r at its namespace cap: %d unused namespaces freed", tenant, len(unused))
+        return len(unused)
 
     def _reserve(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         ns, keys, rest = self._keys(s, h, p)

@@ -36,10 +36,10 @@ def fill(key: int) -> bytes:
 class Tenant:
     """One raw connection of a tenant, with one namespace opened."""
 
-    def __init__(self, sock: Path, access_id: str | None, key: str | None, name: str = "m") -> None:
+    def __init__(self, sock: Path, access_id: str | None, key: str | None, name: str | None = "m") -> None:
         self.client = DaemonClient(sock)
         self.client.connect({} if access_id is None else {"access_id": access_id, "access_key": key})
-        self.ns = self.open(name)
+        self.ns = -1 if name is None else self.open(name)
 
     def open(self, name: str) -> int:
         return int(self.call(Op.NAMESPACE, {"name": name})[0]["ns"])
@@ -109,7 +109,7 @@ def opened() -> Iterator[list[Tenant]]:
 
 
 def connect(daemon: Any, opened: list[Tenant], access_id: str | None, key: str | None,
-            name: str = "m") -> Tenant:
+            name: str | None = "m") -> Tenant:
     t = Tenant(daemon.socket_dir / "emsd.sock", access_id, key, name)
     opened.append(t)
     return t
@@ -216,3 +216,84 @@ def test_namespace_labels_are_the_operators_choice(emsd_factory: Any, opened: li
     assert c.save([1]) == 1
     assert d.metric("emsd_pool_namespace_bytes", f'namespace="{SECRET}"') == BLOCK
     assert c.call(Op.STATS, {})[0]["namespace_names"] == [SECRET]  # no tenants file: everything
+
+
+# -- item 9: namespaces are capped per tenant and unused ones are freed -----------------------
+
+
+def long_name(i: int) -> str:
+    return f"{i:06d}-" + "n" * 4089  # 4 KiB: too long for the ledger's name slots
+
+
+@pytest.fixture
+def capped(emsd_factory: Any, tenants_file: Path) -> Any:
+    return emsd_factory(tenants={"file": str(tenants_file), "allow_default": True, "max_namespaces": 64})
+
+
+def refused(t: Tenant, name: str) -> bool:
+    from ems import EmsErrorCode, EmsException
+
+    try:
+        t.open(name)
+    except EmsException as exc:
+        assert exc.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT
+        assert "tenants.max_namespaces" in exc.message()
+        return True
+    return False
+
+
+def test_namespace_flood_is_capped_per_tenant_and_unused_ones_are_freed(
+        capped: Any, opened: list[Tenant]) -> None:
+    """The attack: connections of one tenant open namespace after namespace with 4 KiB names,
+    reconnecting for more. The tenant gets at most tenants.max_namespaces at once; ids of
+    unused ones are reused, so the daemon's table stays bounded; the warning is said once;
+    another tenant opens and saves as before."""
+    victim = connect(capped, opened, "team-b", KEY_B)
+    kept = list(range(8))
+    assert victim.save(kept) == len(kept)
+    ids: set[int] = set()
+    for round_ in range(5):
+        flood = connect(capped, opened, "team-a", KEY_A, name=long_name(100_000 * round_))
+        ids.add(flood.ns)
+        for i in range(1, 64):
+            ids.add(flood.open(long_name(100_000 * round_ + i)))
+        assert refused(flood, long_name(100_000 * round_ + 64))  # 64 open: at the cap
+        other = connect(capped, opened, "team-a", KEY_A, name=None)
+        assert refused(other, "m")  # the cap is the tenant's, not the connection's
+        other.close()
+        opened.remove(other)
+        flood.close()
+        opened.remove(flood)
+    assert len(ids) <= 64 + 1  # 5 x 64 names opened, the ids of unused namespaces reused
+    more = victim.open("still-mine")  # the other tenant is not capped by team-a's flood
+    assert more >= 0 and victim.save(list(range(100, 104))) == 4
+    assert victim.intact(kept) == len(kept)
+    assert capped.log().count("will not survive a restart") <= 2  # once a minute, not per name
+    assert capped.alive()
+
+
+def test_a_namespace_with_blocks_is_not_freed_and_survives_a_warm_restart(
+        capped: Any, opened: list[Tenant]) -> None:
+    """Freed ids are reused by other names; the blocks of a namespace that holds some stay
+    with their name, also across a warm restart."""
+    keeper = connect(capped, opened, "team-a", KEY_A, name="keep")
+    assert keeper.save([1, 2, 3]) == 3
+    keeper.close()
+    opened.remove(keeper)
+    for round_ in range(3):  # fill the cap with unused names, again and again
+        c = connect(capped, opened, "team-a", KEY_A, name=f"r{round_}-0")
+        for i in range(1, 64):
+            if refused(c, f"r{round_}-{i}"):
+                break
+        c.close()
+        opened.remove(c)
+    long = connect(capped, opened, "team-a", KEY_A, name=long_name(7))  # takes a freed id of r1-*
+    assert long.save([1, 2, 3]) == 3  # its name does not fit the ledger: gone after a restart
+    capped.terminate()
+    capped.start()
+    assert "warm restart: attached; 6 blocks restored" in capped.log()
+    assert "3 blocks of dropped namespaces evicted" in capped.log()  # the long name's, unnamed
+    back = connect(capped, opened, "team-a", KEY_A, name="keep")
+    assert back.intact([1, 2, 3]) == 3
+    for name in ("r2-5", "r1-0", "r1-1", long_name(7)):  # names whose ids were freed and reused
+        assert connect(capped, opened, "team-a", KEY_A, name=name).intact([1, 2, 3]) == 0
