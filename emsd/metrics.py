@@ -31,6 +31,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from emsd.tenants import Tenants
+
 log = logging.getLogger("emsd.metrics")
 
 # 10 us to 5 s, roughly x2.5 per step.
@@ -126,9 +128,10 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def watch_pool(self, stats: Callable[[], Any], ns_name: Callable[[int], str] = str) -> None:
-        """Publish the store's gauges, read from ``stats()`` at each scrape."""
-        self.registry.register(PoolCollector(stats, ns_name))
+    def watch_pool(self, stats: Callable[[], Any], ns_name: Callable[[int], str] = str,
+                   namespace_labels: bool = False) -> None:
+        """Publish the store's gauges, read from ``stats()`` at each scrape (``PoolCollector``)."""
+        self.registry.register(PoolCollector(stats, ns_name, namespace_labels))
 
     def watch_cluster(self, view: Callable[[], tuple[str, int, int]]) -> None:
         """Publish the membership state and size, read from ``view()`` -> (state, members,
@@ -142,9 +145,16 @@ class Metrics:
 class PoolCollector(Collector):
     """Pool gauges computed at scrape time from ``BlockStore.stats()``."""
 
-    def __init__(self, stats: Callable[[], Any], ns_name: Callable[[int], str] = str) -> None:
+    def __init__(self, stats: Callable[[], Any], ns_name: Callable[[int], str] = str,
+                 namespace_labels: bool = False) -> None:
+        """``namespace_labels``: publish ``emsd_pool_namespace_bytes`` with one series per
+        namespace name (``metrics.namespace_labels``). Off by default: names are chosen by
+        clients (a tenant's model names, as long as 4 KiB each), so they would tell every
+        reader of /metrics other tenants' names and let clients grow the page without bound;
+        ``emsd_pool_tenant_bytes`` (one series per configured tenant) is always there."""
         self._stats = stats
         self._ns_name = ns_name
+        self._namespace_labels = namespace_labels
 
     def describe(self) -> list[Any]:
         return []
@@ -171,15 +181,25 @@ class PoolCollector(Collector):
         for reason, n in sorted(st.evictions.items()):
             ev.add_metric([reason], n)
         yield ev
-        ns = GaugeMetricFamily("emsd_pool_namespace_bytes", "Committed bytes by namespace",
-                               labels=["namespace"])
         by_name: dict[str, int] = {}  # a dropped namespace's old id has the same name as its new one
         for ns_id, n in st.ns_bytes.items():
             name = self._ns_name(ns_id)
             by_name[name] = by_name.get(name, 0) + n
-        for name, n in sorted(by_name.items()):
-            ns.add_metric([name], n)
-        yield ns
+        by_tenant: dict[str, int] = {}
+        for name, n in by_name.items():
+            tenant = Tenants.tenant_of(name)
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + n
+        tenants = GaugeMetricFamily("emsd_pool_tenant_bytes",
+                                    'Committed bytes by tenant ("" the default tenant)', labels=["tenant"])
+        for tenant, n in sorted(by_tenant.items()):
+            tenants.add_metric([tenant], n)
+        yield tenants
+        if self._namespace_labels:
+            ns = GaugeMetricFamily("emsd_pool_namespace_bytes", "Committed bytes by namespace",
+                                   labels=["namespace"])
+            for name, n in sorted(by_name.items()):
+                ns.add_metric([name], n)
+            yield ns
         cls = GaugeMetricFamily("emsd_pool_class_bytes", "Bytes of slab pages by size class and state",
                                 labels=["chunk_size", "state"])
         for c in st.classes:

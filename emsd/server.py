@@ -110,8 +110,11 @@ class Daemon:
         if cfg.pool.checksum:
             service.checksums = Checksums(store, self._pool_view)
         service.grants = cfg.pool.grants
+        service.max_namespaces = cfg.tenants.max_namespaces
+        if cfg.pool.connection_uncommitted:
+            service.connection_uncommitted = cfg.pool.connection_uncommitted
         service.restore_namespaces(names)
-        self.metrics.watch_pool(store.stats, service.namespace_name)
+        self.metrics.watch_pool(store.stats, service.namespace_name, cfg.metrics.namespace_labels)
         self.metrics.restart.labels(self.restart_outcome.split(":")[0]).set(1)
         self.metrics.restored.set(self.restored)
         service.info.update(version=__version__, pid=os.getpid(), metrics=cfg.metrics.listen,

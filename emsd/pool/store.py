@@ -599,6 +599,16 @@ class BlockStore:
             self.ledger.record(ids, idx.w0[ids], idx.rest[ids], idx.offset[ids], idx.length[ids],
                                idx.cached[ids], 0 if self.sums is None else self.sums_of(ids))
 
+    def namespaces_in_use(self) -> set[int]:
+        """Namespace ids with at least one entry (PENDING or READY); one scan of the index."""
+        return set(np.unique(self.index.ns_of(self.index.live_ids())).tolist())
+
+    def forget_namespace(self, ns: int) -> None:
+        """Namespace ``ns`` (no entry in it) is freed: drop what the store keeps for it, so
+        that the id starts afresh when it is given to another name."""
+        self._admit_after.pop(ns, None)
+        self._ns_bytes.pop(ns, None)
+
     def ns_bytes(self, ns: int) -> int:
         """Committed bytes of namespace ``ns``."""
         return self._ns_bytes.get(ns, 0)
