@@ -81,8 +81,10 @@ def main() -> int:
     ap.add_argument("--requests", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--connector", default="none")
-    ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--max-model-len", type=int, default=9216)
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--scheduler-defaults", action="store_true",
+                    help="leave max_num_batched_tokens and max_num_seqs at vLLM's defaults")
     ap.add_argument("--engine-blocks", type=int, default=0,
                     help="KV blocks of the engine's own cache (0: what VLLM_CPU_KVCACHE_SPACE gives)")
     args = ap.parse_args()
@@ -96,9 +98,10 @@ def main() -> int:
         kw["kv_transfer_config"] = tc
     if args.engine_blocks:
         kw["num_gpu_blocks_override"] = args.engine_blocks
+    if not args.scheduler_defaults:  # one step prefills a whole prompt
+        kw |= {"max_num_seqs": 4, "max_num_batched_tokens": args.max_model_len}
     llm = LLM(model=args.model, dtype="float32", block_size=args.block_size, enforce_eager=True, seed=0,
-              max_model_len=args.max_model_len, max_num_seqs=4,
-              max_num_batched_tokens=args.max_model_len, **kw)
+              max_model_len=args.max_model_len, **kw)
     engine = llm.llm_engine
     init_seconds = time.perf_counter() - start
     requests = json.loads(Path(args.requests).read_text())

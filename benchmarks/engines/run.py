@@ -11,6 +11,19 @@ first prefill of a vLLM CPU engine pays one-off costs (page faults on its KV
 cache, kernel set-up) of about a second, which would otherwise fall on
 whichever request happens to come first.
 
+Fair comparisons. Two effects made an engine with a connector look faster or
+slower than one without, before the connector did anything (measured here,
+3,000-token prompts, 2026-11-25):
+- an engine process's first prefill takes 1-1.7 s longer than the next ones
+  (one-off set-up), whichever engine it is: every engine here serves a
+  warm-up prompt of its own first, which is not counted;
+- a pool that is not prefaulted (``pool.prefault = false``) makes the first
+  saves into it pay for its page faults: up to +1.4 s on a 3,000-token
+  prompt, 0.1-0.3 s on the next few; the daemons here run with the default
+  (prefaulted), as a deployment does.
+With both out of the way, an engine with ``EmsStoreConnector`` and nothing to
+find runs within the noise of one without it (``cost`` in the results).
+
 Systems:
 - ``cold``: no connector (vLLM's own prefix cache only, as in every system);
 - ``emsd``: ``EmsStoreConnector``, both engines on one emsd node;
@@ -19,7 +32,9 @@ Systems:
 - ``lmcache``: vLLM's ``LMCacheConnectorV1`` with LMCache's local CPU backend
   (in the engine process: engine B cannot see what A stored). It runs in the
   venv ``.venv-lmvllm`` (``scripts/setup-lmcache-vllm.sh``); where it cannot
-  run, the error is reported instead of figures.
+  run, the error is reported instead of figures;
+- ``offload``: vLLM's own ``OffloadingConnector`` (KV blocks offloaded to CPU
+  memory in the engine process), where it runs.
 
 Reported per system: time to first token (p50, p90) of all requests and of
 returning sessions, throughput (prompt and generated tokens a second of
@@ -41,10 +56,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engines.trace import EngineRequest, engine_trace, to_vocab
+import psutil
+
+from benchmarks.engines.trace import EngineRequest, distinct_blocks, engine_trace, to_vocab
 from benchmarks.workload import daemons
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,28 +123,73 @@ def warmup_request(engine: str) -> dict[str, Any]:
             "max_tokens": 2}
 
 
-def run_engine(work: Path, name: str, model: Path, requests: list[dict[str, Any]], connector: str,
+@dataclass(frozen=True)
+class Bench:
+    """What every engine of a run shares: the model, tokens generated a request, own KV blocks."""
+
+    model: Path
+    answer_tokens: int = 8
+    engine_blocks: int = ENGINE_BLOCKS
+
+
+def run_engine(work: Path, name: str, bench: Bench, requests: list[dict[str, Any]], connector: str,
                env: dict[str, str], python: str) -> dict[str, Any]:
     """One engine process over ``requests``; its output JSON (raises with the log's tail on failure)."""
     req_file, out, log = work / f"{name}-requests.json", work / f"{name}.json", work / f"{name}.log"
     req_file.write_text(json.dumps(requests))
-    cmd = [python, str(ENGINE), "--model", str(model), "--requests", str(req_file), "--out", str(out),
-           "--connector", connector, "--engine-blocks", str(ENGINE_BLOCKS)]
+    cmd = [python, str(ENGINE), "--model", str(bench.model), "--requests", str(req_file), "--out", str(out),
+           "--connector", connector, "--engine-blocks", str(bench.engine_blocks)]
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(ROOT), **env}
+                "VLLM_LOGGING_LEVEL": "INFO", "PYTHONPATH": str(ROOT), **env}
+    busy0 = busy_cpu_seconds()
     with open(log, "wb") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env,
-                              timeout=3600).returncode
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
+    own = psutil.Process(proc.pid)
+    own_cpu = 0.0
+    try:
+        code, own_cpu = watch(proc, own, log, connector)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     if code != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-        raise RuntimeError(f"engine {name} ({connector}) exited {code}:\n{tail}")
+        lines = log.read_text(errors="replace").splitlines()
+        why = next((ln.split("]: ", 1)[-1] for ln in reversed(lines)
+                    if "Error" in ln or "Exception" in ln), "")
+        raise RuntimeError(f"engine {name} ({connector}) exited {code}: {why}\n" + "\n".join(lines[-25:]))
     text = log.read_text(errors="replace")
-    for mark, why in CONNECTOR_FAILURES.items():
-        if mark in text:  # the engine ran, but its connector never worked
-            raise RuntimeError(f"{connector}: {why} (engine log: {mark!r})")
     result = dict(json.loads(out.read_text()))
     result["connector_totals"] = connector_totals(text)
+    result["other_cpu_seconds"] = max(0.0, busy_cpu_seconds() - busy0 - own_cpu)
     return result
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (every core, user and system)."""
+    t = psutil.cpu_times()
+    return float(t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0))
+
+
+def watch(proc: subprocess.Popen[bytes], own: psutil.Process, log: Path, connector: str,
+          limit: float = 3600.0) -> tuple[int, float]:
+    """Wait for the engine's exit; (exit code, CPU seconds it used, as last seen). Raise as soon
+    as its log shows that its connector cannot work (``CONNECTOR_FAILURES``), or after ``limit`` s."""
+    deadline = time.monotonic() + limit
+    cpu = 0.0
+    while (code := proc.poll()) is None:
+        try:
+            t = own.cpu_times()
+            cpu = t.user + t.system
+        except psutil.Error:
+            pass
+        text = log.read_text(errors="replace")
+        for mark, why in CONNECTOR_FAILURES.items():
+            if mark in text:
+                raise RuntimeError(f"{connector}: {why} (engine log: {mark!r})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engine ({connector}) still running after {limit:.0f} s")
+        time.sleep(0.5)
+    return code, cpu
 
 
 def connector_totals(log: str) -> dict[str, int]:
@@ -161,7 +224,8 @@ class Emsd:
 
     def __init__(self, work: Path, nodes: int, pool: int) -> None:
         page = 4 * BLOCK * KV_BYTES_PER_TOKEN  # slab pages of 4 KV blocks
-        self.dep = daemons.start(work, nodes, pool, "prefix", grants=True, page=page, name="engines")
+        self.dep = daemons.start(work, nodes, pool, "prefix", grants=True, page=page, name="engines",
+                                 prefault=True)  # the daemon's default; see "Fair comparisons" above
 
     def env(self, i: int) -> dict[str, str]:
         return {"EMS_SOCKET_DIR": str(self.dep.nodes[i % len(self.dep.nodes)].sock)}
@@ -170,8 +234,8 @@ class Emsd:
         self.dep.stop()
 
 
-def serve_trace(work: Path, model: Path, trace: list[EngineRequest], system: str, pool: int,
-                answer_tokens: int) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: str,
+                pool: int) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Engines A then B of ``system`` over the trace; (request id -> result, extras)."""
     work.mkdir(parents=True, exist_ok=True)
     nodes = {"emsd": 1, "emsd-2node": 2}.get(system, 0)
@@ -185,14 +249,16 @@ def serve_trace(work: Path, model: Path, trace: list[EngineRequest], system: str
     env = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(max(1, pool >> 30)),
            "LMCACHE_CHUNK_SIZE": str(BLOCK * 8)} if system == "lmcache" else {}
     served: dict[str, dict[str, Any]] = {}
-    extras: dict[str, Any] = {"init_seconds": [], "loaded_blocks": 0}
+    extras: dict[str, Any] = {"init_seconds": [], "loaded_blocks": 0, "other_cpu_seconds": 0.0}
     try:
         for i, engine in enumerate(("A", "B")):
-            reqs = [warmup_request(engine)] + [r.as_json(answer_tokens) for r in trace if r.engine == engine]
-            out = run_engine(work, f"{system}-{engine}", model, reqs, connector,
+            reqs = [warmup_request(engine)] + [r.as_json(bench.answer_tokens) for r in trace
+                                               if r.engine == engine]
+            out = run_engine(work, f"{system}-{engine}", bench, reqs, connector,
                              {**env, **(emsd.env(i) if emsd else {})}, python)
             extras["init_seconds"].append(out["init_seconds"])
             extras["loaded_blocks"] += out["connector_totals"].get("loaded_blocks", 0)
+            extras["other_cpu_seconds"] += out["other_cpu_seconds"]
             served |= {x["id"]: x for x in out["requests"] if not x["id"].startswith("warmup")}
             print(f"[engines] {system}: engine {engine} served {len(reqs) - 1} requests", flush=True)
         if emsd is not None:  # share of the trace's prompt tokens that emsd supplied
@@ -203,7 +269,7 @@ def serve_trace(work: Path, model: Path, trace: list[EngineRequest], system: str
     return served, extras
 
 
-def length_sweep(work: Path, model: Path, lengths: list[int], systems: list[str],
+def length_sweep(work: Path, bench: Bench, lengths: list[int], systems: list[str],
                  pool: int) -> dict[str, Any]:
     """TTFT of one prompt per length: the cold engine's, and a second engine's after a first
     engine saved it (emsd, lmcache)."""
@@ -215,7 +281,7 @@ def length_sweep(work: Path, model: Path, lengths: list[int], systems: list[str]
                                                                                              strict=True))]
     for system in systems:
         try:
-            served, _ = serve_trace(work / f"len-{system}", model, trace, system, pool, 2)
+            served, _ = serve_trace(work / f"len-{system}", bench, trace, system, pool)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             out[system] = {"error": str(e)}
             continue
@@ -224,7 +290,7 @@ def length_sweep(work: Path, model: Path, lengths: list[int], systems: list[str]
     return out
 
 
-def connector_cost(work: Path, model: Path, lengths: list[int], pool: int) -> dict[str, Any]:
+def connector_cost(work: Path, bench: Bench, lengths: list[int], pool: int) -> dict[str, Any]:
     """With nothing to find: the same new prompts through an engine without a connector and
     one with EmsStoreConnector on an empty emsd (after each engine's warm-up)."""
     prompts = [to_vocab(range(n * 5 + 1, n * 6 + 1)) for n in lengths]
@@ -232,7 +298,7 @@ def connector_cost(work: Path, model: Path, lengths: list[int], pool: int) -> di
                                                                                        strict=True))]
     res: dict[str, Any] = {"lengths": lengths}
     for system in ("cold", "emsd"):
-        served, _ = serve_trace(work / f"cost-{system}", model, trace, system, pool, 2)
+        served, _ = serve_trace(work / f"cost-{system}", bench, trace, system, pool)
         res[system] = [served[r.id]["ttft"] for r in trace]
     res["ratio"] = [e / c for e, c in zip(res["emsd"], res["cold"], strict=True)]
     return res
@@ -245,15 +311,17 @@ def fmt(x: float | None) -> str:
 def report(results: dict[str, Any]) -> str:
     """Markdown tables of a run."""
     lines = ["| system | TTFT p50 s | TTFT p90 s | returning p50 s | returning p90 s | tokens/s | cached | "
-             "from emsd | outputs equal |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "from emsd | outputs equal | CPU s outside the engines |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in results["systems"].items():
         if "error" in s:
-            lines.append(f"| {name} | error: {s['error'].splitlines()[0][:80]} | | | | | | | |")
+            lines.append(f"| {name} | error: {s['error'].splitlines()[0][:160]} | | | | | | | | |")
             continue
         lines.append(f"| {name} | {fmt(s['ttft_p50'])} | {fmt(s['ttft_p90'])} "
                      f"| {fmt(s['returning_ttft_p50'])} | {fmt(s['returning_ttft_p90'])} "
                      f"| {s['throughput_tok_s']:.0f} | {s['cached_share']:.2f} "
-                     f"| {fmt(s.get('emsd_hit_rate'))} | {s['outputs_equal']} |")
+                     f"| {fmt(s.get('emsd_hit_rate'))} | {s['outputs_equal']} "
+                     f"| {s['other_cpu_seconds']:.0f} |")
     cold = results["systems"].get("cold")
     if cold and "error" not in cold:
         for name, s in results["systems"].items():
@@ -299,7 +367,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.plot([100 * f for f in cap["fractions"]], cap["returning_ttft_p50"], "s-",
                 label="emsd, returning p50")
         ax.axhline(cap["cold_returning_ttft_p50"], color="gray", ls="--", label="cold, returning p50")
-        ax.set_xlabel("emsd pool, % of the trace's KV bytes")
+        ax.set_xlabel("emsd pool, % of the trace's distinct KV blocks")
         ax.set_ylabel("time to first token, s")
         ax.set_title("TTFT against cache capacity")
         ax.legend()
@@ -311,29 +379,28 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few short requests (CI)")
-    ap.add_argument("--systems", default="cold,emsd,emsd-2node,lmcache")
+    ap.add_argument("--systems", default="cold,emsd,emsd-2node,lmcache,offload")
     ap.add_argument("--sessions", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--lengths", default="1024,2048,4096,8192", help="'' skips the length sweep")
-    ap.add_argument("--capacities", default="0.25,0.5,1.0", help="'' skips the capacity sweep")
+    ap.add_argument("--capacities", default="0.1,0.25,0.5,1.0",
+                    help="emsd pool sizes as shares of the trace's distinct KV blocks ('' skips the sweep)")
     ap.add_argument("--engine-blocks", type=int, default=ENGINE_BLOCKS,
                     help="KV blocks of each engine's own cache (0: vLLM's default)")
     ap.add_argument("--out", default="benchmarks/engines/out")
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
-    global ENGINE_BLOCKS
-    ENGINE_BLOCKS = args.engine_blocks
     work = Path(args.out).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    model = write_model(work / "model")
+    bench = Bench(write_model(work / "model"), args.answer_tokens, args.engine_blocks)
     systems = [s for s in args.systems.split(",") if s]
     if args.quick:
         trace = quick_trace()
         args.lengths, args.capacities = "", ""
     else:
         trace = engine_trace(args.sessions, args.seed)
-    kv_bytes = sum(len(r.prompt) for r in trace) * KV_BYTES_PER_TOKEN
+    kv_bytes = distinct_blocks(trace, BLOCK) * BLOCK * KV_BYTES_PER_TOKEN  # all the trace could reuse
     pool = max(256 << 20, 2 * kv_bytes)
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "trace": {
         "requests": len(trace), "prompt_tokens": sum(len(r.prompt) for r in trace),
@@ -343,7 +410,7 @@ def main() -> None:
     for system in systems:
         t0 = time.monotonic()
         try:
-            served, extras = serve_trace(work / system, model, trace, system, pool, args.answer_tokens)
+            served, extras = serve_trace(work / system, bench, trace, system, pool)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             results["systems"][system] = {"error": str(e)}
             print(f"[engines] {system}: failed: {e}", flush=True)
@@ -353,16 +420,15 @@ def main() -> None:
         results["systems"][system] = summarise(trace, served, baseline) | extras
         print(f"[engines] {system}: {time.monotonic() - t0:.0f} s, {results['systems'][system]}", flush=True)
     if not args.quick:
-        results["cost"] = connector_cost(work, model, [1024, 2048, 4096], pool)
+        results["cost"] = connector_cost(work, bench, [1024, 2048, 4096], pool)
     if args.lengths:
-        results["lengths"] = length_sweep(work, model, [int(x) for x in args.lengths.split(",")],
+        results["lengths"] = length_sweep(work, bench, [int(x) for x in args.lengths.split(",")],
                                           [s for s in ("cold", "emsd", "lmcache") if s in systems], 1 << 30)
     if args.capacities and "emsd" in systems and "cold" in results["systems"]:
         fracs = [float(x) for x in args.capacities.split(",")]
         rows = []
         for f in fracs:
-            served, _ = serve_trace(work / f"cap-{f}", model, trace, "emsd", max(64 << 20, int(f * kv_bytes)),
-                                    args.answer_tokens)
+            served, _ = serve_trace(work / f"cap-{f}", bench, trace, "emsd", max(32 << 20, int(f * kv_bytes)))
             rows.append(summarise(trace, served, baseline)["returning_ttft_p50"])
         results["capacities"] = {"fractions": fracs, "returning_ttft_p50": rows,
                                  "cold_returning_ttft_p50": results["systems"]["cold"]["returning_ttft_p50"]}

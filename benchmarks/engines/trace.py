@@ -18,6 +18,7 @@ not saved its decode blocks.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from benchmarks.workload.generator import Lognormal, Mix, generate
@@ -42,13 +43,17 @@ class EngineRequest:
 
 
 def engine_mix(sessions: int, max_context: int) -> Mix:
-    """The workload mix with prompts long enough that prefill dominates on a CPU engine."""
+    """The workload mix with prompts long enough that prefill dominates on a CPU engine.
+
+    Sessions start within the first minute and come back minutes later (turns and agent
+    steps 400 s and 200 s apart on average), so engine A's half of the trace holds their
+    first requests and engine B, taking the second half, continues sessions A started."""
     return Mix(sessions=sessions, system_prompts=3, system_len=Lognormal(1000, 0.4, 256, 3000),
                turn_p=0.4, max_turns=4, user_len=Lognormal(120, 0.8, 8, 1024),
                answer_len=Lognormal(200, 0.6, 16, 1024), tool_prompts=2,
                tool_len=Lognormal(1500, 0.3, 256, 3000), agent_steps=(2, 4),
                tool_result_len=Lognormal(300, 0.8, 16, 2048), oneoff_len=Lognormal(1500, 0.6, 64, 4096),
-               max_context=max_context)
+               span_s=60.0, think_s=400.0, step_s=200.0, max_context=max_context)
 
 
 def to_vocab(tokens: object) -> list[int]:
@@ -67,3 +72,15 @@ def engine_trace(sessions: int, seed: int, max_context: int = 8192) -> list[Engi
                                  r.session in seen, to_vocab(r.prompt)))
         seen.add(r.session)
     return out
+
+
+def distinct_blocks(trace: list[EngineRequest], block: int) -> int:
+    """Whole KV blocks of ``block`` tokens that differ by their prefix, over every prompt:
+    the bytes a cache needs to hold everything the trace could reuse."""
+    seen: set[bytes] = set()
+    for r in trace:
+        h = hashlib.blake2b(digest_size=16)
+        for i in range(len(r.prompt) // block):
+            h.update(bytes(str(r.prompt[i * block:(i + 1) * block]), "ascii"))
+            seen.add(h.copy().digest())
+    return len(seen)
