@@ -4,9 +4,11 @@ Three requests through two engine processes per system: engine A serves a
 prompt, engine B the same session's next turn and a new prompt. Checked:
 every system's outputs equal the cold engine's token for token; with emsd
 (one node, and two nodes of a cluster with engine B on the other node) engine
-B loads engine A's blocks from emsd; LMCache's connector runs in the same
-engines (its venv, .venv-lmvllm, is set up by scripts/test-vllm.sh). No
-timing is asserted: the figures are the benchmark's to report.
+B loads engine A's blocks from emsd; LMCache's own connector is tried in the
+same engines (its venv, .venv-lmvllm, is set up by scripts/test-vllm.sh) and
+reported as unable to run on a CPU engine, with LMCache's own reason (if a
+later LMCache gains a CPU path, this test says so and the benchmark's docs
+need its figures). No timing is asserted: the figures are the benchmark's.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ def test_quick_run_loads_across_engines_and_nodes_with_equal_outputs(tmp_path: P
     res = json.loads((out / "engines.json").read_text())
     systems = res["systems"]
     assert set(systems) == {"cold", "emsd", "emsd-2node", "lmcache"}
-    assert all("error" not in s for s in systems.values()), {k: s.get("error") for k, s in systems.items()}
+    ran = ("cold", "emsd", "emsd-2node")
+    assert all("error" not in systems[s] for s in ran), {k: systems[k].get("error") for k in ran}
+    assert "No supported cpu connector found" in systems["lmcache"]["error"]
     assert systems["cold"]["requests"] == 3
-    for name in ("emsd", "emsd-2node", "lmcache"):
+    for name in ("emsd", "emsd-2node"):
         assert systems[name]["outputs_equal"] is True, name
     prompt_blocks_of_a = 1024 // 32
     for name in ("emsd", "emsd-2node"):  # B's returning request found all of A's prompt but its last block
