@@ -52,8 +52,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -222,16 +224,24 @@ def summarise(trace: list[EngineRequest], served: dict[str, dict[str, Any]],
 class Emsd:
     """emsd daemons for one system (1 node, or 2 of a cluster on a ZooKeeper of their own)."""
 
-    def __init__(self, work: Path, nodes: int, pool: int) -> None:
+    def __init__(self, nodes: int, pool: int) -> None:
+        # a short directory of its own: socket paths must stay under the 108 bytes of a Unix address
+        self.work = Path(tempfile.mkdtemp(prefix="emsd-engines-"))
+        work = self.work
         page = 4 * BLOCK * KV_BYTES_PER_TOKEN  # slab pages of 4 KV blocks
-        self.dep = daemons.start(work, nodes, pool, "prefix", grants=True, page=page, name="engines",
-                                 prefault=True)  # the daemon's default; see "Fair comparisons" above
+        try:
+            self.dep = daemons.start(work, nodes, pool, "prefix", grants=True, page=page, name="engines",
+                                     prefault=True)  # the daemon's default; see "Fair comparisons" above
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
 
     def env(self, i: int) -> dict[str, str]:
         return {"EMS_SOCKET_DIR": str(self.dep.nodes[i % len(self.dep.nodes)].sock)}
 
     def stop(self) -> None:
         self.dep.stop()
+        shutil.rmtree(self.work, ignore_errors=True)
 
 
 def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: str,
@@ -239,7 +249,7 @@ def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: st
     """Engines A then B of ``system`` over the trace; (request id -> result, extras)."""
     work.mkdir(parents=True, exist_ok=True)
     nodes = {"emsd": 1, "emsd-2node": 2}.get(system, 0)
-    emsd = Emsd(work / "emsd", nodes, pool) if nodes else None
+    emsd = Emsd(nodes, pool) if nodes else None
     connector = "emsd" if nodes else (system if system in ("lmcache", "offload") else "none")
     python = sys.executable
     if system == "lmcache":
