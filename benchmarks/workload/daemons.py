@@ -115,7 +115,8 @@ def start(work: Path, nodes: int, pool_per_node: int, eviction: str,
     (``pool.prefault``, the daemon's default) is off unless asked for: the replay's pools
     are small and start faster without it."""
     if nodes == 1:
-        return Deployment([_start(work / name, "solo", pool_per_node, eviction, None, page, grants, prefault)])
+        return Deployment([_start(work / name, "solo", pool_per_node, eviction, None, page, grants,
+                                  prefault)])
     own = zookeeper is None
     if zookeeper is None:
         zookeeper = start_zookeeper(work / "zk")
