@@ -41,6 +41,7 @@ from emsd.membership.base import Membership, MembershipState, NodeInfo
 from emsd.membership.zookeeper import ZooKeeperMembership
 from emsd.metrics import Metrics
 from emsd.placement.agreement import Params, advertised, disagreeing
+from emsd.placement.record import Record
 from emsd.placement.ring import ClusterView, Member, Ring
 from emsd.pool.keys import KeyBatch
 from emsd.transport.link import Dialer, PeerLink
@@ -113,7 +114,9 @@ class Cluster:
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
         self.membership: Membership = membership or ZooKeeperMembership(
-            cfg.zookeeper, cfg.name, self.me, cfg.session_timeout, endpoint_is_mine=True)
+            cfg.zookeeper, cfg.name, self.me, cfg.session_timeout, endpoint_is_mine=True,
+            placement=(cfg.vnodes, cfg.replicas))
+        self.record: Record | None = None  # the cluster's placement record (ZooKeeper), once read
         self.view: tuple[NodeInfo, ...] = (self.me,)
         self.ring = Ring.build(ClusterView.of([Member(node_id, capacity)]), cfg.vnodes, cfg.replicas)
         self._conns: dict[str, list[PeerLink]] = {}
@@ -137,10 +140,17 @@ class Cluster:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.membership.start)
         self.membership.on_change(lambda view: self._from_thread(loop, view))
+        if isinstance(self.membership, ZooKeeperMembership):  # static members share no record
+            if self.membership.record is not None:  # read while joining: the first ring uses it
+                self.adopt(self.membership.record)
+            self.membership.on_placement(lambda rec: self._record_from_thread(loop, rec))
         self.set_view(self.membership.members())
 
     def _from_thread(self, loop: asyncio.AbstractEventLoop, view: tuple[NodeInfo, ...]) -> None:
         loop.call_soon_threadsafe(self.set_view, view)
+
+    def _record_from_thread(self, loop: asyncio.AbstractEventLoop, record: Record) -> None:
+        loop.call_soon_threadsafe(self.adopt, record)
 
     async def stop(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.membership.stop)
@@ -158,6 +168,30 @@ class Cluster:
     def state(self) -> MembershipState:
         return self.membership.state
 
+    @property
+    def params(self) -> Params:
+        """(vnodes, replicas) the ring is built with: the cluster's record, else this node's config."""
+        return self.record.params if self.record is not None else (self.cfg.vnodes, self.cfg.replicas)
+
+    @property
+    def config_differs(self) -> bool:
+        """This node's own ``cluster.vnodes``/``replicas`` differ from the record it places keys by."""
+        return self.record is not None and self.record.params != (self.cfg.vnodes, self.cfg.replicas)
+
+    def adopt(self, record: Record) -> None:
+        """Place keys by the cluster's placement record from now on (``emsd.placement.record``)."""
+        if record == self.record:
+            return
+        before, self.record = self.params, record
+        if self.config_differs:
+            log.error("placement: this node's config says vnodes=%d replicas=%d, the cluster's record "
+                      "vnodes=%d replicas=%d (version %d): using the record; the config is not used",
+                      self.cfg.vnodes, self.cfg.replicas, *record.params, record.version)
+        if record.params != before:
+            log.warning("placement: ring parameters vnodes=%d replicas=%d -> vnodes=%d replicas=%d "
+                        "(record version %d)", *before, *record.params, record.version)
+        self.set_view(self.membership.members())
+
     def set_view(self, view: tuple[NodeInfo, ...]) -> None:
         """Adopt a membership view: rebuild the ring, drop connections to departed nodes."""
         if self.draining:
@@ -165,8 +199,7 @@ class Cluster:
         if not view:  # even a drained node needs a ring to place keys on: keep itself
             view = (self.me,)
         self.view = view
-        self.ring = Ring.build(ClusterView.of(Member(n.node_id, n.capacity) for n in view),
-                               self.cfg.vnodes, self.cfg.replicas)
+        self.ring = Ring.build(ClusterView.of(Member(n.node_id, n.capacity) for n in view), *self.params)
         self._check_placement(view)
         present = {n.node_id for n in view}
         for gone in set(self._conns) - present:
@@ -178,9 +211,11 @@ class Cluster:
 
     def _check_placement(self, view: tuple[NodeInfo, ...]) -> None:
         """Name the members that place keys otherwise (``emsd.placement.agreement``): in
-        ``self.disagree`` (STATS), and in one error line per member and value."""
+        ``self.disagree`` (STATS), and in one error line per member and value. Members follow
+        the cluster's record once there is one, whatever their config (advertised) says: only
+        nodes without a record (static members) are compared."""
         mine = (self.cfg.vnodes, self.cfg.replicas)
-        self.disagree = disagreeing(view, self.node_id, mine)
+        self.disagree = {} if self.record is not None else disagreeing(view, self.node_id, mine)
         for node, theirs in self.disagree.items():
             if (node, theirs) not in self._disagree_logged:
                 self._disagree_logged.add((node, theirs))

@@ -137,10 +137,17 @@ def show_status(st: dict[str, Any]) -> str:
 
 
 def _placement_differs(st: dict[str, Any]) -> list[str]:
-    """One line per member that places keys otherwise than this node (none when all agree)."""
-    return [f"PLACEMENT   {node} uses vnodes={p.get('vnodes')} replicas={p.get('replicas')}, this node "
-            f"vnodes={st.get('vnodes')} replicas={st.get('replicas')}: loads between them miss"
-            for node, p in sorted(st.get("placement_differs", {}).items())]
+    """One line per member that places keys otherwise than this node (none when all agree), and one
+    when this node's config differs from the cluster's placement record it follows."""
+    own = st.get("placement_config", {})
+    mine = ([f"PLACEMENT   this node's config vnodes={own.get('vnodes')} replicas={own.get('replicas')} "
+             f"differs from the cluster's record vnodes={st.get('vnodes')} replicas={st.get('replicas')} "
+             f"(version {st.get('placement_record')}): the record is used"]
+            if st.get("placement_config_differs") else [])
+    return mine + [
+        f"PLACEMENT   {node} uses vnodes={p.get('vnodes')} replicas={p.get('replicas')}, this node "
+        f"vnodes={st.get('vnodes')} replicas={st.get('replicas')}: loads between them miss"
+        for node, p in sorted(st.get("placement_differs", {}).items())]
 
 
 def _via(path: dict[str, str] | None) -> str:

@@ -668,7 +668,10 @@ class Service:
         c = self.cluster
         return {"transport": c.transport_name, "peer_transports": c.transports.snapshot(),
                 "share": c.share(), "draining": c.draining,
-                "replicas": c.cfg.replicas, "vnodes": c.cfg.vnodes,
+                "vnodes": c.params[0], "replicas": c.params[1],
+                "placement_record": None if c.record is None else c.record.version,
+                "placement_config": {"vnodes": c.cfg.vnodes, "replicas": c.cfg.replicas},
+                "placement_config_differs": c.config_differs,
                 "placement_differs": {node: {"vnodes": v, "replicas": r}
                                       for node, (v, r) in c.disagree.items()},
                 "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in c.view]}

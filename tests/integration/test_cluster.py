@@ -259,23 +259,34 @@ def test_a_second_daemon_with_a_taken_node_id_exits_and_the_first_stays_in_the_v
     assert a.alive() and stats(a)["membership"] == "joined"
 
 
-def test_members_that_place_keys_otherwise_are_named_in_stats_status_and_the_log(
-        cluster: Any, emsd_factory: Any) -> None:
+def test_a_node_whose_vnodes_differ_adopts_the_cluster_record_and_loads_hit(
+        cluster: Any, emsd_factory: Any, monkeypatch: Any) -> None:
+    """b's config says vnodes=160, the cluster's record (written by a, the first node) 512: b
+    places keys by the record, so everything saved through a loads through b (with its own ring,
+    b looked for some blocks at the wrong owner and missed), and b says so."""
     (a,) = cluster(1)
     cfg = dict(a.sections["cluster"])
     b = emsd_factory(cluster={**cfg, "peer_listen": f"127.0.0.1:{zk.free_port()}", "vnodes": 160})
-    c = emsd_factory(cluster={**cfg, "peer_listen": f"127.0.0.1:{zk.free_port()}"})
-    ids = {d: d.sections["node"]["id"] for d in (a, b, c)}
-    wait_for(lambda: all(len(stats(d)["members"]) == 3 for d in (a, b, c)))
-    wait_for(lambda: stats(a)["placement_differs"] == {ids[b]: {"vnodes": 160, "replicas": 1}})
-    assert stats(c)["placement_differs"] == {ids[b]: {"vnodes": 160, "replicas": 1}}
-    assert stats(b)["placement_differs"] == {ids[a]: {"vnodes": 512, "replicas": 1},
-                                             ids[c]: {"vnodes": 512, "replicas": 1}}
-    assert f"placement: node {ids[b]} uses vnodes=160 replicas=1" in a.log()
-    assert [d.metric("emsd_cluster_placement_differs") for d in (a, b, c)] == [1, 2, 1]
-    shown = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(a.socket_dir), "status"],
+    wait_for(lambda: all(len(stats(d)["members"]) == 2 for d in (a, b)))
+    src = kv(11)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(src)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
+                   option=CcKvOption(write_rcache=False)).success == BLOCKS
+    load_equal(b, src, KEYS, monkeypatch)
+
+    sb = stats(b)
+    assert (sb["vnodes"], sb["replicas"], sb["placement_record"]) == (512, 1, 1)
+    assert sb["placement_config"] == {"vnodes": 160, "replicas": 1} and sb["placement_config_differs"]
+    assert sb["placement_differs"] == {} and stats(a)["placement_differs"] == {}
+    assert not stats(a)["placement_config_differs"]
+    assert ("this node's config says vnodes=160 replicas=1, the cluster's record vnodes=512 replicas=1"
+            in b.log())
+    assert [d.metric("emsd_cluster_placement_differs") for d in (a, b)] == [0, 1]
+    shown = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(b.socket_dir), "status"],
                            capture_output=True, text=True, timeout=30)
-    assert f"PLACEMENT   {ids[b]} uses vnodes=160" in shown.stdout, shown.stdout + shown.stderr
+    assert "PLACEMENT   this node's config vnodes=160 replicas=1 differs from the cluster's record " \
+           "vnodes=512" in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_a_joining_node_takes_new_saves_for_its_share(cluster: Any, emsd_factory: Any,

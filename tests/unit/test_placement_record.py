@@ -1,0 +1,43 @@
+"""The cluster's placement record: what it encodes decodes back, and nothing else decodes."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from emsd.placement.record import Record, path
+
+positive = st.integers(min_value=1, max_value=1 << 40)
+
+
+@given(positive, positive, positive)
+def test_a_record_decodes_to_itself(vnodes: int, replicas: int, version: int) -> None:
+    rec = Record(vnodes, replicas, version)
+    assert Record.decode(rec.encode()) == rec
+    assert rec.params == (vnodes, replicas)
+
+
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_decode_to_a_valid_record_or_none(data: bytes) -> None:
+    rec = Record.decode(data)
+    assert rec is None or min(rec.vnodes, rec.replicas, rec.version) >= 1
+
+
+@given(st.sampled_from(["vnodes", "replicas", "version"]),
+       st.one_of(st.integers(max_value=0), st.booleans(), st.text(max_size=3), st.none(), st.floats()))
+def test_a_missing_or_invalid_field_is_no_record(field: str, bad: object) -> None:
+    raw = {"vnodes": 512, "replicas": 2, "version": 3, field: bad}
+    assert Record.decode(json.dumps(raw).encode()) is None
+    del raw[field]
+    assert Record.decode(json.dumps(raw).encode()) is None
+
+
+def test_not_an_object_is_no_record() -> None:
+    assert Record.decode(b"[512, 1, 1]") is None
+    assert Record.decode(b"") is None
+
+
+def test_the_record_lives_under_the_cluster() -> None:
+    assert path("prod") == "/emsd/prod/placement"
