@@ -140,7 +140,8 @@ class Cluster:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.membership.start)
         self.membership.on_change(lambda view: self._from_thread(loop, view))
-        if isinstance(self.membership, ZooKeeperMembership):  # static members share no record
+        if isinstance(self.membership, ZooKeeperMembership):  # static members share no record (mypy
+            # narrows on isinstance, not on shares_placement)
             if self.membership.record is not None:  # read while joining: the first ring uses it
                 self.adopt(self.membership.record)
             self.membership.on_placement(lambda rec: self._record_from_thread(loop, rec))
@@ -191,6 +192,21 @@ class Cluster:
             log.warning("placement: ring parameters vnodes=%d replicas=%d -> vnodes=%d replicas=%d "
                         "(record version %d)", *before, *record.params, record.version)
         self.set_view(self.membership.members())
+
+    @property
+    def shares_placement(self) -> bool:
+        """The membership keeps a cluster-wide placement record (ZooKeeper; static members do not)."""
+        return isinstance(self.membership, ZooKeeperMembership)
+
+    async def set_placement(self, vnodes: int, replicas: int) -> Record:
+        """Rewrite the cluster's placement record (``emsctl placement set``); every node's watch,
+        this one's included, then adopts it. Raises ``NotWritten``."""
+        assert isinstance(self.membership, ZooKeeperMembership)
+        rec = await asyncio.get_running_loop().run_in_executor(
+            None, self.membership.set_placement, vnodes, replicas)
+        log.warning("placement record set to vnodes=%d replicas=%d (version %d) through this node",
+                    *rec.params, rec.version)
+        return rec
 
     def set_view(self, view: tuple[NodeInfo, ...]) -> None:
         """Adopt a membership view: rebuild the ring, drop connections to departed nodes."""

@@ -57,6 +57,7 @@ from emsd.metrics import Metrics
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
+from emsd.placement import record as placement_record
 from emsd.pool.checksum import Checksums
 from emsd.pool.index import FIRST_ID, READY
 from emsd.pool.keys import KT_INT, KT_TAGGED, TAGGED_ITEMSIZE, KeyBatch, KeyError_
@@ -249,6 +250,8 @@ class Service:
             return self._drain_batch(_now() + _timeout(header), resp)
         if op == Op.DROP:
             return self._drop_elsewhere(header, resp)
+        if op == Op.PLACEMENT:
+            return self._set_placement(header, resp)
         if op == Op.EXISTS and not header.get("lo") and resp.get("count", 0) < header.get("n", 0):
             return self._exists_remote(session, header, payload, resp)
         return self.forward_commit(header, payload, resp, session)
@@ -260,6 +263,18 @@ class Service:
         ns, keys, _ = self._keys(session, header, payload)
         resp["count"] = await self.cluster.exists(self.namespace_name(ns), keys, self.store.present(ns, keys),
                                                   _now() + _timeout(header))
+        return resp
+
+    async def _set_placement(self, header: dict[str, Any], resp: dict[str, Any]) -> dict[str, Any]:
+        """Rewrite the cluster's placement record (checked by ``_placement``); every node's watch
+        then rebuilds its ring. Answers the new record."""
+        assert self.cluster is not None
+        try:
+            rec = await self.cluster.set_placement(int(header["vnodes"]), int(header["replicas"]))
+        except placement_record.NotWritten as exc:
+            resp.update(st=int(Status.IO_ERROR), msg=f"the placement record was not written: {exc}")
+            return resp
+        resp.update(vnodes=rec.vnodes, replicas=rec.replicas, version=rec.version)
         return resp
 
     async def _drop_elsewhere(self, header: dict[str, Any], resp: dict[str, Any]) -> dict[str, Any]:
@@ -699,6 +714,15 @@ class Service:
             raise RequestError(Status.INVALID_ARGUMENT, "a standalone node has no ring to leave")
         return {}, []  # the work follows (follow_up)
 
+    def _placement(self, _s: Session, h: dict[str, Any], _p: bytes) -> Response:
+        if self.cluster is None or not self.cluster.shares_placement:
+            raise RequestError(Status.INVALID_ARGUMENT, "only a ZooKeeper cluster keeps a placement "
+                               "record; static members take cluster.vnodes and cluster.replicas from config")
+        why = placement_record.invalid(h.get("vnodes"), h.get("replicas"))
+        if why is not None:
+            raise RequestError(Status.INVALID_ARGUMENT, why)
+        return {}, []  # the write follows (follow_up): ZooKeeper calls block
+
     def _ping(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         return {}, []
 
@@ -753,6 +777,7 @@ class Service:
         Op.DROP: _drop,
         Op.GRANT: _grant,
         Op.PUT: _put,
+        Op.PLACEMENT: _placement,
     }
 
 

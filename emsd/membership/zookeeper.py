@@ -39,7 +39,7 @@ from emsd.faults import FAULTS, Faults
 from emsd.membership.base import DuplicateNodeError, MembershipState, NodeInfo, ViewCallback
 from emsd.placement import record as placement_record
 from emsd.placement.agreement import Params
-from emsd.placement.record import Record
+from emsd.placement.record import NotWritten, Record
 
 RecordCallback = Callable[[Record], None]
 
@@ -144,9 +144,15 @@ class ZooKeeperMembership:
         """Rewrite the cluster's placement record (``emsctl placement set``); returns the new one.
 
         A compare-and-set on the znode's version, retried when another writer came first,
-        so two concurrent changes both count in ``version``. Raises ``KazooException``
-        when ZooKeeper does not answer.
+        so two concurrent changes both count in ``version``. Raises ``NotWritten`` when
+        ZooKeeper does not answer.
         """
+        try:
+            return self._write_placement(vnodes, replicas)
+        except (KazooException, KazooTimeoutError) as exc:
+            raise NotWritten(f"ZooKeeper {self.hosts}: {exc!r}") from None
+
+    def _write_placement(self, vnodes: int, replicas: int) -> Record:
         self._zk.ensure_path(self.record_path.rsplit("/", 1)[0])
         while True:
             try:

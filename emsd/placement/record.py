@@ -20,6 +20,22 @@ from dataclasses import dataclass
 
 from emsd.placement.agreement import Params
 
+VNODES = range(1, 4097)  # the values cluster.vnodes accepts (emsd.config)
+REPLICAS = range(1, 9)  # and cluster.replicas
+
+
+def invalid(vnodes: object, replicas: object) -> str | None:
+    """Why (vnodes, replicas) cannot be a record's, or None when they can."""
+    if type(vnodes) is not int or vnodes not in VNODES:
+        return f"vnodes must be an integer in 1..{VNODES[-1]} (got {vnodes!r})"
+    if type(replicas) is not int or replicas not in REPLICAS:
+        return f"replicas must be an integer in 1..{REPLICAS[-1]} (got {replicas!r})"
+    return None
+
+
+class NotWritten(Exception):
+    """The record could not be written (ZooKeeper did not answer)."""
+
 
 @dataclass(frozen=True)
 class Record:
@@ -39,7 +55,8 @@ class Record:
 
     @classmethod
     def decode(cls, data: bytes) -> Record | None:
-        """The record in ``data``; None for anything else (empty, not JSON, values out of range)."""
+        """The record in ``data``; None for anything else (empty, not JSON, values out of range:
+        a hand-edited znode must not build a ring of a million points)."""
         try:
             raw = json.loads(data)
         except (ValueError, UnicodeDecodeError):
@@ -47,7 +64,7 @@ class Record:
         if not isinstance(raw, dict):
             return None
         vnodes, replicas, version = raw.get("vnodes"), raw.get("replicas"), raw.get("version")
-        if not all(type(v) is int and v >= 1 for v in (vnodes, replicas, version)):
+        if invalid(vnodes, replicas) is not None or type(version) is not int or version < 1:
             return None
         assert isinstance(vnodes, int) and isinstance(replicas, int) and isinstance(version, int)
         return cls(vnodes, replicas, version)

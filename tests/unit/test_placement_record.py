@@ -7,12 +7,10 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from emsd.placement.record import Record, path
-
-positive = st.integers(min_value=1, max_value=1 << 40)
+from emsd.placement.record import REPLICAS, VNODES, Record, invalid, path
 
 
-@given(positive, positive, positive)
+@given(st.integers(1, 4096), st.integers(1, 8), st.integers(1, 1 << 40))
 def test_a_record_decodes_to_itself(vnodes: int, replicas: int, version: int) -> None:
     rec = Record(vnodes, replicas, version)
     assert Record.decode(rec.encode()) == rec
@@ -22,7 +20,14 @@ def test_a_record_decodes_to_itself(vnodes: int, replicas: int, version: int) ->
 @given(st.binary(max_size=64))
 def test_arbitrary_bytes_decode_to_a_valid_record_or_none(data: bytes) -> None:
     rec = Record.decode(data)
-    assert rec is None or min(rec.vnodes, rec.replicas, rec.version) >= 1
+    assert rec is None or (invalid(rec.vnodes, rec.replicas) is None and rec.version >= 1)
+
+
+@given(st.integers(-10, 5000), st.integers(-10, 20))
+def test_only_values_the_config_accepts_are_valid(vnodes: int, replicas: int) -> None:
+    assert (invalid(vnodes, replicas) is None) == (vnodes in VNODES and replicas in REPLICAS)
+    decoded = Record.decode(Record(vnodes, replicas).encode())
+    assert (decoded is None) == (invalid(vnodes, replicas) is not None)
 
 
 @given(st.sampled_from(["vnodes", "replicas", "version"]),
