@@ -41,7 +41,7 @@ from emsd.membership.base import Membership, MembershipState, NodeInfo
 from emsd.membership.zookeeper import ZooKeeperMembership
 from emsd.metrics import Metrics
 from emsd.placement.agreement import Params, advertised, disagreeing
-from emsd.placement.record import Record
+from emsd.placement.record import NotWritten, Record
 from emsd.placement.ring import ClusterView, Member, Ring
 from emsd.pool.keys import KeyBatch
 from emsd.transport.link import Dialer, PeerLink
@@ -67,6 +67,7 @@ async def _inject(site: str, conn: PeerLink) -> None:
     raise PeerError(f"injected fault at {site}: {rule.action}")
 
 BACKOFF = 1.0
+PLACEMENT_WRITE_TIMEOUT = 10.0  # seconds emsctl placement set waits for ZooKeeper
 
 
 def _leading_true(mask: np.ndarray) -> int:
@@ -140,8 +141,7 @@ class Cluster:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.membership.start)
         self.membership.on_change(lambda view: self._from_thread(loop, view))
-        if isinstance(self.membership, ZooKeeperMembership):  # static members share no record (mypy
-            # narrows on isinstance, not on shares_placement)
+        if isinstance(self.membership, ZooKeeperMembership):  # static members share no record
             if self.membership.record is not None:  # read while joining: the first ring uses it
                 self.adopt(self.membership.record)
             self.membership.on_placement(lambda rec: self._record_from_thread(loop, rec))
@@ -202,8 +202,12 @@ class Cluster:
         """Rewrite the cluster's placement record (``emsctl placement set``); every node's watch,
         this one's included, then adopts it. Raises ``NotWritten``."""
         assert isinstance(self.membership, ZooKeeperMembership)
-        rec = await asyncio.get_running_loop().run_in_executor(
+        write = asyncio.get_running_loop().run_in_executor(
             None, self.membership.set_placement, vnodes, replicas)
+        try:
+            rec = await asyncio.wait_for(write, PLACEMENT_WRITE_TIMEOUT)
+        except TimeoutError:
+            raise NotWritten(f"ZooKeeper did not answer in {PLACEMENT_WRITE_TIMEOUT:g} s") from None
         log.warning("placement record set to vnodes=%d replicas=%d (version %d) through this node",
                     *rec.params, rec.version)
         return rec

@@ -54,10 +54,10 @@ import numpy as np
 from emsd.faults import FAULTS
 from emsd.logs import Once
 from emsd.metrics import Metrics
+from emsd.placement import record as placement_record
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
-from emsd.placement import record as placement_record
 from emsd.pool.checksum import Checksums
 from emsd.pool.index import FIRST_ID, READY
 from emsd.pool.keys import KT_INT, KT_TAGGED, TAGGED_ITEMSIZE, KeyBatch, KeyError_

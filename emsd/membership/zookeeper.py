@@ -147,6 +147,8 @@ class ZooKeeperMembership:
         so two concurrent changes both count in ``version``. Raises ``NotWritten`` when
         ZooKeeper does not answer.
         """
+        if not self._zk.connected:  # kazoo would queue the write until it reconnects
+            raise NotWritten(f"ZooKeeper {self.hosts} is not connected ({self.state.value})")
         try:
             return self._write_placement(vnodes, replicas)
         except (KazooException, KazooTimeoutError) as exc:

@@ -323,6 +323,18 @@ def test_emsctl_placement_set_changes_every_nodes_ring_at_once(
     assert a.alive() and b.alive()
 
 
+def test_placement_set_without_zookeeper_fails_at_once_and_changes_nothing(
+        cluster: Any, zookeeper: zk.ZooKeeperServer) -> None:
+    (a,) = cluster(1)
+    zookeeper.stop()
+    wait_for(lambda: stats(a)["membership"] != "joined")
+    out = emsctl(a, "placement", "set", "--vnodes", "64", "--replicas", "1")
+    assert out.returncode == 1 and "the placement record was not written" in out.stderr, out.stderr
+    zookeeper.start()
+    wait_for(lambda: stats(a)["membership"] == "joined")
+    assert placement(a) == (512, 1, 1)  # not queued and written later
+
+
 def test_a_joining_node_takes_new_saves_for_its_share(cluster: Any, emsd_factory: Any,
                                                       monkeypatch: Any) -> None:
     (a,) = cluster(1)
