@@ -105,7 +105,7 @@ class Cluster:
         self.node_id = node_id
         self.access = access
         self.secret = secret
-        extra = advertised(cfg.vnodes, cfg.replicas)
+        extra = advertised(cfg.vnodes, cfg.replicas, follows_record=membership is None)  # None: ZooKeeper
         if rdma is not None:
             extra[EXTRA_KEY] = rdma.descriptor.to_extra()
         self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL, extra)
@@ -231,11 +231,11 @@ class Cluster:
 
     def _check_placement(self, view: tuple[NodeInfo, ...]) -> None:
         """Name the members that place keys otherwise (``emsd.placement.agreement``): in
-        ``self.disagree`` (STATS), and in one error line per member and value. Members follow
-        the cluster's record once there is one, whatever their config (advertised) says: only
-        nodes without a record (static members) are compared."""
-        mine = (self.cfg.vnodes, self.cfg.replicas)
-        self.disagree = {} if self.record is not None else disagreeing(view, self.node_id, mine)
+        ``self.disagree`` (STATS), and in one error line per member and value. Under the
+        cluster's record, members that follow it place keys alike whatever their config says:
+        only those that do not (older daemons) are compared, with the record's values."""
+        mine = self.params
+        self.disagree = disagreeing(view, self.node_id, mine, skip_followers=self.record is not None)
         for node, theirs in self.disagree.items():
             if (node, theirs) not in self._disagree_logged:
                 self._disagree_logged.add((node, theirs))
