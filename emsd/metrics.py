@@ -225,8 +225,10 @@ class ClusterCollector(Collector):
         yield GaugeMetricFamily("emsd_cluster_members", "Nodes in this node's view of the ring",
                                 value=members)
         yield GaugeMetricFamily("emsd_cluster_placement_differs",
-                                "Members whose vnodes or replicas differ from this node's (loads between "
-                                "them miss)", value=differs)
+                                "1 when this node's vnodes/replicas config differs from the cluster's "
+                                "placement record (the record is used), plus the members that place keys "
+                                "otherwise than this node (no record followed: loads between them miss)",
+                                value=differs)
         fam = GaugeMetricFamily("emsd_cluster_membership_state",
                                 "ZooKeeper membership state (1 = current)", labels=["state"])
         for name in self.STATES:

@@ -296,7 +296,8 @@ class Daemon:
     def _membership(self) -> tuple[str, int, int]:
         if self.cluster is None:
             return "standalone", 1, 0
-        return self.cluster.state.value, len(self.cluster.view), len(self.cluster.disagree)
+        c = self.cluster
+        return c.state.value, len(c.view), len(c.disagree) + int(c.config_differs)
 
     def stop(self) -> None:
         self._stop.set()

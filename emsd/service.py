@@ -61,6 +61,7 @@ import numpy as np
 from emsd.faults import FAULTS
 from emsd.logs import Once
 from emsd.metrics import Metrics
+from emsd.placement import record as placement_record
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
@@ -283,6 +284,8 @@ class Service:
             return self._drain_batch(_now() + _timeout(header), resp)
         if op == Op.DROP:
             return self._drop_elsewhere(header, resp)
+        if op == Op.PLACEMENT:
+            return self._set_placement(header, resp)
         if op == Op.EXISTS and not header.get("lo") and resp.get("count", 0) < header.get("n", 0):
             return self._exists_remote(session, header, payload, resp)
         return self.forward_commit(header, payload, resp, session)
@@ -294,6 +297,18 @@ class Service:
         ns, keys, _ = self._keys(session, header, payload)
         resp["count"] = await self.cluster.exists(self.namespace_name(ns), keys, self.store.present(ns, keys),
                                                   _now() + _timeout(header))
+        return resp
+
+    async def _set_placement(self, header: dict[str, Any], resp: dict[str, Any]) -> dict[str, Any]:
+        """Rewrite the cluster's placement record (checked by ``_placement``); every node's watch
+        then rebuilds its ring. Answers the new record."""
+        assert self.cluster is not None
+        try:
+            rec = await self.cluster.set_placement(int(header["vnodes"]), int(header["replicas"]))
+        except placement_record.NotWritten as exc:
+            resp.update(st=int(Status.IO_ERROR), msg=f"the placement record was not written: {exc}")
+            return resp
+        resp.update(vnodes=rec.vnodes, replicas=rec.replicas, version=rec.version)
         return resp
 
     async def _drop_elsewhere(self, header: dict[str, Any], resp: dict[str, Any]) -> dict[str, Any]:
@@ -834,7 +849,10 @@ class Service:
         c = self.cluster
         return {"transport": c.transport_name, "peer_transports": c.transports.snapshot(),
                 "share": c.share(), "draining": c.draining,
-                "replicas": c.cfg.replicas, "vnodes": c.cfg.vnodes,
+                "vnodes": c.params[0], "replicas": c.params[1],
+                "placement_record": None if c.record is None else c.record.version,
+                "placement_config": {"vnodes": c.cfg.vnodes, "replicas": c.cfg.replicas},
+                "placement_config_differs": c.config_differs,
                 "placement_differs": {node: {"vnodes": v, "replicas": r}
                                       for node, (v, r) in c.disagree.items()},
                 "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in c.view]}
@@ -861,6 +879,15 @@ class Service:
         if self.cluster is None:
             raise RequestError(Status.INVALID_ARGUMENT, "a standalone node has no ring to leave")
         return {}, []  # the work follows (follow_up)
+
+    def _placement(self, _s: Session, h: dict[str, Any], _p: bytes) -> Response:
+        if self.cluster is None or not self.cluster.shares_placement:
+            raise RequestError(Status.INVALID_ARGUMENT, "only a ZooKeeper cluster keeps a placement "
+                               "record; static members take cluster.vnodes and cluster.replicas from config")
+        why = placement_record.invalid(h.get("vnodes"), h.get("replicas"))
+        if why is not None:
+            raise RequestError(Status.INVALID_ARGUMENT, why)
+        return {}, []  # the write follows (follow_up): ZooKeeper calls block
 
     def _ping(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         return {}, []
@@ -916,6 +943,7 @@ class Service:
         Op.DROP: _drop,
         Op.GRANT: _grant,
         Op.PUT: _put,
+        Op.PLACEMENT: _placement,
     }
 
 
