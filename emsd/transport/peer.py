@@ -54,6 +54,7 @@ closes, as for any malformed request.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -62,6 +63,7 @@ import os
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,6 +99,15 @@ OP_HAS = 110  # how many leading keys the peer holds (a cluster-wide exists)
 OP_DROP = 111  # drop a namespace on the peer (a cluster-wide DROP)
 NONCE_BYTES = 32
 AUTH_TIMEOUT = 5.0
+# Before authentication a frame is a CHALLENGE, an AUTH or its answer: a few hundred bytes. A
+# larger one is refused before anything is allocated for it: a stranger's length prefix must
+# not make the daemon allocate (up to check_lengths' limits, megabytes a connection).
+AUTH_FRAME_LIMIT = 4096
+# Connections not yet authenticated (TLS handshake and AUTH exchange included), in all and per
+# source address; more are closed at once. A silent one costs a descriptor for AUTH_TIMEOUT.
+MAX_UNAUTHENTICATED = 64
+MAX_UNAUTHENTICATED_PER_ADDRESS = 16
+REFUSAL_LOG_INTERVAL = 60.0  # seconds between two log lines about refused connections
 MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
 SOCKET_BUFFER = 256 << 10  # kernel buffers per direction (cluster.peer_socket_buffer; see _tune)
@@ -284,6 +295,14 @@ async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any,
         raise PeerError(str(exc)) from None
 
 
+def _address(conn: socket.socket) -> str:
+    """The source address of an accepted connection ("?" if it is already gone)."""
+    try:
+        return str(conn.getpeername()[0])
+    except OSError:
+        return "?"
+
+
 def _hang_up(sock: socket.socket) -> None:
     """Shut ``sock`` down, then close it: a bulk thread blocked on it wakes at once (a bare
     close would leave it blocked, holding views of the pool, until its kernel timeout)."""
@@ -321,26 +340,37 @@ def _views(pool: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> list[m
     return [pool[off : off + size] for off, size in zip(offsets.tolist(), lengths.tolist(), strict=True)]
 
 
-async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+def _frame_lengths(prefix: bytes | bytearray, limit: int | None) -> tuple[int, int]:
+    """(header, payload) lengths of a frame's prefix; raises ``FrameError`` past the codec's
+    limits and ``PeerError`` past ``limit`` bytes in all (before anything is allocated)."""
+    header_len, payload_len = PREFIX.unpack(prefix)
+    check_lengths(header_len, payload_len)
+    if limit is not None and header_len + payload_len > limit:
+        raise PeerError(f"a frame of {header_len + payload_len} bytes before authentication "
+                        f"(at most {limit})")
+    return header_len, payload_len
+
+
+async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                      limit: int | None = None) -> tuple[dict[str, Any], bytes]:
+    """One frame; with ``limit``, one of at most that many bytes (else ``PeerError``)."""
     if isinstance(sock, ssl.SSLSocket):
         if not sock.pending():
             await _readable(loop, sock)
-        return await _in_thread(sock, _recv_frame_blocking, sock)
+        return await _in_thread(sock, _recv_frame_blocking, sock, limit)
     prefix = bytearray(PREFIX.size)
     await _recv_exact_into(loop, sock, memoryview(prefix))
-    header_len, payload_len = PREFIX.unpack(prefix)
-    check_lengths(header_len, payload_len)
+    header_len, payload_len = _frame_lengths(prefix, limit)
     body = bytearray(header_len + payload_len)
     await _recv_exact_into(loop, sock, memoryview(body))
     return decode_header(bytes(body[:header_len])), bytes(body[header_len:])
 
 
-def _recv_frame_blocking(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+def _recv_frame_blocking(sock: socket.socket, limit: int | None = None) -> tuple[dict[str, Any], bytes]:
     """``_recv_frame`` for a TLS socket, in a worker thread."""
     prefix = bytearray(PREFIX.size)
     _recv_views(sock, [memoryview(prefix)])
-    header_len, payload_len = PREFIX.unpack(prefix)
-    check_lengths(header_len, payload_len)
+    header_len, payload_len = _frame_lengths(prefix, limit)
     body = bytearray(header_len + payload_len)
     _recv_views(sock, [memoryview(body)])
     return decode_header(bytes(body[:header_len])), bytes(body[header_len:])
@@ -443,6 +473,9 @@ class PeerServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[socket.socket] = set()
         self.refused = 0  # connections that failed authentication
+        self.unauthenticated: collections.Counter[str] = collections.Counter()  # by source address
+        self.refused_busy = 0  # connections closed at once: too many not yet authenticated
+        self._refusal_logged = -REFUSAL_LOG_INTERVAL
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen; returns the bound (host, port) (port 0 picks a free one)."""
@@ -484,18 +517,47 @@ class PeerServer:
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
+            address = _address(conn)
+            if not self._admit(address):
+                _hang_up(conn)
+                continue
             _tune(conn, self.socket_buffer)
             self._conns.add(conn)
-            self._spawn(self._serve(conn))
+            self._spawn(self._serve(conn, address))
 
-    async def _serve(self, conn: socket.socket) -> None:
+    def _admit(self, address: str) -> bool:
+        """Whether a new connection from ``address`` may start authenticating (and count it)."""
+        if (sum(self.unauthenticated.values()) >= MAX_UNAUTHENTICATED
+                or self.unauthenticated[address] >= MAX_UNAUTHENTICATED_PER_ADDRESS):
+            self.refused_busy += 1
+            now = time.monotonic()
+            if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL:
+                self._refusal_logged = now
+                log.warning("peer connections refused: %d not yet authenticated (at most %d, %d from "
+                            "one address; %s has %d); %d refused so far", sum(self.unauthenticated.values()),
+                            MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_ADDRESS, address,
+                            self.unauthenticated[address], self.refused_busy)
+            return False
+        self.unauthenticated[address] += 1
+        return True
+
+    def _authenticated(self, address: str) -> None:
+        """``address``'s connection left the unauthenticated state (authenticated or closed)."""
+        self.unauthenticated[address] -= 1
+        if self.unauthenticated[address] <= 0:
+            del self.unauthenticated[address]
+
+    async def _serve(self, conn: socket.socket, address: str) -> None:
         loop = asyncio.get_running_loop()
         peer = "?"
         handler: ControlHandler | None = None
+        pending = True  # counted in self.unauthenticated until authenticated or closed
         try:
             if self.tls is not None:
                 conn = await self._tls_accept(conn)
             peer = await asyncio.wait_for(self._authenticate(loop, conn), AUTH_TIMEOUT)
+            pending = False
+            self._authenticated(address)
             scratch = memoryview(bytearray(SCRATCH))
             while True:
                 header, payload = await _recv_frame(loop, conn)
@@ -527,6 +589,8 @@ class PeerServer:
         except (PeerError, FrameError, ConnectionError, TimeoutError, OSError) as exc:
             log.debug("peer %s: connection ends: %s", peer, exc)
         finally:
+            if pending:
+                self._authenticated(address)
             if handler is not None:
                 handler.close()  # its pins and reservations go with the connection
             self._conns.discard(conn)
@@ -564,7 +628,7 @@ class PeerServer:
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> str:
         nonce = os.urandom(NONCE_BYTES)
         await _send(loop, conn, {"op": OP_CHALLENGE, "nonce": nonce, "proto": PEER_PROTOCOL})
-        header, _ = await _recv_frame(loop, conn)
+        header, _ = await _recv_frame(loop, conn, AUTH_FRAME_LIMIT)
         node, their, mac = header.get("node"), header.get("nonce"), header.get("mac")
         ok = (header.get("op") == OP_AUTH and isinstance(node, str) and isinstance(their, bytes)
               and len(their) == NONCE_BYTES and isinstance(mac, bytes)
@@ -671,14 +735,14 @@ class PeerConnection:
         self.sock = sock
 
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-        header, _ = await _recv_frame(loop, sock)
+        header, _ = await _recv_frame(loop, sock, AUTH_FRAME_LIMIT)
         theirs = header.get("nonce")
         if header.get("op") != OP_CHALLENGE or not isinstance(theirs, bytes):
             raise PeerError("peer did not send a challenge")
         mine = os.urandom(NONCE_BYTES)
         await _send(loop, sock, {"op": OP_AUTH, "node": self.node_id, "nonce": mine,
                                  "mac": _mac(self.secret, b"c", theirs, mine, self.node_id.encode())})
-        answer, _ = await _recv_frame(loop, sock)
+        answer, _ = await _recv_frame(loop, sock, AUTH_FRAME_LIMIT)
         node, mac = answer.get("node"), answer.get("mac")
         if answer.get("st") != Status.OK or not isinstance(node, str) or not isinstance(mac, bytes):
             raise PeerError(f"peer refused us: {answer.get('msg', 'no reason')}")
