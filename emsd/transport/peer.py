@@ -24,8 +24,10 @@ A wrong secret is refused (and logged) and the connection closed; the
 secret itself never crosses the wire.
 
 With TLS configured (``emsd.transport.tls.PeerTls``) each connection first
-completes a mutual TLS handshake, then runs the same challenge inside it. A
-TLS connection does all its I/O (frames too) as blocking calls in the bulk
+completes a mutual TLS handshake, then runs the same challenge inside it. The
+handshake runs in the event loop (non-blocking steps, one deadline), so a
+stranger that stalls it holds a descriptor, never a thread. After it, a TLS
+connection does all its I/O (frames too) as blocking calls in the bulk
 worker threads, since the event loop's ``sock_*`` calls cannot drive an SSL
 socket; the loop only waits for readability before a frame, so an idle
 connection holds no thread. Plain connections take none of these paths.
@@ -215,10 +217,6 @@ async def _recv_exact_into(loop: asyncio.AbstractEventLoop, sock: socket.socket,
 
 _BULK_THREADS = 16
 _bulk_pool: ThreadPoolExecutor | None = None
-# TLS handshakes run before the peer has shown a certificate: on threads of their own, so that
-# anyone who can reach the port and stalls handshakes cannot hold up the bulk threads.
-_HANDSHAKE_THREADS = 4
-_handshake_pool: ThreadPoolExecutor | None = None
 T = TypeVar("T")
 
 
@@ -265,24 +263,16 @@ async def _bulk(sock: socket.socket, move: Callable[[socket.socket, list[memoryv
         await _in_thread(sock, move, sock, views)
 
 
-async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any,
-                     handshake: bool = False) -> T:
+async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any) -> T:
     """``call(*args)`` (blocking I/O on ``sock``) in a bulk thread; ``OSError`` becomes ``PeerError``.
 
-    ``handshake``: on a TLS handshake thread instead. On cancellation the
-    socket is shut down, which wakes the thread at once, and the thread is
-    waited for before returning.
+    On cancellation the socket is shut down, which wakes the thread at once,
+    and the thread is waited for before returning.
     """
-    global _bulk_pool, _handshake_pool
-    if handshake:
-        if _handshake_pool is None:
-            _handshake_pool = ThreadPoolExecutor(_HANDSHAKE_THREADS, thread_name_prefix="emsd-tls")
-        pool = _handshake_pool
-    else:
-        if _bulk_pool is None:
-            _bulk_pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="emsd-bulk")
-        pool = _bulk_pool
-    fut = asyncio.get_running_loop().run_in_executor(pool, call, *args)
+    global _bulk_pool
+    if _bulk_pool is None:
+        _bulk_pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="emsd-bulk")
+    fut = asyncio.get_running_loop().run_in_executor(_bulk_pool, call, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -311,8 +301,9 @@ def _hang_up(sock: socket.socket) -> None:
     sock.close()
 
 
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    """Wait until ``sock`` has bytes (or EOF) to read, in the event loop: no thread while idle."""
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket, write: bool = False) -> None:
+    """Wait until ``sock`` has bytes (or EOF) to read, or with ``write`` room to write, in the
+    event loop: no thread while idle."""
     fd = sock.fileno()
     if fd < 0:
         raise PeerError("connection closed")
@@ -322,17 +313,41 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         if not ready.done():
             ready.set_result(None)
 
-    loop.add_reader(fd, wake)
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    add(fd, wake)
     try:
         await ready
     finally:
-        loop.remove_reader(fd)
+        remove(fd)
 
 
 async def _tls_handshake(sock: ssl.SSLSocket, timeout: float) -> None:
-    """Complete the TLS handshake on a handshake thread, then set the bulk stall timeout."""
-    sock.settimeout(timeout)
-    await _in_thread(sock, sock.do_handshake, handshake=True)
+    """Complete the TLS handshake within ``timeout`` seconds, then set the bulk stall timeout.
+
+    The handshake runs in the event loop, one non-blocking step per readiness
+    event: a peer that connects and goes silent costs a descriptor until the
+    deadline, never a thread, so stalled handshakes cannot hold up anyone
+    else's (a node's own dials included). Raises ``PeerError``.
+    """
+    loop = asyncio.get_running_loop()
+    sock.setblocking(False)
+
+    async def steps() -> None:
+        while True:
+            try:
+                sock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                await _readable(loop, sock)
+            except ssl.SSLWantWriteError:
+                await _readable(loop, sock, write=True)
+
+    try:
+        await asyncio.wait_for(steps(), timeout)
+    except TimeoutError:
+        raise PeerError(f"the TLS handshake did not finish in {timeout:g} s") from None
+    except (ssl.SSLError, OSError) as exc:
+        raise PeerError(str(exc)) from None
     sock.settimeout(BULK_STALL)
 
 
@@ -472,10 +487,10 @@ class PeerServer:
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[socket.socket] = set()
-        self.refused = 0  # connections that failed authentication
+        self.refused = 0  # connections that ended before authenticating (TLS, AUTH, malformed, silent)
         self.unauthenticated: collections.Counter[str] = collections.Counter()  # by source address
         self.refused_busy = 0  # connections closed at once: too many not yet authenticated
-        self._refusal_logged = -REFUSAL_LOG_INTERVAL
+        self._busy_logged = self._refused_logged = -REFUSAL_LOG_INTERVAL
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen; returns the bound (host, port) (port 0 picks a free one)."""
@@ -525,14 +540,19 @@ class PeerServer:
             self._conns.add(conn)
             self._spawn(self._serve(conn, address))
 
+    def refusals(self) -> dict[str, int]:
+        """Connections refused so far, by reason: failed TLS or AUTH ("auth"), or closed at once
+        because too many were not yet authenticated ("busy")."""
+        return {"auth": self.refused, "busy": self.refused_busy}
+
     def _admit(self, address: str) -> bool:
         """Whether a new connection from ``address`` may start authenticating (and count it)."""
         if (sum(self.unauthenticated.values()) >= MAX_UNAUTHENTICATED
                 or self.unauthenticated[address] >= MAX_UNAUTHENTICATED_PER_ADDRESS):
             self.refused_busy += 1
             now = time.monotonic()
-            if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL:
-                self._refusal_logged = now
+            if now - self._busy_logged >= REFUSAL_LOG_INTERVAL:
+                self._busy_logged = now
                 log.warning("peer connections refused: %d not yet authenticated (at most %d, %d from "
                             "one address; %s has %d); %d refused so far", sum(self.unauthenticated.values()),
                             MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_ADDRESS, address,
@@ -540,6 +560,16 @@ class PeerServer:
             return False
         self.unauthenticated[address] += 1
         return True
+
+    def _refuse(self, address: str, why: Exception) -> None:
+        """Count a connection from ``address`` that ended before authenticating; log it, at
+        most once every ``REFUSAL_LOG_INTERVAL`` (anyone can make such connections)."""
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= REFUSAL_LOG_INTERVAL:
+            self._refused_logged = now
+            log.warning("peer connection from %s refused: %s (%d refused so far; one line a minute at "
+                        "most)", address, why, self.refused)
 
     def _authenticated(self, address: str) -> None:
         """``address``'s connection left the unauthenticated state (authenticated or closed)."""
@@ -587,7 +617,10 @@ class PeerServer:
                     await _send(loop, conn, {"id": rid, "st": int(exc.status), "msg": str(exc)})
                     raise
         except (PeerError, FrameError, ConnectionError, TimeoutError, OSError) as exc:
-            log.debug("peer %s: connection ends: %s", peer, exc)
+            if pending:
+                self._refuse(address, exc if str(exc) else PeerError("no AUTH in time"))
+            else:
+                log.debug("peer %s: connection ends: %s", peer, exc)
         finally:
             if pending:
                 self._authenticated(address)
@@ -597,7 +630,7 @@ class PeerServer:
             _hang_up(conn)
 
     async def _tls_accept(self, conn: socket.socket) -> ssl.SSLSocket:
-        """The TLS side of an accepted connection; a failed handshake is refused (and counted)."""
+        """The TLS side of an accepted connection; raises ``PeerError`` if its handshake fails."""
         assert self.tls is not None
         tls_conn = self.tls.server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         self._conns.discard(conn)  # wrapping took over its descriptor
@@ -607,9 +640,7 @@ class PeerServer:
         except PeerError as exc:
             self._conns.discard(tls_conn)
             _hang_up(tls_conn)
-            self.refused += 1
-            log.warning("peer connection refused: TLS handshake failed: %s", exc)
-            raise
+            raise PeerError(f"TLS handshake failed: {exc}") from None
         return tls_conn
 
     async def _control(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
@@ -634,8 +665,6 @@ class PeerServer:
               and len(their) == NONCE_BYTES and isinstance(mac, bytes)
               and hmac.compare_digest(mac, _mac(self.secret, b"c", nonce, their, node.encode())))
         if not ok or not isinstance(their, bytes):
-            self.refused += 1
-            log.warning("peer connection refused: failed authentication")
             await _send(loop, conn, {"st": int(Status.INVALID_ARGUMENT), "msg": "authentication failed"})
             raise PeerError("authentication failed")
         await _send(loop, conn, {"st": int(Status.OK), "node": self.node_id,

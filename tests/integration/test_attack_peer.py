@@ -74,9 +74,14 @@ def test_length_prefixes_before_authentication_allocate_nothing(pair: tuple[Any,
     finally:
         for s in attackers:
             s.close()
-    # the cluster still works: a block saved through node a is found again through node b
+    cluster_still_works(a, b, monkeypatch)
+
+
+def cluster_still_works(a: Any, b: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks saved through node ``a`` load again, equal, through node ``b``."""
     import torch
 
+    Ems._reset()
     monkeypatch.setenv("EMS_SOCKET_DIR", str(a.socket_dir))
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
     cc = Ems.get_cc()
