@@ -138,6 +138,11 @@ class Metrics:
         members whose ring parameters differ from this node's)."""
         self.registry.register(ClusterCollector(view))
 
+    def watch_peer_refusals(self, counts: Callable[[], dict[str, int]]) -> None:
+        """Publish ``emsd_peer_connections_refused_total`` by reason, read from ``counts()`` at
+        each scrape (``PeerServer.refusals``)."""
+        self.registry.register(RefusalCollector(counts))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -233,6 +238,24 @@ class ClusterCollector(Collector):
                                 "ZooKeeper membership state (1 = current)", labels=["state"])
         for name in self.STATES:
             fam.add_metric([name], 1.0 if name == state else 0.0)
+        yield fam
+
+
+class RefusalCollector(Collector):
+    """Peer connections refused before authentication, by reason, computed at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily("emsd_peer_connections_refused",
+                                  "Peer connections refused: failed TLS or AUTH (auth), or closed at once "
+                                  "with too many not yet authenticated (busy)", labels=["reason"])
+        for reason, n in sorted(self._counts().items()):
+            fam.add_metric([reason], n)
         yield fam
 
 

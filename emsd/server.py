@@ -122,6 +122,7 @@ class Daemon:
                             socket=str(cfg.socket_path))
         if cfg.cluster.enabled:
             service.cluster = await self._join(store, region, service)
+            self.metrics.watch_peer_refusals(service.cluster.server.refusals)
         self.metrics.watch_cluster(self._membership)
         transport = "none" if self.cluster is None else self.cluster.transport_name
         self.metrics.build.labels(__version__, transport).set(1)
