@@ -180,7 +180,13 @@ class UnixControlServer:
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(str(self.path))
+        # bind() creates the file with the umask's permissions; under 0o177 no one but
+        # us can connect before the chmod below widens it to ``mode`` (issue 25).
+        umask = os.umask(0o177)
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(umask)
         st = os.stat(self.path)
         self._bound = (st.st_dev, st.st_ino)
         os.chmod(self.path, self.mode)

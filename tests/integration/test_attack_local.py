@@ -1,0 +1,54 @@
+"""Attacks by another local user on a node's files and sockets (issue 25): each refused at start or closed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from emsd.transport.unix import UnixControlServer
+
+
+def test_a_cluster_secret_readable_by_others_is_refused_at_start(emsd_factory: Any, tmp_path: Path) -> None:
+    """A 0644 secret is a secret every local user holds: the daemon names the file and exits 2."""
+    secret = tmp_path / "secret"
+    secret.write_text("a-cluster-secret-of-some-length\n")
+    secret.chmod(0o644)
+    d = emsd_factory(start=False, cluster={"zookeeper": "127.0.0.1:1", "secret_file": str(secret)})
+    d.start(wait=False)
+    assert d.proc is not None
+    assert d.proc.wait(20) == 2
+    refusals = [line for line in d.log().splitlines() if "cluster.secret_file" in line]
+    assert len(refusals) == 1 and "chmod 600" in refusals[0] and "0644" in refusals[0], d.log()
+
+
+def test_the_control_socket_is_never_wider_than_its_mode(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between bind() and chmod() the socket file must not carry the umask's wider permissions."""
+    seen: list[int] = []
+    chmod = os.chmod
+
+    def spy(path: Any, mode: int, *args: Any, **kwargs: Any) -> None:
+        seen.append(stat.S_IMODE(os.stat(path).st_mode))  # what another user could connect through until now
+        chmod(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "chmod", spy)
+    old = os.umask(0)  # the widest umask a daemon can be started under
+    try:
+        server = UnixControlServer(tmp_path / "emsd.sock", 0o660, lambda: None, lambda: None, lambda n: None)
+        server.bind()
+    finally:
+        os.umask(old)
+    try:
+        assert seen and all(mode & 0o007 == 0 for mode in seen), [f"{m:04o}" for m in seen]
+        assert stat.S_IMODE(os.stat(tmp_path / "emsd.sock").st_mode) == 0o660
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.connect(str(tmp_path / "emsd.sock"))
+        probe.close()
+    finally:
+        asyncio.run(server.close())
