@@ -221,7 +221,7 @@ class UnixControlServer:
             pid, uid, gid = peer_credentials(conn)
             session.peer_pid = pid
             header = await asyncio.wait_for(self._read_hello(loop, conn), HANDSHAKE_TIMEOUT)
-            if not self.admits(uid, gid):  # after the HELLO, so that the client reads the refusal
+            if not self.admits(uid, gid):  # before answering: a refused peer never gets the fd
                 log.warning("refused pid %d: uid %d / gid %d not in node.allowed_uids/gids", pid, uid, gid)
                 raise RequestError(Status.INVALID_ARGUMENT,
                                    f"uid {uid} / gid {gid} may not use this emsd (node.allowed_uids/gids)")

@@ -6,11 +6,14 @@ import asyncio
 import os
 import socket
 import stat
+import struct
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
+from emsd.transport.frames import PROTOCOL_VERSION, Op, Status
 from emsd.transport.unix import UnixControlServer
 
 
@@ -52,3 +55,22 @@ def test_the_control_socket_is_never_wider_than_its_mode(tmp_path: Path,
         probe.close()
     finally:
         asyncio.run(server.close())
+
+
+def test_a_peer_outside_the_allowed_uids_never_receives_the_pool_descriptor(emsd_factory: Any) -> None:
+    """The SO_PEERCRED check runs before HELLO is answered: the refusal carries no descriptor."""
+    d = emsd_factory(node={"allowed_uids": [os.getuid() + 4242], "allowed_gids": [os.getgid() + 4242]})
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    try:
+        sock.connect(str(next(Path(d.socket_dir).glob("*.sock"))))
+        head = msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": int(Op.HELLO)})
+        sock.sendall(struct.pack("<II", len(head), 0) + head)
+        data, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+        for fd in fds:
+            os.close(fd)
+    finally:
+        sock.close()
+    assert fds == []
+    assert msgpack.unpackb(data[8:])["st"] == int(Status.INVALID_ARGUMENT)
+    assert d.alive()
