@@ -7,6 +7,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,37 @@ def test_a_peer_outside_the_allowed_uids_never_receives_the_pool_descriptor(emsd
     assert fds == []
     assert msgpack.unpackb(data[8:])["st"] == int(Status.INVALID_ARGUMENT)
     assert d.alive()
+
+
+def test_a_client_that_never_reads_its_answers_is_cut_off_with_memory_bounded(emsd_factory: Any) -> None:
+    """Flooding STATS without reading: the daemon stops reading, then hangs up; its RSS stays bounded."""
+    import psutil
+
+    d = emsd_factory()
+    proc = psutil.Process(d.proc.pid)
+    before = proc.memory_info().rss
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(next(Path(d.socket_dir).glob("*.sock"))))
+    head = msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": int(Op.HELLO)})
+    sock.sendall(struct.pack("<II", len(head), 0) + head)
+    _, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+    for fd in fds:
+        os.close(fd)
+    stats = msgpack.packb({"v": PROTOCOL_VERSION, "id": 2, "op": int(Op.STATS)})
+    frame = (struct.pack("<II", len(stats), 0) + stats) * 256
+    sock.setblocking(False)
+    sent = 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "read no answers" not in d.log():
+        try:
+            sent += sock.send(frame)
+        except BlockingIOError:
+            time.sleep(0.05)
+        except OSError:
+            break
+    grown = proc.memory_info().rss - before
+    sock.close()
+    assert sent > 0
+    assert "read no answers" in d.log()
+    assert grown < 256 << 20, f"daemon grew by {grown >> 20} MiB"
+    assert d.alive() and d.http("/healthz") == (200, b"ok\n")
