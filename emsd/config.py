@@ -10,8 +10,10 @@ step.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -363,12 +365,26 @@ def _tls(t: dict[str, Any]) -> dict[str, str]:
     return paths
 
 
+def check_private(where: str, mode: int) -> None:
+    """Raise ``ConfigError`` unless ``mode`` (an ``st_mode``) gives group and others no access.
+
+    For files holding credentials (the tenants file, the cluster secret): a key
+    another local user can read is a key that user holds.
+    """
+    if stat.S_IMODE(mode) & 0o077:
+        raise ConfigError(where, f"holds credentials: make it readable by the daemon's user only "
+                                 f"(chmod 600; it is {stat.S_IMODE(mode):04o})")
+
+
 def read_secret(path: str) -> bytes:
-    """The cluster secret from ``path``: at least 16 bytes; raises ``ConfigError``."""
+    """The cluster secret from ``path``: mode 0600 or tighter, at least 16 bytes; raises ``ConfigError``."""
     try:
-        secret = Path(path).read_bytes().strip()
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            secret = f.read().strip()
     except OSError as exc:
         raise ConfigError("cluster.secret_file", f"cannot read {path!r}: {exc.strerror}") from None
+    check_private(f"cluster.secret_file ({path})", mode)
     if len(secret) < 16:
         raise ConfigError("cluster.secret_file", f"{path!r} must hold a secret of at least 16 bytes")
     return secret

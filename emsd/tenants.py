@@ -22,13 +22,12 @@ from __future__ import annotations
 import hmac
 import os
 import re
-import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from emsd.config import ConfigError, parse_size
+from emsd.config import ConfigError, check_private, parse_size
 
 _ID = re.compile(r"[0-9a-z._@-]{1,512}")
 _KEY = re.compile(r"[0-9A-Za-z+/=]{32,256}")
@@ -92,9 +91,7 @@ def load(path: Path, allow_default: bool) -> Tenants:
         raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(where, f"cannot read: {exc.strerror or exc}") from None
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise ConfigError(where, f"holds access keys: make it readable by the daemon's user only "
-                                 f"(chmod 600; it is {stat.S_IMODE(st.st_mode):04o})")
+    check_private(where, st.st_mode)
     try:
         doc = tomllib.loads(raw.decode())
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:

@@ -48,6 +48,7 @@ log = logging.getLogger("emsd.unix")
 
 HANDSHAKE_TIMEOUT = 5.0
 _PEERCRED = struct.Struct("3i")
+WRITE_STALL_TIMEOUT = 10.0  # seconds a client may leave its answers past the high-water mark unread
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -68,9 +69,31 @@ class ControlProtocol(asyncio.Protocol):
         self._on_close = on_close
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._stall: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
+
+    def pause_writing(self) -> None:
+        """The answers queued past the high-water mark: read no more requests until they drain,
+        and hang up on a client that does not read them within ``WRITE_STALL_TIMEOUT`` (issue 25:
+        a client sending STATS and never reading grew the daemon by gigabytes)."""
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self._stall = asyncio.get_running_loop().call_later(WRITE_STALL_TIMEOUT, self._stalled)
+
+    def resume_writing(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        if not self._closed and self.transport is not None:
+            self.transport.resume_reading()
+
+    def _stalled(self) -> None:
+        log.warning("closing client pid %s: it read no answers for %.0f s", self.session.peer_pid,
+                    WRITE_STALL_TIMEOUT)
+        if self.transport is not None:
+            self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
@@ -136,6 +159,8 @@ class ControlProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        if self._stall is not None:
+            self._stall.cancel()
         self.service.close(self.session)
         self._on_close(self)
 
@@ -180,7 +205,13 @@ class UnixControlServer:
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(str(self.path))
+        # bind() creates the file with the umask's permissions; under 0o177 no one but
+        # us can connect before the chmod below widens it to ``mode`` (issue 25).
+        umask = os.umask(0o177)
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(umask)
         st = os.stat(self.path)
         self._bound = (st.st_dev, st.st_ino)
         os.chmod(self.path, self.mode)
@@ -215,7 +246,7 @@ class UnixControlServer:
             pid, uid, gid = peer_credentials(conn)
             session.peer_pid = pid
             header = await asyncio.wait_for(self._read_hello(loop, conn), HANDSHAKE_TIMEOUT)
-            if not self.admits(uid, gid):  # after the HELLO, so that the client reads the refusal
+            if not self.admits(uid, gid):  # before answering: a refused peer never gets the fd
                 log.warning("refused pid %d: uid %d / gid %d not in node.allowed_uids/gids", pid, uid, gid)
                 raise RequestError(Status.INVALID_ARGUMENT,
                                    f"uid {uid} / gid {gid} may not use this emsd (node.allowed_uids/gids)")

@@ -177,6 +177,7 @@ def test_a_daemon_with_an_unloadable_certificate_stops_naming_it(pki: Pki, emsd_
                                                                  tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("a-cluster-secret-of-some-length\n")
+    secret.chmod(0o600)
     _, key = pki.files["a"]
     d = emsd_factory(start=False, cluster={
         "zookeeper": "127.0.0.1:1", "secret_file": str(secret), "peer_listen": f"127.0.0.1:{zk.free_port()}",
