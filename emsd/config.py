@@ -365,26 +365,30 @@ def _tls(t: dict[str, Any]) -> dict[str, str]:
     return paths
 
 
-def check_private(where: str, mode: int) -> None:
-    """Raise ``ConfigError`` unless ``mode`` (an ``st_mode``) gives group and others no access.
+def check_private(where: str, st: os.stat_result) -> None:
+    """Raise ``ConfigError`` if a user other than the daemon's may read the file of ``st``.
 
     For files holding credentials (the tenants file, the cluster secret): a key
-    another local user can read is a key that user holds.
+    another local user can read is a key that user holds. Others may have no
+    access; the group only when the file's group is the daemon's own (a
+    Kubernetes secret volume is root's, group ``fsGroup``, mode 0440 at least).
     """
-    if stat.S_IMODE(mode) & 0o077:
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid()):
         raise ConfigError(where, f"holds credentials: make it readable by the daemon's user only "
-                                 f"(chmod 600; it is {stat.S_IMODE(mode):04o})")
+                                 f"(chmod 600; it is {mode:04o}, group {st.st_gid})")
 
 
 def read_secret(path: str) -> bytes:
-    """The cluster secret from ``path``: mode 0600 or tighter, at least 16 bytes; raises ``ConfigError``."""
+    """The cluster secret from ``path``: private (``check_private``), at least 16 bytes; raises
+    ``ConfigError``."""
     try:
         with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
+            st = os.fstat(f.fileno())
             secret = f.read().strip()
     except OSError as exc:
         raise ConfigError("cluster.secret_file", f"cannot read {path!r}: {exc.strerror}") from None
-    check_private(f"cluster.secret_file ({path})", mode)
+    check_private(f"cluster.secret_file ({path})", st)
     if len(secret) < 16:
         raise ConfigError("cluster.secret_file", f"{path!r} must hold a secret of at least 16 bytes")
     return secret

@@ -7,8 +7,8 @@ With ``[tenants] file`` set, the daemon reads a TOML file of tenants::
     access_key = "...32-256 of [0-9A-Za-z+/=]..."
     quota = "8GiB"                  # optional: committed bytes this tenant may hold
 
-The file must not be readable by group or others (it holds secrets): the
-daemon refuses to start otherwise, naming the file. A client's HELLO must
+The file must be readable by the daemon's user only (``config.check_private``:
+it holds secrets): the daemon refuses to start otherwise, naming the file. A client's HELLO must
 carry a known ``access_id`` and its ``access_key`` (compared in constant
 time); a client without one is the default tenant, admitted only with
 ``allow_default``. Every namespace a tenant opens is qualified by its id on
@@ -91,7 +91,7 @@ def load(path: Path, allow_default: bool) -> Tenants:
         raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(where, f"cannot read: {exc.strerror or exc}") from None
-    check_private(where, st.st_mode)
+    check_private(where, st)
     try:
         doc = tomllib.loads(raw.decode())
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:

@@ -123,6 +123,7 @@ def start(work: Path, nodes: int, pool_per_node: int, eviction: str,
     dep = Deployment([], zookeeper if own else None)
     secret = work / "secret"
     secret.write_text("workload-benchmark-cluster-secret\n")
+    secret.chmod(0o600)  # emsd refuses a secret others can read
     try:
         for i in range(nodes):
             dep.nodes.append(_start(work / name, f"n{i}", pool_per_node, eviction,
