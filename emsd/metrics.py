@@ -1,21 +1,15 @@
-"""Prometheus metrics and the small HTTP endpoint that serves them.
+"""Prometheus metrics.
 
 ``Metrics`` owns one ``CollectorRegistry`` per daemon (not the global one, so
 several daemons can live in one test process). Counters and histograms are
 updated on the request path; pool gauges are read from the store at scrape
 time by ``PoolCollector``, so the hot path pays nothing for them.
 
-``HttpEndpoint`` answers ``GET /healthz`` (200 while the process serves:
-liveness), ``GET /readyz`` (200 once the pool is attached and the node is
-standalone or joined to its cluster, else 503 and the reason: readiness),
-``GET /metrics`` (Prometheus text format) and 404 otherwise. It is a
-deliberately tiny HTTP/1.0 server on asyncio: one request per connection, a
-bounded request line, no body.
+The HTTP endpoint that serves them is ``emsd.http``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -61,6 +55,9 @@ class Metrics:
                                    "Keys a reserve could not place (pool full of pinned blocks)",
                                    registry=r)
         self.clients = Gauge("emsd_clients_connected", "SDK connections open", registry=r)
+        self.http_refused = Counter("emsd_http_connections_refused",
+                                    "HTTP connections closed unanswered: too many open, in all or from "
+                                    "one address", registry=r)
         self.ready = Gauge("emsd_ready", "1 once the pool is attached and serving", registry=r)
         self.peer_blocks = Counter("emsd_peer_blocks", "Blocks moved with a peer, by peer and op (get/put)",
                                    ["peer", "op"], registry=r)
@@ -261,55 +258,3 @@ class RefusalCollector(Collector):
 
 def _page_bytes(st: Any, c: Any) -> int:
     return int(getattr(c, "page_size", 0) or getattr(st, "page_size", 0) or 0)
-
-
-class HttpEndpoint:
-    """``/healthz`` and ``/metrics`` over a minimal asyncio HTTP/1.0 server."""
-
-    def __init__(self, metrics: Metrics, readiness: Callable[[], str | None]) -> None:
-        self.metrics = metrics
-        self.readiness = readiness  # None: ready; else the reason it is not
-        self.server: asyncio.base_events.Server | None = None
-
-    async def start(self, host: str, port: int) -> None:
-        self.server = await asyncio.start_server(self._serve, host, port, limit=8192)
-
-    @property
-    def port(self) -> int:
-        assert self.server is not None
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), timeout=5)
-            while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = line.decode("latin-1").split()
-            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
-            if len(parts) < 2 or parts[0] != "GET":
-                status, ctype, body = "405 Method Not Allowed", "text/plain", b"only GET\n"
-            elif path == "/healthz":  # the process is alive and its event loop turns
-                status, ctype, body = "200 OK", "text/plain", b"ok\n"
-            elif path == "/readyz":
-                why = self.readiness()
-                status = "200 OK" if why is None else "503 Service Unavailable"
-                ctype, body = "text/plain", b"ready\n" if why is None else why.encode() + b"\n"
-            elif path == "/metrics":
-                status, body = "200 OK", self.metrics.render()
-                ctype = "text/plain; version=0.0.4; charset=utf-8"
-            else:
-                status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
-            writer.write(
-                f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                f"Connection: close\r\n\r\n".encode() + body
-            )
-            await writer.drain()
-        except (TimeoutError, ConnectionError, asyncio.LimitOverrunError, ValueError):
-            pass
-        finally:
-            writer.close()

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from emsd import __version__
 from emsd.config import Config, ConfigError
-from emsd.metrics import HttpEndpoint, Metrics
+from emsd.http import HttpEndpoint
+from emsd.metrics import Metrics
 from emsd.pool.admission import AdmissionRule
 from emsd.pool.checksum import Checksums
 from emsd.pool.ledger import Geometry, Ledger, LedgerBusy

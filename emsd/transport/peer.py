@@ -65,7 +65,6 @@ import os
 import socket
 import ssl
 import struct
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,6 +73,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from emsd.faults import FAULTS
+from emsd.logs import Once
 from emsd.pool.checksum import Checksums
 from emsd.pool.keys import KeyBatch, KeyError_
 from emsd.pool.store import BlockStore, Pinned
@@ -109,7 +109,6 @@ AUTH_FRAME_LIMIT = 4096
 # source address; more are closed at once. A silent one costs a descriptor for AUTH_TIMEOUT.
 MAX_UNAUTHENTICATED = 64
 MAX_UNAUTHENTICATED_PER_ADDRESS = 16
-REFUSAL_LOG_INTERVAL = 60.0  # seconds between two log lines about refused connections
 MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
 SOCKET_BUFFER = 256 << 10  # kernel buffers per direction (cluster.peer_socket_buffer; see _tune)
@@ -490,7 +489,7 @@ class PeerServer:
         self.refused = 0  # connections that ended before authenticating (TLS, AUTH, malformed, silent)
         self.unauthenticated: collections.Counter[str] = collections.Counter()  # by source address
         self.refused_busy = 0  # connections closed at once: too many not yet authenticated
-        self._busy_logged = self._refused_logged = -REFUSAL_LOG_INTERVAL
+        self._busy_log, self._refused_log, self._accept_log = Once(60.0), Once(60.0), Once(60.0)
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen; returns the bound (host, port) (port 0 picks a free one)."""
@@ -528,7 +527,8 @@ class PeerServer:
             except OSError as exc:
                 if self._listener is None:
                     return
-                log.warning("peer accept failed: %s", exc)
+                if self._accept_log.due():  # EMFILE and friends: every 100 ms while it lasts
+                    log.warning("peer accept failed: %s (said once a minute at most)", exc)
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
@@ -550,9 +550,7 @@ class PeerServer:
         if (sum(self.unauthenticated.values()) >= MAX_UNAUTHENTICATED
                 or self.unauthenticated[address] >= MAX_UNAUTHENTICATED_PER_ADDRESS):
             self.refused_busy += 1
-            now = time.monotonic()
-            if now - self._busy_logged >= REFUSAL_LOG_INTERVAL:
-                self._busy_logged = now
+            if self._busy_log.due():
                 log.warning("peer connections refused: %d not yet authenticated (at most %d, %d from "
                             "one address; %s has %d); %d refused so far", sum(self.unauthenticated.values()),
                             MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_ADDRESS, address,
@@ -563,11 +561,9 @@ class PeerServer:
 
     def _refuse(self, address: str, why: Exception) -> None:
         """Count a connection from ``address`` that ended before authenticating; log it, at
-        most once every ``REFUSAL_LOG_INTERVAL`` (anyone can make such connections)."""
+        most once a minute (anyone can make such connections)."""
         self.refused += 1
-        now = time.monotonic()
-        if now - self._refused_logged >= REFUSAL_LOG_INTERVAL:
-            self._refused_logged = now
+        if self._refused_log.due():
             log.warning("peer connection from %s refused: %s (%d refused so far; one line a minute at "
                         "most)", address, why, self.refused)
 

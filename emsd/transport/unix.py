@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from emsd.logs import Once
 from emsd.service import RequestError, Service, Session
 from emsd.transport.frames import (
     PREFIX,
@@ -187,6 +188,7 @@ class UnixControlServer:
         self._on_count = on_count
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
+        self._accept_log = Once(60.0)
         self._conns: set[ControlProtocol] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bind() made
@@ -231,7 +233,8 @@ class UnixControlServer:
             except asyncio.CancelledError:
                 raise
             except OSError as exc:  # EMFILE and friends: back off, keep serving
-                log.warning("accept failed: %s", exc)
+                if self._accept_log.due():  # every 100 ms while it lasts
+                    log.warning("accept failed: %s (said once a minute at most)", exc)
                 await asyncio.sleep(0.1)
                 continue
             task = loop.create_task(self._handshake(conn))

@@ -26,6 +26,11 @@ The peer port's path before authentication gets the same treatment
 frames with fuzzed fields, byte-flipped and cut-short ones, oversized length
 prefixes and noise. Each is refused and hung up on, the daemon stays up
 within a memory bound, and the cluster still moves blocks afterwards.
+
+So does the HTTP endpoint (``EMS_FUZZ_HTTP`` requests): request heads with
+random methods, paths, versions and headers, over-long lines, too many
+lines, binary noise, heads cut short. Each gets an answer or a hang-up, and
+/healthz and /metrics still answer, with memory flat.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from emsd.transport.peer import NONCE_BYTES, OP_AUTH, OP_CHALLENGE
 SEED = int(os.environ.get("EMS_FUZZ_SEED", "20261123"))
 FRAMES = int(os.environ.get("EMS_FUZZ_FRAMES", "100000"))
 PEER_CONNECTIONS = int(os.environ.get("EMS_FUZZ_PEER", "3000"))
+HTTP_REQUESTS = int(os.environ.get("EMS_FUZZ_HTTP", "3000"))
 MARK = 0x7FFF_FFF0  # the PING's request id: the end of a fuzz frame's answers
 WEIRD: list[Any] = [0, 1, -1, 2, 7, 255, 65536, 65537, 2**31, 2**32 + 5, -(2**40), 2**63, 1.5, "x", "",
                     b"\x00" * 3, None, True, [], [1, 2], {}, {"a": 1}, "\u2603" * 40]
@@ -338,3 +344,46 @@ def _recv_exactly(s: socket.socket, n: int) -> bytes:
         assert chunk, "the daemon hung up before its CHALLENGE"
         data += chunk
     return data
+
+
+def hostile_http(rng: random.Random) -> bytes:
+    """One hostile HTTP request head (see the module docstring)."""
+    method = rng.choice([b"GET", b"POST", b"HEAD", b"get", b"", b"\x00GET", rng.randbytes(8)])
+    path = rng.choice([b"/healthz", b"/readyz", b"/metrics", b"/metrics?x=" + b"a" * rng.randrange(9000), b"",
+                       b"/%00", b"*", b"/" + rng.randbytes(20), b"../../etc/passwd"])
+    version = rng.choice([b" HTTP/1.0", b" HTTP/1.1", b" HTTP/9", b"", b" " + rng.randbytes(4)])
+    head = method + b" " + path + version + b"\r\n"
+    kind = rng.randrange(5)
+    if kind == 0:  # many header lines
+        head += b"".join(b"X-%d: %d\r\n" % (i, i) for i in range(rng.randrange(200)))
+    elif kind == 1:  # one over-long header line
+        head += b"X-Long: " + b"a" * rng.randrange(8000, 20000) + b"\r\n"
+    elif kind == 2:  # noise
+        head = rng.randbytes(rng.randrange(1, 12000))
+    elif kind == 3:  # cut short
+        return head[: rng.randrange(len(head) + 1)]
+    return head + rng.choice([b"\r\n", b"\n", b""])
+
+
+def test_hostile_requests_on_the_http_endpoint(emsd: Any) -> None:
+    rng = random.Random(SEED)
+    rss = psutil.Process(emsd.pid)
+    baseline = 0
+    for i in range(HTTP_REQUESTS):
+        if i == HTTP_REQUESTS // 10:
+            baseline = rss.memory_info().rss
+        with socket.create_connection((emsd.metrics_host, emsd.metrics_port), timeout=10) as s:
+            try:
+                s.sendall(hostile_http(rng))
+                s.shutdown(socket.SHUT_WR)
+                answer = b""
+                while chunk := s.recv(1 << 16):
+                    answer += chunk
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                continue
+            assert answer == b"" or answer.startswith(b"HTTP/1.0 "), (SEED, i, answer[:80])
+    assert emsd.alive(), f"seed {SEED}"
+    assert emsd.http("/healthz") == (200, b"ok\n")
+    assert emsd.metric("emsd_ready") == 1.0
+    grown = rss.memory_info().rss - baseline
+    assert grown < 16 << 20, f"daemon RSS grew {grown} bytes over the run (seed {SEED})"
