@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from emsd import __version__
 from emsd.config import Config, ConfigError
+from emsd.files import UnsafePath, check_dir
 from emsd.http import HttpEndpoint
 from emsd.metrics import Metrics
 from emsd.pool.admission import AdmissionRule
@@ -90,7 +91,7 @@ class Daemon:
         cfg = self.config
         try:
             self.control.bind()
-        except OSError as exc:
+        except (OSError, UnsafePath) as exc:
             raise StartupError(f"node.socket_dir: cannot serve {cfg.socket_path}: {exc}") from None
         self.control.start()
         address = cfg.metrics.address()
@@ -215,10 +216,13 @@ class Daemon:
         try:
             if persist is not None:
                 persist.mkdir(parents=True, exist_ok=True)
+                check_dir(persist)
             region = Region.create(cfg.size, cfg.hugepages, name=f"emsd-{self.config.node.id}",
                                    persist_dir=persist)
         except RegionError as exc:
             raise StartupError(str(exc)) from None
+        except UnsafePath as exc:
+            raise StartupError(f"pool.state_dir: {exc}") from None
         except OSError as exc:
             raise StartupError(f"pool.state_dir: cannot use {persist}: {exc.strerror or exc}") from None
         if cfg.prefault:
@@ -248,12 +252,12 @@ class Daemon:
             if self.config.pool.warm_restart:
                 log.info("warm restart: off for this pool (%s)", region.reason)
             return store, {}
-        st = os.stat(region.path)
+        st = os.fstat(region.fd)
         geometry = Geometry(region.size, store.page_size, store.slabs.align, st.st_dev, st.st_ino)
         path = self._state_dir() / f"emsd-{self.config.node.id}.ledger"
         try:
             ledger, outcome = Ledger.open(path, geometry)
-        except LedgerBusy as exc:
+        except (LedgerBusy, UnsafePath) as exc:
             raise StartupError(f"pool.state_dir: {exc}") from None
         except OSError as exc:
             raise StartupError(f"pool.state_dir: cannot open {path}: {exc.strerror or exc}") from None

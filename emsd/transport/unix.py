@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from emsd.files import check_dir
 from emsd.logs import Once
 from emsd.service import RequestError, Service, Session
 from emsd.transport.frames import (
@@ -194,8 +195,10 @@ class UnixControlServer:
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bind() made
 
     def bind(self) -> None:
-        """Create the socket file (replacing a stale one); raises OSError if one is live."""
+        """Create the socket file (replacing a stale one); raises OSError if one is live,
+        ``UnsafePath`` if the directory is another user's or others may write to it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_dir(self.path.parent)
         if self.path.exists():
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:

@@ -109,3 +109,49 @@ def test_a_client_that_never_reads_its_answers_is_cut_off_with_memory_bounded(em
     assert "read no answers" in d.log()
     assert grown < 256 << 20, f"daemon grew by {grown >> 20} MiB"
     assert d.alive() and d.http("/healthz") == (200, b"ok\n")
+
+
+def refused_at_start(d: Any, *words: str) -> str:
+    """Start ``d``, expect exit 2, and return its one start-up error line (which has ``words``)."""
+    d.start(wait=False)
+    assert d.proc is not None
+    assert d.proc.wait(20) == 2, d.log()
+    lines = [line for line in d.log().splitlines() if all(w in line for w in words)]
+    assert len(lines) == 1, d.log()
+    return lines[0]
+
+
+@pytest.mark.parametrize("planted", ["pool", "ledger"])
+def test_symlinks_planted_for_the_pool_or_the_ledger_are_refused_and_their_targets_untouched(
+        emsd_factory: Any, tmp_path: Path, planted: str) -> None:
+    """Main truncated and zeroed both targets (which kept mode 0644): now neither is opened."""
+    victim = tmp_path / f"victim-{planted}"
+    victim.write_bytes(b"someone else's bytes\n" * 100)
+    victim.chmod(0o644)
+    d = emsd_factory(start=False)
+    state = Path(d.sections["pool"]["state_dir"])
+    state.mkdir(mode=0o700)
+    (state / f"emsd-{d.sections['node']['id']}.{planted}").symlink_to(victim)
+    line = refused_at_start(d, "pool.state_dir", "symbolic link")
+    assert f"emsd-{d.sections['node']['id']}.{planted}" in line
+    assert victim.read_bytes() == b"someone else's bytes\n" * 100
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize("which", ["pool.state_dir", "node.socket_dir"])
+def test_a_directory_others_can_write_or_another_user_owns_is_refused(emsd_factory: Any, which: str) -> None:
+    """Anyone who can write to the state or socket directory can plant files the daemon would use."""
+    section, key = which.split(".")
+    d = emsd_factory(start=False)
+    directory = Path(d.sections[section][key])
+    directory.mkdir(mode=0o700)
+    directory.chmod(0o777)
+    assert "writable by others" in refused_at_start(d, which, str(directory))
+    directory.chmod(0o700)
+    os.chown(directory, 65534, 65534)  # nobody's
+    d2 = emsd_factory(start=False, **{section: {key: str(directory)}})
+    assert "belongs to uid 65534" in refused_at_start(d2, which, str(directory))
+    os.chown(directory, os.geteuid(), os.getegid())
+    d3 = emsd_factory(start=False, **{section: {key: str(directory)}})
+    d3.start()
+    assert d3.alive() and d3.http("/readyz")[0] == 200
