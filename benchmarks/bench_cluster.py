@@ -138,6 +138,7 @@ def bench_emsd(rounds: int, between: Callable[[], None]) -> dict[str, float]:
         server = zk.ZooKeeperServer(work / "zk").start()
         secret = work / "secret"
         secret.write_text("benchmark-cluster-secret\n")
+        secret.chmod(0o600)  # emsd refuses a secret others can read
         procs: list[subprocess.Popen[bytes]] = []
         try:
             a, sock_a = start_daemon(work, "a", server.hosts, secret)

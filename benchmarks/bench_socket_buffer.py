@@ -118,6 +118,7 @@ def main() -> None:
         server = bc.zk.ZooKeeperServer(work / "zk").start()
         secret = work / "secret"
         secret.write_text("benchmark-cluster-secret\n")
+        secret.chmod(0o600)  # emsd refuses a secret others can read
         try:
             for r in range(args.rounds):
                 for i, size in enumerate(sizes):

@@ -119,14 +119,14 @@ class ContextCaching:
     def async_save(self, slot_mapping: Any, hashes: Any = None, offsets: Any = None,
                    option: CcKvOption | None = None, **kwargs: Any) -> CcFuture:
         """``save`` in the background; arguments are checked before returning."""
-        opt = resolve_option(option)
+        opt = resolve_option(option).copy()  # the call's own: the caller may change theirs
         req = self._request(slot_mapping, hashes, offsets, kwargs, for_save=True)
         return CcFuture(self._executor.submit(self._timed, "async_save", self._save, req, opt))
 
     def async_load(self, slot_mapping: Any, hashes: Any = None, offsets: Any = None,
                    option: CcKvOption | None = None, **kwargs: Any) -> CcFuture:
         """``load`` in the background; arguments are checked before returning."""
-        opt = resolve_option(option)
+        opt = resolve_option(option).copy()  # the call's own: the caller may change theirs
         req = self._request(slot_mapping, hashes, offsets, kwargs, for_save=False)
         return CcFuture(self._executor.submit(self._timed, "async_load", self._load, req, opt))
 
@@ -140,8 +140,14 @@ class ContextCaching:
         _check_future(future)
         return future.result()
 
-    def exists(self, hashes: Any, option: CcKvOption | None = None) -> CcResult:
-        """How many leading ``hashes`` are stored; no pin, no LRU refresh."""
+    def exists(self, hashes: Any, option: CcKvOption | None = None, **kwargs: Any) -> CcResult:
+        """How many leading ``hashes`` are stored; no pin, no LRU refresh.
+
+        ``**kwargs`` is in the published signature but no keyword is defined:
+        any raises ``EMS_INVALID_ARGUMENT`` naming it.
+        """
+        if kwargs:
+            raise invalid(f"exists: unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
         start = time.perf_counter_ns()
         opt = resolve_option(option)
         fast = _int_keys_wire(hashes)
@@ -199,13 +205,13 @@ class ContextCaching:
         layout = self.layout
         unknown = set(kwargs) - {"token_ids", "mask"}
         if unknown:
-            raise invalid(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+            raise invalid(f"unexpected keyword argument(s): {', '.join(sorted(unknown))} "
+                          "(the keyword arguments are token_ids= and mask=)")
         if "token_ids" in kwargs:
             if hashes is not None or offsets is not None:
                 raise invalid("give either hashes/offsets or token_ids/mask, not both")
-            if "mask" not in kwargs:
-                raise invalid("token semantics need both token_ids= and mask=")
-            req = token_request(slot_mapping, kwargs["token_ids"], kwargs["mask"],
+            # mask is optional (reference tables 8-4/8-9/8-15/8-20): None = all ones
+            req = token_request(slot_mapping, kwargs["token_ids"], kwargs.get("mask"),
                                 layout.block_size, for_save)
         else:
             if "mask" in kwargs:

@@ -41,6 +41,7 @@ from emsd.membership.base import Membership, MembershipState, NodeInfo
 from emsd.membership.zookeeper import ZooKeeperMembership
 from emsd.metrics import Metrics
 from emsd.placement.agreement import Params, advertised, disagreeing
+from emsd.placement.record import NotWritten, Record
 from emsd.placement.ring import ClusterView, Member, Ring
 from emsd.pool.keys import KeyBatch
 from emsd.transport.link import Dialer, PeerLink
@@ -66,6 +67,7 @@ async def _inject(site: str, conn: PeerLink) -> None:
     raise PeerError(f"injected fault at {site}: {rule.action}")
 
 BACKOFF = 1.0
+PLACEMENT_WRITE_TIMEOUT = 10.0  # seconds emsctl placement set waits for ZooKeeper
 
 
 def _leading_true(mask: np.ndarray) -> int:
@@ -103,7 +105,7 @@ class Cluster:
         self.node_id = node_id
         self.access = access
         self.secret = secret
-        extra = advertised(cfg.vnodes, cfg.replicas)
+        extra = advertised(cfg.vnodes, cfg.replicas, follows_record=membership is None)  # None: ZooKeeper
         if rdma is not None:
             extra[EXTRA_KEY] = rdma.descriptor.to_extra()
         self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL, extra)
@@ -113,7 +115,9 @@ class Cluster:
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
         self.membership: Membership = membership or ZooKeeperMembership(
-            cfg.zookeeper, cfg.name, self.me, cfg.session_timeout, endpoint_is_mine=True)
+            cfg.zookeeper, cfg.name, self.me, cfg.session_timeout, endpoint_is_mine=True,
+            placement=(cfg.vnodes, cfg.replicas))
+        self.record: Record | None = None  # the cluster's placement record (ZooKeeper), once read
         self.view: tuple[NodeInfo, ...] = (self.me,)
         self.ring = Ring.build(ClusterView.of([Member(node_id, capacity)]), cfg.vnodes, cfg.replicas)
         self._conns: dict[str, list[PeerLink]] = {}
@@ -137,10 +141,17 @@ class Cluster:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.membership.start)
         self.membership.on_change(lambda view: self._from_thread(loop, view))
+        if isinstance(self.membership, ZooKeeperMembership):  # static members share no record
+            if self.membership.record is not None:  # read while joining: the first ring uses it
+                self.adopt(self.membership.record)
+            self.membership.on_placement(lambda rec: self._record_from_thread(loop, rec))
         self.set_view(self.membership.members())
 
     def _from_thread(self, loop: asyncio.AbstractEventLoop, view: tuple[NodeInfo, ...]) -> None:
         loop.call_soon_threadsafe(self.set_view, view)
+
+    def _record_from_thread(self, loop: asyncio.AbstractEventLoop, record: Record) -> None:
+        loop.call_soon_threadsafe(self.adopt, record)
 
     async def stop(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.membership.stop)
@@ -158,6 +169,49 @@ class Cluster:
     def state(self) -> MembershipState:
         return self.membership.state
 
+    @property
+    def params(self) -> Params:
+        """(vnodes, replicas) the ring is built with: the cluster's record, else this node's config."""
+        return self.record.params if self.record is not None else (self.cfg.vnodes, self.cfg.replicas)
+
+    @property
+    def config_differs(self) -> bool:
+        """This node's own ``cluster.vnodes``/``replicas`` differ from the record it places keys by."""
+        return self.record is not None and self.record.params != (self.cfg.vnodes, self.cfg.replicas)
+
+    def adopt(self, record: Record) -> None:
+        """Place keys by the cluster's placement record from now on (``emsd.placement.record``)."""
+        if record == self.record:
+            return
+        before, self.record = self.params, record
+        if self.config_differs:
+            log.error("placement: this node's config says vnodes=%d replicas=%d, the cluster's record "
+                      "vnodes=%d replicas=%d (version %d): using the record; the config is not used",
+                      self.cfg.vnodes, self.cfg.replicas, *record.params, record.version)
+        if record.params != before:
+            log.warning("placement: ring parameters vnodes=%d replicas=%d -> vnodes=%d replicas=%d "
+                        "(record version %d)", *before, *record.params, record.version)
+        self.set_view(self.membership.members())
+
+    @property
+    def shares_placement(self) -> bool:
+        """The membership keeps a cluster-wide placement record (ZooKeeper; static members do not)."""
+        return isinstance(self.membership, ZooKeeperMembership)
+
+    async def set_placement(self, vnodes: int, replicas: int) -> Record:
+        """Rewrite the cluster's placement record (``emsctl placement set``); every node's watch,
+        this one's included, then adopts it. Raises ``NotWritten``."""
+        assert isinstance(self.membership, ZooKeeperMembership)
+        write = asyncio.get_running_loop().run_in_executor(
+            None, self.membership.set_placement, vnodes, replicas)
+        try:
+            rec = await asyncio.wait_for(write, PLACEMENT_WRITE_TIMEOUT)
+        except TimeoutError:
+            raise NotWritten(f"ZooKeeper did not answer in {PLACEMENT_WRITE_TIMEOUT:g} s") from None
+        log.warning("placement record set to vnodes=%d replicas=%d (version %d) through this node",
+                    *rec.params, rec.version)
+        return rec
+
     def set_view(self, view: tuple[NodeInfo, ...]) -> None:
         """Adopt a membership view: rebuild the ring, drop connections to departed nodes."""
         if self.draining:
@@ -165,8 +219,7 @@ class Cluster:
         if not view:  # even a drained node needs a ring to place keys on: keep itself
             view = (self.me,)
         self.view = view
-        self.ring = Ring.build(ClusterView.of(Member(n.node_id, n.capacity) for n in view),
-                               self.cfg.vnodes, self.cfg.replicas)
+        self.ring = Ring.build(ClusterView.of(Member(n.node_id, n.capacity) for n in view), *self.params)
         self._check_placement(view)
         present = {n.node_id for n in view}
         for gone in set(self._conns) - present:
@@ -178,9 +231,11 @@ class Cluster:
 
     def _check_placement(self, view: tuple[NodeInfo, ...]) -> None:
         """Name the members that place keys otherwise (``emsd.placement.agreement``): in
-        ``self.disagree`` (STATS), and in one error line per member and value."""
-        mine = (self.cfg.vnodes, self.cfg.replicas)
-        self.disagree = disagreeing(view, self.node_id, mine)
+        ``self.disagree`` (STATS), and in one error line per member and value. Under the
+        cluster's record, members that follow it place keys alike whatever their config says:
+        only those that do not (older daemons) are compared, with the record's values."""
+        mine = self.params
+        self.disagree = disagreeing(view, self.node_id, mine, skip_followers=self.record is not None)
         for node, theirs in self.disagree.items():
             if (node, theirs) not in self._disagree_logged:
                 self._disagree_logged.add((node, theirs))

@@ -10,8 +10,10 @@ step.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,11 +57,13 @@ class PoolConfig:
     admit_after: int = 1  # store a block from its N-th save on; 1: admission off
     admit_after_namespaces: tuple[tuple[str, int], ...] = ()  # (namespace glob, N), first match wins
     grants: bool = True  # hand clients chunks for their next saves: one round trip a save (emsd.service)
+    connection_uncommitted: int = 0  # bytes a connection may hold reserved + granted; 0: half of size
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
     listen: str = "127.0.0.1:9400"  # "" disables the HTTP endpoint
+    namespace_labels: bool = False  # emsd_pool_namespace_bytes by namespace name (names are clients')
 
     def address(self) -> tuple[str, int] | None:
         if not self.listen:
@@ -114,6 +118,7 @@ class ClusterConfig:
 class TenantsConfig:
     file: Path | None = None  # None: one default tenant for everyone
     allow_default: bool = False  # with a file: also serve clients that give no access_id
+    max_namespaces: int = 1024  # namespaces a tenant may have in use at once on a node
 
 
 @dataclass(frozen=True)
@@ -216,14 +221,17 @@ def _disk(t: dict[str, Any]) -> DiskConfig:
 
 
 def _tenants(t: dict[str, Any]) -> TenantsConfig:
-    _only(t, "tenants", {"file", "allow_default"})
+    _only(t, "tenants", {"file", "allow_default", "max_namespaces"})
     file = t.get("file", "")
     if not isinstance(file, str) or (file and not file.startswith("/")):
         raise ConfigError("tenants.file", f"must be an absolute path or empty (got {file!r})")
     allow = t.get("allow_default", False)
     if not isinstance(allow, bool):
         raise ConfigError("tenants.allow_default", f"must be true or false (got {allow!r})")
-    return TenantsConfig(file=Path(file) if file else None, allow_default=allow)
+    most = t.get("max_namespaces", TenantsConfig.max_namespaces)
+    if type(most) is not int or not 1 <= most <= 65536:
+        raise ConfigError("tenants.max_namespaces", f"must be an integer in 1..65536 (got {most!r})")
+    return TenantsConfig(file=Path(file) if file else None, allow_default=allow, max_namespaces=most)
 
 
 def _ids(key: str, value: Any) -> tuple[int, ...]:
@@ -267,7 +275,8 @@ def _node(t: dict[str, Any]) -> NodeConfig:
 
 def _pool(t: dict[str, Any]) -> PoolConfig:
     _only(t, "pool", {"size", "hugepages", "page_size", "prefault", "warm_restart", "state_dir",
-                      "checksum", "eviction", "admit_after", "admit_after_namespaces", "grants"})
+                      "checksum", "eviction", "admit_after", "admit_after_namespaces", "grants",
+                      "connection_uncommitted"})
     d = PoolConfig()
     size = parse_size("pool.size", t.get("size", d.size))
     if size < MIN_POOL:
@@ -297,6 +306,8 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     grants = t.get("grants", d.grants)
     if not isinstance(grants, bool):
         raise ConfigError("pool.grants", f"must be true or false (got {grants!r})")
+    uncommitted = parse_size("pool.connection_uncommitted",
+                             t.get("connection_uncommitted", d.connection_uncommitted))
     per_ns = t.get("admit_after_namespaces", {})
     if not isinstance(per_ns, dict):
         raise ConfigError("pool.admit_after_namespaces",
@@ -306,7 +317,7 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     return PoolConfig(size=size, hugepages=huge, page_size=min(page, size), prefault=prefault,
                       warm_restart=warm, state_dir=Path(state) if state else None,
                       eviction=eviction, admit_after=admit, admit_after_namespaces=patterns,
-                      checksum=checksum, grants=grants)
+                      checksum=checksum, grants=grants, connection_uncommitted=uncommitted)
 
 
 def _admit_count(key: str, value: Any) -> int:
@@ -316,11 +327,14 @@ def _admit_count(key: str, value: Any) -> int:
 
 
 def _metrics(t: dict[str, Any]) -> MetricsConfig:
-    _only(t, "metrics", {"listen"})
+    _only(t, "metrics", {"listen", "namespace_labels"})
     listen = t.get("listen", MetricsConfig().listen)
     if not isinstance(listen, str) or (listen and not _is_endpoint(listen)):
         raise ConfigError("metrics.listen", f'must be "host:port" or "" (got {listen!r})')
-    return MetricsConfig(listen=listen)
+    labels = t.get("namespace_labels", False)
+    if not isinstance(labels, bool):
+        raise ConfigError("metrics.namespace_labels", f"must be true or false (got {labels!r})")
+    return MetricsConfig(listen=listen, namespace_labels=labels)
 
 
 def _is_endpoint(value: str) -> bool:
@@ -395,12 +409,30 @@ def _tls(t: dict[str, Any]) -> dict[str, str]:
     return paths
 
 
+def check_private(where: str, st: os.stat_result) -> None:
+    """Raise ``ConfigError`` if a user other than the daemon's may read the file of ``st``.
+
+    For files holding credentials (the tenants file, the cluster secret): a key
+    another local user can read is a key that user holds. Others may have no
+    access; the group only when the file's group is the daemon's own (a
+    Kubernetes secret volume is root's, group ``fsGroup``, mode 0440 at least).
+    """
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid()):
+        raise ConfigError(where, f"holds credentials: make it readable by the daemon's user only "
+                                 f"(chmod 600; it is {mode:04o}, group {st.st_gid})")
+
+
 def read_secret(path: str) -> bytes:
-    """The cluster secret from ``path``: at least 16 bytes; raises ``ConfigError``."""
+    """The cluster secret from ``path``: private (``check_private``), at least 16 bytes; raises
+    ``ConfigError``."""
     try:
-        secret = Path(path).read_bytes().strip()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            secret = f.read().strip()
     except OSError as exc:
         raise ConfigError("cluster.secret_file", f"cannot read {path!r}: {exc.strerror}") from None
+    check_private(f"cluster.secret_file ({path})", st)
     if len(secret) < 16:
         raise ConfigError("cluster.secret_file", f"{path!r} must hold a secret of at least 16 bytes")
     return secret

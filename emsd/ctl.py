@@ -5,12 +5,14 @@
     emsctl [--socket-dir DIR] [--json] owner --namespace NAME KEY [KEY ...]
     emsctl [--socket-dir DIR] [--json] drain [--timeout SECONDS]
     emsctl [--socket-dir DIR] [--json] [--access-id ID] drop --namespace NAME [--timeout SECONDS]
+    emsctl [--socket-dir DIR] [--json] placement set --vnodes N --replicas R
     emsctl [--json] config check FILE
 
 It talks to the daemon over its Unix socket (``--socket-dir``, else
 ``$EMS_SOCKET_DIR``, else /dev/shm/ems) and, for ``stats``, reads the
 daemon's ``/metrics`` twice, ``--interval`` apart. It never writes to
-ZooKeeper: ``drain`` asks the daemon to leave the ring itself. Tables by
+ZooKeeper: ``drain`` asks the daemon to leave the ring itself, ``placement
+set`` asks it to rewrite the cluster's placement record. Tables by
 default, ``--json`` for scripts. Exit status: 0 done, 1 the daemon could
 not be reached or refused, 2 a bad command line or config file.
 
@@ -152,10 +154,17 @@ def _disk(d: dict[str, Any] | None) -> list[str]:
 
 
 def _placement_differs(st: dict[str, Any]) -> list[str]:
-    """One line per member that places keys otherwise than this node (none when all agree)."""
-    return [f"PLACEMENT   {node} uses vnodes={p.get('vnodes')} replicas={p.get('replicas')}, this node "
-            f"vnodes={st.get('vnodes')} replicas={st.get('replicas')}: loads between them miss"
-            for node, p in sorted(st.get("placement_differs", {}).items())]
+    """One line per member that places keys otherwise than this node (none when all agree), and one
+    when this node's config differs from the cluster's placement record it follows."""
+    own = st.get("placement_config", {})
+    mine = ([f"PLACEMENT   this node's config vnodes={own.get('vnodes')} replicas={own.get('replicas')} "
+             f"differs from the cluster's record vnodes={st.get('vnodes')} replicas={st.get('replicas')} "
+             f"(version {st.get('placement_record')}): the record is used"]
+            if st.get("placement_config_differs") else [])
+    return mine + [
+        f"PLACEMENT   {node} uses vnodes={p.get('vnodes')} replicas={p.get('replicas')}, this node "
+        f"vnodes={st.get('vnodes')} replicas={st.get('replicas')}: loads between them miss"
+        for node, p in sorted(st.get("placement_differs", {}).items())]
 
 
 def _via(path: dict[str, str] | None) -> str:
@@ -305,6 +314,13 @@ def _scrape(listen: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
     return out
 
 
+def placement_set(ctl: Control, vnodes: int, replicas: int) -> dict[str, Any]:
+    """Rewrite the cluster's placement record (``emsd.placement.record``) through the local daemon;
+    every node rebuilds its ring from it. Returns the new record."""
+    answer = ctl.call(Op.PLACEMENT, {"vnodes": vnodes, "replicas": replicas}, timeout=30)
+    return {k: answer[k] for k in ("vnodes", "replicas", "version")}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="emsctl", description="operate the local emsd")
     p.add_argument("--socket-dir", default=os.environ.get("EMS_SOCKET_DIR", DEFAULT_SOCKET_DIR),
@@ -326,6 +342,12 @@ def _parser() -> argparse.ArgumentParser:
                         "weight update)")
     dp.add_argument("--namespace", required=True, help="its name (emsctl --json status lists them)")
     dp.add_argument("--timeout", type=float, default=10.0, help="seconds the other nodes have to confirm")
+    pl = sub.add_parser("placement", help="the cluster's ring parameters (ZooKeeper clusters)")
+    pl_sub = pl.add_subparsers(dest="placement_cmd", required=True)
+    ps = pl_sub.add_parser("set", help="change vnodes and replicas on every node at once (blocks placed "
+                           "under the old values are found by their old owners only)")
+    ps.add_argument("--vnodes", type=int, required=True, help="ring points per member, 1..4096")
+    ps.add_argument("--replicas", type=int, required=True, help="owners per key, 1..8")
     cf = sub.add_parser("config", help="config files")
     cf_sub = cf.add_subparsers(dest="config_cmd", required=True)
     check = cf_sub.add_parser("check", help="validate a config file")
@@ -359,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                 elif args.cmd == "drop":
                     out = drop(ctl, args.namespace, args.timeout)
                     text = f"dropped {out['namespace']}: {out['dropped']} blocks evicted on this node"
+                elif args.cmd == "placement":
+                    out = placement_set(ctl, args.vnodes, args.replicas)
+                    text = (f"placement record version {out['version']}: vnodes={out['vnodes']} "
+                            f"replicas={out['replicas']} on every node")
                 else:
                     out = drain(ctl, args.timeout, progress=not args.json)
                     text = f"drained: {out['moved']} blocks moved, {out['failed']} not taken"

@@ -1,23 +1,15 @@
-"""Prometheus metrics and the small HTTP endpoint that serves them.
+"""Prometheus metrics.
 
 ``Metrics`` owns one ``CollectorRegistry`` per daemon (not the global one, so
 several daemons can live in one test process). Counters and histograms are
 updated on the request path; pool gauges are read from the store at scrape
 time by ``PoolCollector``, so the hot path pays nothing for them.
 
-``HttpEndpoint`` answers ``GET /healthz`` (200 while the process serves:
-liveness), ``GET /readyz`` (200 once the pool is attached and the node is
-standalone or joined to its cluster, else 503 and the reason: readiness; a
-ready node that runs without a part, such as a failed disk tier, adds a
-``degraded:`` line),
-``GET /metrics`` (Prometheus text format) and 404 otherwise. It is a
-deliberately tiny HTTP/1.0 server on asyncio: one request per connection, a
-bounded request line, no body.
+The HTTP endpoint that serves them is ``emsd.http``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +24,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from emsd.tenants import Tenants
 
 log = logging.getLogger("emsd.metrics")
 
@@ -61,6 +55,9 @@ class Metrics:
                                    "Keys a reserve could not place (pool full of pinned blocks)",
                                    registry=r)
         self.clients = Gauge("emsd_clients_connected", "SDK connections open", registry=r)
+        self.http_refused = Counter("emsd_http_connections_refused",
+                                    "HTTP connections closed unanswered: too many open, in all or from "
+                                    "one address", registry=r)
         self.ready = Gauge("emsd_ready", "1 once the pool is attached and serving", registry=r)
         self.peer_blocks = Counter("emsd_peer_blocks", "Blocks moved with a peer, by peer and op (get/put)",
                                    ["peer", "op"], registry=r)
@@ -128,9 +125,10 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def watch_pool(self, stats: Callable[[], Any], ns_name: Callable[[int], str] = str) -> None:
-        """Publish the store's gauges, read from ``stats()`` at each scrape."""
-        self.registry.register(PoolCollector(stats, ns_name))
+    def watch_pool(self, stats: Callable[[], Any], ns_name: Callable[[int], str] = str,
+                   namespace_labels: bool = False) -> None:
+        """Publish the store's gauges, read from ``stats()`` at each scrape (``PoolCollector``)."""
+        self.registry.register(PoolCollector(stats, ns_name, namespace_labels))
 
     def watch_cluster(self, view: Callable[[], tuple[str, int, int]]) -> None:
         """Publish the membership state and size, read from ``view()`` -> (state, members,
@@ -143,6 +141,11 @@ class Metrics:
         self.disk_read = Histogram("emsd_disk_read_seconds", "Time of one block read from the disk tier",
                                    buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(DiskCollector(stats))
+
+    def watch_peer_refusals(self, counts: Callable[[], dict[str, int]]) -> None:
+        """Publish ``emsd_peer_connections_refused_total`` by reason, read from ``counts()`` at
+        each scrape (``PeerServer.refusals``)."""
+        self.registry.register(RefusalCollector(counts))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -188,9 +191,16 @@ class DiskCollector(Collector):
 class PoolCollector(Collector):
     """Pool gauges computed at scrape time from ``BlockStore.stats()``."""
 
-    def __init__(self, stats: Callable[[], Any], ns_name: Callable[[int], str] = str) -> None:
+    def __init__(self, stats: Callable[[], Any], ns_name: Callable[[int], str] = str,
+                 namespace_labels: bool = False) -> None:
+        """``namespace_labels``: publish ``emsd_pool_namespace_bytes`` with one series per
+        namespace name (``metrics.namespace_labels``). Off by default: names are chosen by
+        clients (a tenant's model names, as long as 4 KiB each), so they would tell every
+        reader of /metrics other tenants' names and let clients grow the page without bound;
+        ``emsd_pool_tenant_bytes`` (one series per configured tenant) is always there."""
         self._stats = stats
         self._ns_name = ns_name
+        self._namespace_labels = namespace_labels
 
     def describe(self) -> list[Any]:
         return []
@@ -217,15 +227,25 @@ class PoolCollector(Collector):
         for reason, n in sorted(st.evictions.items()):
             ev.add_metric([reason], n)
         yield ev
-        ns = GaugeMetricFamily("emsd_pool_namespace_bytes", "Committed bytes by namespace",
-                               labels=["namespace"])
         by_name: dict[str, int] = {}  # a dropped namespace's old id has the same name as its new one
         for ns_id, n in st.ns_bytes.items():
             name = self._ns_name(ns_id)
             by_name[name] = by_name.get(name, 0) + n
-        for name, n in sorted(by_name.items()):
-            ns.add_metric([name], n)
-        yield ns
+        by_tenant: dict[str, int] = {}
+        for name, n in by_name.items():
+            tenant = Tenants.tenant_of(name)
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + n
+        tenants = GaugeMetricFamily("emsd_pool_tenant_bytes",
+                                    'Committed bytes by tenant ("" the default tenant)', labels=["tenant"])
+        for tenant, n in sorted(by_tenant.items()):
+            tenants.add_metric([tenant], n)
+        yield tenants
+        if self._namespace_labels:
+            ns = GaugeMetricFamily("emsd_pool_namespace_bytes", "Committed bytes by namespace",
+                                   labels=["namespace"])
+            for name, n in sorted(by_name.items()):
+                ns.add_metric([name], n)
+            yield ns
         cls = GaugeMetricFamily("emsd_pool_class_bytes", "Bytes of slab pages by size class and state",
                                 labels=["chunk_size", "state"])
         for c in st.classes:
@@ -251,8 +271,10 @@ class ClusterCollector(Collector):
         yield GaugeMetricFamily("emsd_cluster_members", "Nodes in this node's view of the ring",
                                 value=members)
         yield GaugeMetricFamily("emsd_cluster_placement_differs",
-                                "Members whose vnodes or replicas differ from this node's (loads between "
-                                "them miss)", value=differs)
+                                "1 when this node's vnodes/replicas config differs from the cluster's "
+                                "placement record (the record is used), plus the members that place keys "
+                                "otherwise than this node (no record followed: loads between them miss)",
+                                value=differs)
         fam = GaugeMetricFamily("emsd_cluster_membership_state",
                                 "ZooKeeper membership state (1 = current)", labels=["state"])
         for name in self.STATES:
@@ -260,61 +282,23 @@ class ClusterCollector(Collector):
         yield fam
 
 
+class RefusalCollector(Collector):
+    """Peer connections refused before authentication, by reason, computed at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily("emsd_peer_connections_refused",
+                                  "Peer connections refused: failed TLS or AUTH (auth), or closed at once "
+                                  "with too many not yet authenticated (busy)", labels=["reason"])
+        for reason, n in sorted(self._counts().items()):
+            fam.add_metric([reason], n)
+        yield fam
+
+
 def _page_bytes(st: Any, c: Any) -> int:
     return int(getattr(c, "page_size", 0) or getattr(st, "page_size", 0) or 0)
-
-
-class HttpEndpoint:
-    """``/healthz`` and ``/metrics`` over a minimal asyncio HTTP/1.0 server."""
-
-    def __init__(self, metrics: Metrics, readiness: Callable[[], str | None]) -> None:
-        self.metrics = metrics
-        self.readiness = readiness  # None: ready; else the reason it is not
-        self.degraded: Callable[[], str | None] = lambda: None  # ready, but a part is off (a failed disk)
-        self.server: asyncio.base_events.Server | None = None
-
-    async def start(self, host: str, port: int) -> None:
-        self.server = await asyncio.start_server(self._serve, host, port, limit=8192)
-
-    @property
-    def port(self) -> int:
-        assert self.server is not None
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), timeout=5)
-            while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = line.decode("latin-1").split()
-            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
-            if len(parts) < 2 or parts[0] != "GET":
-                status, ctype, body = "405 Method Not Allowed", "text/plain", b"only GET\n"
-            elif path == "/healthz":  # the process is alive and its event loop turns
-                status, ctype, body = "200 OK", "text/plain", b"ok\n"
-            elif path == "/readyz":
-                why = self.readiness()
-                status = "200 OK" if why is None else "503 Service Unavailable"
-                ctype, body = "text/plain", b"ready\n" if why is None else why.encode() + b"\n"
-                less = self.degraded() if why is None else None
-                if less:
-                    body += f"degraded: {less}\n".encode()
-            elif path == "/metrics":
-                status, body = "200 OK", self.metrics.render()
-                ctype = "text/plain; version=0.0.4; charset=utf-8"
-            else:
-                status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
-            writer.write(
-                f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                f"Connection: close\r\n\r\n".encode() + body
-            )
-            await writer.drain()
-        except (TimeoutError, ConnectionError, asyncio.LimitOverrunError, ValueError):
-            pass
-        finally:
-            writer.close()

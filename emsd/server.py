@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from emsd import __version__
 from emsd.config import Config, ConfigError
-from emsd.metrics import HttpEndpoint, Metrics
+from emsd.files import UnsafePath, check_dir
+from emsd.http import HttpEndpoint
+from emsd.metrics import Metrics
 from emsd.pool.admission import AdmissionRule
 from emsd.pool.checksum import Checksums
 from emsd.pool.ledger import Geometry, Ledger, LedgerBusy
@@ -93,7 +95,7 @@ class Daemon:
         cfg = self.config
         try:
             self.control.bind()
-        except OSError as exc:
+        except (OSError, UnsafePath) as exc:
             raise StartupError(f"node.socket_dir: cannot serve {cfg.socket_path}: {exc}") from None
         self.control.start()
         address = cfg.metrics.address()
@@ -114,8 +116,11 @@ class Daemon:
         if cfg.pool.checksum:
             service.checksums = Checksums(store, self._pool_view)
         service.grants = cfg.pool.grants
+        service.max_namespaces = cfg.tenants.max_namespaces
+        if cfg.pool.connection_uncommitted:
+            service.connection_uncommitted = cfg.pool.connection_uncommitted
         service.restore_namespaces(names)
-        self.metrics.watch_pool(store.stats, service.namespace_name)
+        self.metrics.watch_pool(store.stats, service.namespace_name, cfg.metrics.namespace_labels)
         if cfg.disk.enabled:
             service.tiers = await loop.run_in_executor(None, self._open_disk, store, service)
         self.metrics.restart.labels(self.restart_outcome.split(":")[0]).set(1)
@@ -126,6 +131,7 @@ class Daemon:
         if cfg.cluster.enabled:
             service.cluster = await self._join(store, region, service)
             service.cluster.access.tiers = service.tiers
+            self.metrics.watch_peer_refusals(service.cluster.server.refusals)
         self.metrics.watch_cluster(self._membership)
         transport = "none" if self.cluster is None else self.cluster.transport_name
         self.metrics.build.labels(__version__, transport).set(1)
@@ -217,10 +223,13 @@ class Daemon:
         try:
             if persist is not None:
                 persist.mkdir(parents=True, exist_ok=True)
+                check_dir(persist)
             region = Region.create(cfg.size, cfg.hugepages, name=f"emsd-{self.config.node.id}",
                                    persist_dir=persist)
         except RegionError as exc:
             raise StartupError(str(exc)) from None
+        except UnsafePath as exc:
+            raise StartupError(f"pool.state_dir: {exc}") from None
         except OSError as exc:
             raise StartupError(f"pool.state_dir: cannot use {persist}: {exc.strerror or exc}") from None
         if cfg.prefault:
@@ -250,12 +259,12 @@ class Daemon:
             if self.config.pool.warm_restart:
                 log.info("warm restart: off for this pool (%s)", region.reason)
             return store, {}
-        st = os.stat(region.path)
+        st = os.fstat(region.fd)
         geometry = Geometry(region.size, store.page_size, store.slabs.align, st.st_dev, st.st_ino)
         path = self._state_dir() / f"emsd-{self.config.node.id}.ledger"
         try:
             ledger, outcome = Ledger.open(path, geometry)
-        except LedgerBusy as exc:
+        except (LedgerBusy, UnsafePath) as exc:
             raise StartupError(f"pool.state_dir: {exc}") from None
         except OSError as exc:
             raise StartupError(f"pool.state_dir: cannot open {path}: {exc.strerror or exc}") from None
@@ -332,7 +341,8 @@ class Daemon:
     def _membership(self) -> tuple[str, int, int]:
         if self.cluster is None:
             return "standalone", 1, 0
-        return self.cluster.state.value, len(self.cluster.view), len(self.cluster.disagree)
+        c = self.cluster
+        return c.state.value, len(c.view), len(c.disagree) + int(c.config_differs)
 
     def stop(self) -> None:
         self._stop.set()

@@ -36,11 +36,18 @@ Grants are bounded: a connection holds at most 1/``GRANT_SESSION_SHARE`` of the
 pool, all connections together 1/``GRANT_TOTAL_SHARE``; a GRANT past either bound
 gets fewer chunks (the SDK then saves with RESERVE and COMMIT). A closed
 connection's grants go back to the pool.
+
+Uncommitted bytes are bounded too (issue 25): a connection holds at most
+``connection_uncommitted`` bytes reserved and granted (``pool.connection_uncommitted``,
+default half the pool), and a tenant's quota counts its committed bytes plus its
+connections' reserved and granted ones (``_quota_held``; ``handle`` keeps the
+per-tenant total from each session's ``uncommitted`` with integer arithmetic).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import os
 import time
@@ -54,6 +61,7 @@ import numpy as np
 from emsd.faults import FAULTS
 from emsd.logs import Once
 from emsd.metrics import Metrics
+from emsd.placement import record as placement_record
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
@@ -72,10 +80,13 @@ log = logging.getLogger("emsd.service")
 
 MAX_NAMESPACE_LEN = 4096
 MAX_NAMESPACES_PER_SESSION = 1024
+MAX_NAMESPACES_PER_TENANT = 1024  # default tenants.max_namespaces
+FREED = "\0free"  # the name of a namespace id freed for reuse (_free_unused)
 RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_namespace)
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
 GRANT_SESSION_SHARE = 64  # a connection holds at most 1/64 of the pool in granted chunks
 GRANT_TOTAL_SHARE = 16  # all connections together at most 1/16
+CONNECTION_UNCOMMITTED_SHARE = 2  # default pool.connection_uncommitted: half the pool
 
 
 class RequestError(Exception):
@@ -101,7 +112,13 @@ class Session:
     parsed: tuple[bytes, tuple[Any, Any, Any], tuple[int, KeyBatch, bytes]] | None = None  # Service._keys
     granted: dict[int, int] = field(default_factory=dict)  # byte offset -> chunk size, chunks granted
     granted_bytes: int = 0
+    pending_bytes: int = 0  # block lengths of ``pending``
     put: np.ndarray | None = None  # entries the PUT being handled committed (for forward_commit)
+
+    @property
+    def uncommitted(self) -> int:
+        """Bytes this connection holds that no quota counted as committed: pending and granted."""
+        return self.pending_bytes + self.granted_bytes
 
     def forget_grants(self, offsets: list[int]) -> None:
         """Chunks ``offsets``, granted to this session, are its no more (used for a block, or
@@ -123,12 +140,19 @@ class Service:
         self.grants = True  # pool.grants: GRANT hands out chunks (else it is refused)
         self.tenants = tenants or Tenants([])
         self._tenant_ns: dict[str, set[int]] = {}  # namespaces of each tenant (for quotas)
+        self._uncommitted: dict[str, int] = {}  # tenant -> its sessions' pending + granted bytes
+        self.connection_uncommitted = store.capacity // CONNECTION_UNCOMMITTED_SHARE  # pool.*
         self.node_id = node_id
         self.region_kind = region_kind
         self.metrics = metrics
         self._ns_ids: dict[str, int] = {}
         self._ns_names: list[str] = []
         self._retired: dict[int, int] = {}  # dropped namespace id -> the id its name has now
+        self.max_namespaces = MAX_NAMESPACES_PER_TENANT  # tenants.max_namespaces
+        self._ns_open: Counter[int] = Counter()  # namespace id -> sessions that opened it
+        self._free_ids: list[int] = []  # freed namespace ids, a heap: the lowest is reused first
+        self._may_free: set[str] = set()  # tenants with a session closed since _free_unused looked
+        self._unkept = Once(60.0)  # "namespace will not survive a restart", at most once a minute
         self.started = time.time()
         self.cluster: Cluster | None = None  # set when the node runs in a cluster
         self.tiers: TierStack | None = None  # set when the disk tier is on ([disk])
@@ -164,7 +188,12 @@ class Service:
             handler = self._handlers.get(op) if type(op) is int else None  # type: ignore[call-overload]
             if handler is None:
                 raise RequestError(Status.INVALID_ARGUMENT, f"unknown op {op!r}")
-            resp, parts = handler(self, session, header, payload)
+            held = session.uncommitted
+            try:
+                resp, parts = handler(self, session, header, payload)
+            finally:
+                if session.uncommitted != held:  # RESERVE, COMMIT, GRANT, PUT: the tenant's total follows
+                    self._hold(session.tenant, session.uncommitted - held)
             resp.setdefault("st", Status.OK)
             result = "ok"
         except RequestError as exc:
@@ -182,9 +211,11 @@ class Service:
         if session.authenticated:
             session.authenticated = False
             self.sessions -= 1
+        self._hold(session.tenant, -session.uncommitted)
         if session.pending:
             self.store.abort(np.fromiter(session.pending, dtype=np.uint32))
             session.pending.clear()
+            session.pending_bytes = 0
         if session.granted:
             self.store.ungrant(np.fromiter(session.granted, dtype=np.uint64))
             session.granted.clear()
@@ -197,6 +228,10 @@ class Service:
             self.store.release(held)
             session.pins.clear()
         self._drop_transient(session, session.transient)
+        if session.namespaces:
+            self._ns_open.subtract(session.namespaces)
+            self._may_free.add(session.tenant)
+            session.namespaces.clear()
 
     # -- cluster hooks (async work around a synchronous handler) ----------------
 
@@ -266,6 +301,8 @@ class Service:
             return self._drain_batch(_now() + _timeout(header), resp)
         if op == Op.DROP:
             return self._drop_elsewhere(header, resp)
+        if op == Op.PLACEMENT:
+            return self._set_placement(header, resp)
         if op == Op.EXISTS and not header.get("lo") and resp.get("count", 0) < header.get("n", 0):
             return self._exists_remote(session, header, payload, resp)
         return self.forward_commit(header, payload, resp, session)
@@ -278,6 +315,18 @@ class Service:
         here = self.store.present(ns, keys) if self.tiers is None else self.tiers.present(ns, keys)
         resp["count"] = await self.cluster.exists(self.namespace_name(ns), keys, here,
                                                   _now() + _timeout(header))
+        return resp
+
+    async def _set_placement(self, header: dict[str, Any], resp: dict[str, Any]) -> dict[str, Any]:
+        """Rewrite the cluster's placement record (checked by ``_placement``); every node's watch
+        then rebuilds its ring. Answers the new record."""
+        assert self.cluster is not None
+        try:
+            rec = await self.cluster.set_placement(int(header["vnodes"]), int(header["replicas"]))
+        except placement_record.NotWritten as exc:
+            resp.update(st=int(Status.IO_ERROR), msg=f"the placement record was not written: {exc}")
+            return resp
+        resp.update(vnodes=rec.vnodes, replicas=rec.replicas, version=rec.version)
         return resp
 
     async def _drop_elsewhere(self, header: dict[str, Any], resp: dict[str, Any]) -> dict[str, Any]:
@@ -404,17 +453,25 @@ class Service:
         gone = self.store.drop_namespaces([ns for ns in names if ns not in live])
         if gone:
             log.info("warm restart: %d blocks of dropped namespaces evicted", gone)
+        in_use = self.store.namespaces_in_use()  # a dropped id's pinned blocks are gone after a restart
+        self._free_ids = [ns for ns in range(top) if ns not in live and ns not in in_use]
+        for ns in self._free_ids:
+            self._ns_names[ns] = FREED
 
     def namespace_id(self, name: str) -> int:
         """The local id of namespace ``name``, created on first use (ids are per daemon)."""
         ns = self._ns_ids.get(name)
         if ns is None:
-            ns = len(self._ns_names)
+            ns = heapq.heappop(self._free_ids) if self._free_ids else len(self._ns_names)
             ledger = self.store.ledger
-            if ledger is not None and not ledger.add_namespace(ns, name):
-                log.warning("namespace %d (%d bytes of name) will not survive a restart", ns, len(name))
+            if ledger is not None and not ledger.add_namespace(ns, name) and self._unkept.due():
+                log.warning("namespace %d (%d bytes of name) will not survive a restart (nor may others "
+                            "for a minute: this is said once a minute)", ns, len(name))
             self._ns_ids[name] = ns
-            self._ns_names.append(name)
+            if ns < len(self._ns_names):
+                self._ns_names[ns] = name
+            else:
+                self._ns_names.append(name)
             self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
             self.store.name_namespace(ns, name)
         return ns
@@ -461,11 +518,67 @@ class Service:
         if s.tenant == DEFAULT_TENANT and name.startswith(TENANT_PREFIX):
             raise RequestError(Status.INVALID_ARGUMENT,
                                f"namespace names starting {TENANT_PREFIX!r} are reserved")
-        ns = self.namespace_id(Tenants.qualify(s.tenant, name))
-        if ns not in s.namespaces and len(s.namespaces) >= MAX_NAMESPACES_PER_SESSION:
-            raise RequestError(Status.INVALID_ARGUMENT, "too many namespaces on one connection")
-        s.namespaces.add(ns)
+        qualified = Tenants.qualify(s.tenant, name)
+        ns = self._ns_ids.get(qualified)
+        if ns is None or ns not in s.namespaces:
+            if len(s.namespaces) >= MAX_NAMESPACES_PER_SESSION:
+                raise RequestError(Status.INVALID_ARGUMENT, "too many namespaces on one connection")
+            if ns is None:
+                self._room_for_namespace(s.tenant)
+                ns = self.namespace_id(qualified)
+            s.namespaces.add(ns)
+            self._ns_open[ns] += 1
         return {"ns": ns}, []
+
+    def _room_for_namespace(self, tenant: str) -> None:
+        """Make sure ``tenant`` may open one more namespace: at most ``max_namespaces`` live at
+        once (freeing its unused ones first, ``_free_unused``); raises ``RequestError``."""
+        if self._live_count(tenant) < self.max_namespaces:
+            return
+        if tenant in self._may_free:
+            self._free_unused(tenant)
+        if self._live_count(tenant) >= self.max_namespaces:
+            raise RequestError(Status.INVALID_ARGUMENT,
+                               f"this tenant has {self.max_namespaces} namespaces in use on this node "
+                               "(tenants.max_namespaces): close connections or drop namespaces")
+
+    def _live_count(self, tenant: str) -> int:
+        """Namespaces of ``tenant`` a NAMESPACE request can reach (dropped ids do not count)."""
+        mine = self._tenant_ns.get(tenant, ())
+        return len(mine) - sum(1 for ns in self._retired if ns in mine)
+
+    def _free_unused(self, tenant: str) -> int:
+        """Free ``tenant``'s unused namespaces; returns how many.
+
+        Unused: no connection has it open, no entry (PENDING or READY, so no pin
+        either) is in it, and no dropped id leads to it or is it (``_retired``:
+        sessions may still name those). Its id goes back to ``_free_ids`` for the
+        next new name, and its ledger slot is overwritten then: the namespace had
+        no committed block, so no ledger row names the id and a warm restart
+        cannot give a block to the wrong name. Peer transfers resolve a name to
+        its id and reserve in the same step (no await between), so their
+        blocks in flight are PENDING entries here. One scan of the index, done
+        only when the tenant is at its cap and one of its connections closed
+        since the last scan.
+        """
+        self._may_free.discard(tenant)
+        in_use = self.store.namespaces_in_use()
+        pinned = set(self._retired) | set(self._retired.values())
+        mine = self._tenant_ns.get(tenant, set())
+        unused = [ns for ns in mine
+                  if ns not in in_use and ns not in pinned and self._ns_open[ns] <= 0]
+        for ns in unused:
+            mine.discard(ns)
+            del self._ns_ids[self._ns_names[ns]]
+            self._ns_names[ns] = FREED
+            self._ns_open.pop(ns, None)
+            self.store.forget_namespace(ns)
+            if self.store.ledger is not None:  # its old name must not come back with the next name's blocks
+                self.store.ledger.add_namespace(ns, RETIRED)
+            heapq.heappush(self._free_ids, ns)
+        if unused:
+            log.info("tenant %r at its namespace cap: %d unused namespaces freed", tenant, len(unused))
+        return len(unused)
 
     def _reserve(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         ns, keys, rest = self._keys(s, h, p)
@@ -473,7 +586,7 @@ class Service:
         if len(rest) != 8 * n:
             raise RequestError(Status.INVALID_ARGUMENT, f"sizes: expected {8 * n} bytes, got {len(rest)}")
         sizes = np.frombuffer(rest, dtype="<u8").astype(np.uint64)
-        fit = self._fit_quota(s.tenant, ns, keys, sizes)
+        fit = min(self._fit_quota(s.tenant, ns, keys, sizes), self._fit_connection(s, sizes))
         if FAULTS is not None and FAULTS.at("pool.reserve") is not None:
             fit = 0  # injected: as if the pool were full of pinned blocks
         evicted = self.store.evicted_total
@@ -487,12 +600,14 @@ class Service:
                      dict(st.evictions), st.bytes_used >> 20, st.capacity >> 20)
         if not res.status.any():  # every key NEW (0): the usual save of new blocks
             s.pending.update(res.handles.tolist())
-            self.metrics.reserved(n, int(sizes.sum()), 0)
+            nbytes = int(sizes.sum())
+            self.metrics.reserved(n, nbytes, 0)
         else:
             new = res.status == SlotStatus.NEW
             s.pending.update(res.handles[new].tolist())
-            self.metrics.reserved(int(new.sum()), int(sizes[new].sum()),
-                                  int((res.status == SlotStatus.FAILED).sum()))
+            nbytes = int(sizes[new].sum())
+            self.metrics.reserved(int(new.sum()), nbytes, int((res.status == SlotStatus.FAILED).sum()))
+        s.pending_bytes += nbytes
         return {"n": n}, [
             np.asarray(res.offsets, dtype="<u8").tobytes(),  # no copy when already so (x86)
             np.asarray(res.handles, dtype="<u4").tobytes(),
@@ -517,7 +632,10 @@ class Service:
         chunk = self.store.slabs.chunk_for(size)
         cap = self.store.capacity
         room = min(cap // GRANT_SESSION_SHARE - s.granted_bytes,
-                   cap // GRANT_TOTAL_SHARE - self.store.granted_bytes) // chunk
+                   cap // GRANT_TOTAL_SHARE - self.store.granted_bytes,
+                   self.connection_uncommitted - s.uncommitted) // chunk
+        if room >= need and k:
+            room = self._fit_quota_grant(s.tenant, chunk, min(k, room))
         got = self.store.grant(size, min(k, room) if room >= need else 0)
         s.granted.update(dict.fromkeys(got.tolist(), chunk))
         s.granted_bytes += chunk * got.size
@@ -539,11 +657,13 @@ class Service:
         at = np.frombuffer(rest, dtype="<u8", count=n).astype(np.uint64)
         sizes = np.frombuffer(rest, dtype="<u8", count=n, offset=8 * n).astype(np.uint64)
         align = self.store.slabs.align
-        for size, chunk in zip(sizes.tolist(), _granted_chunks(s, at.tolist()), strict=True):
+        chunks = _granted_chunks(s, at.tolist())
+        for size, chunk in zip(sizes.tolist(), chunks, strict=True):
             if not 0 < size <= chunk < size + align:
                 raise RequestError(Status.INVALID_ARGUMENT, f"a block of {size} bytes does not "
                                    f"fit its granted chunk of {chunk} exactly")
-        fit = self._fit_quota(s.tenant, ns, keys, sizes)
+        # The chunks named are counted (granted) already: only the blocks' own bytes are new.
+        fit = self._fit_quota(s.tenant, ns, keys, sizes, counted=sum(chunks))
         res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
                                  admit=True, prev=_prev_key(h), at=at[:fit])
         if fit < n:
@@ -559,20 +679,65 @@ class Service:
                               int((res.status == SlotStatus.FAILED).sum()), "put")
         return {"n": n}, [np.asarray(res.status, dtype=np.uint8).tobytes()]
 
-    def _fit_quota(self, tenant: str, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
+    def _fit_quota(self, tenant: str, ns: int, keys: KeyBatch, sizes: np.ndarray, counted: int = 0) -> int:
         """How many leading keys of a save fit the tenant's quota (all without one), after
-        evicting its own LRU blocks."""
+        evicting its own LRU blocks.
+
+        The quota holds the tenant's committed bytes and the bytes its connections
+        hold uncommitted (reserved or granted: ``_hold``), less ``counted`` (granted
+        chunks this save fills: already in the uncommitted total).
+        """
         quota = self.tenants.quota(tenant)
         if quota is None:
             return len(keys)
-        mine = np.fromiter(self._tenant_ns.get(tenant, ()), dtype=np.int64)
-        held = sum(self.store.ns_bytes(int(x)) for x in mine.tolist())
         want = int(sizes.sum())
+        held = self._quota_held(tenant) - counted
         if held + want > quota:
             present = self.store.index.find(ns, keys)
-            held -= self.store.evict_within(mine, held + want - quota, present[present >= FIRST_ID])
+            held -= self._evict_own(tenant, held + want - quota, present[present >= FIRST_ID])
         room = np.cumsum(sizes.astype(np.int64)) <= quota - held
         return int(room.argmin()) if not room.all() else len(keys)
+
+    def _fit_quota_grant(self, tenant: str, chunk: int, k: int) -> int:
+        """How many of ``k`` chunks of ``chunk`` bytes a GRANT may hand tenant ``tenant`` (all
+        without a quota): granted chunks count against the quota until used or given back.
+
+        Only from room the quota has free: a GRANT never evicts. It is speculative (the SDK
+        asks after each save for the next one's worth, and more), so evicting for it would
+        drop the blocks just saved; a tenant at its quota gets none and saves with RESERVE,
+        which evicts its own LRU blocks as a commit over the quota does.
+        """
+        quota = self.tenants.quota(tenant)
+        if quota is None:
+            return k
+        return max(0, min(k, (quota - self._quota_held(tenant)) // chunk))
+
+    def _fit_connection(self, s: Session, sizes: np.ndarray) -> int:
+        """How many leading blocks of ``sizes`` a RESERVE of ``s`` may hold pending: a connection
+        holds at most ``connection_uncommitted`` bytes reserved and granted."""
+        room = self.connection_uncommitted - s.uncommitted
+        if int(sizes.sum()) <= room:  # the usual case: one sum, no cumulative array
+            return len(sizes)
+        return int(np.searchsorted(np.cumsum(sizes.astype(np.int64)), room, side="right"))
+
+    def _quota_held(self, tenant: str) -> int:
+        """What tenant ``tenant``'s quota counts now: committed bytes of its namespaces plus the
+        pending and granted bytes of its connections."""
+        committed = sum(self.store.ns_bytes(ns) for ns in self._tenant_ns.get(tenant, ()))
+        return committed + self._uncommitted.get(tenant, 0)
+
+    def _evict_own(self, tenant: str, nbytes: int, keep: np.ndarray) -> int:
+        """Evict ``nbytes`` of tenant ``tenant``'s own LRU blocks (never ``keep``); bytes freed."""
+        mine = np.fromiter(self._tenant_ns.get(tenant, ()), dtype=np.int64)
+        return self.store.evict_within(mine, nbytes, keep)
+
+    def _hold(self, tenant: str, delta: int) -> None:
+        """A connection of ``tenant`` holds ``delta`` more bytes reserved or granted."""
+        left = self._uncommitted.get(tenant, 0) + delta
+        if left:
+            self._uncommitted[tenant] = left
+        else:
+            self._uncommitted.pop(tenant, None)
 
     def _commit(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         nc, na = h.get("c", 0), h.get("a", 0)
@@ -586,6 +751,7 @@ class Service:
         _own(s.pending, listed[:nc], "commit")
         _own(s.pending, listed[nc:], "abort")
         s.pending.difference_update(listed)
+        s.pending_bytes -= self._lengths(listed)
         if nc and self.checksums is not None:
             self.checksums.seal(commit)  # the client has written them: digest before they are READY
         done = 0
@@ -599,6 +765,13 @@ class Service:
         if na:
             self.store.abort(abort)
         return {"committed": int(done)}, []
+
+    def _lengths(self, handles: list[int]) -> int:
+        """Total length of the distinct entries ``handles`` (PENDING entries of a session)."""
+        if not handles:
+            return 0
+        ids = np.fromiter(dict.fromkeys(handles), dtype=np.int64)
+        return int(self.store.index.length[ids].sum(dtype=np.int64))
 
     def _pin(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         ns, keys, rest = self._keys(s, h, p)
@@ -658,8 +831,9 @@ class Service:
         self.metrics.looked_up("exists", count, len(keys) - count, 0)
         return {"count": count}, []
 
-    def _stats(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
+    def _stats(self, s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         st = self.store.stats()
+        names = self._visible_names(s.tenant)
         return {
             "node": self.node_id,
             "region": self.region_kind,
@@ -673,9 +847,8 @@ class Service:
             "granted": st.granted,
             "evictions": dict(st.evictions),
             "clients": self.sessions,
-            "namespaces": len(self._ns_names),
-            "namespace_names": [n for i, n in enumerate(self._ns_names[:100])
-                                if not n.startswith("\0") and i not in self._retired],
+            "namespaces": len(names),
+            "namespace_names": names[:100],
             "uptime_s": time.time() - self.started,
             "membership": "standalone" if self.cluster is None else self.cluster.state.value,
             "members": [self.node_id] if self.cluster is None else [n.node_id for n in self.cluster.view],
@@ -684,6 +857,14 @@ class Service:
             **self._cluster_stats(),
         }, []
 
+    def _visible_names(self, tenant: str) -> list[str]:
+        """The live namespace names STATS shows a client of ``tenant``, oldest first: every
+        name without a tenants file (one default tenant, the operator's); with one, only
+        the tenant's own (the default tenant's too), so no tenant learns another's names."""
+        ids = sorted(self._tenant_ns.get(tenant, ())) if self.tenants.enabled else range(len(self._ns_names))
+        return [self._ns_names[i] for i in ids
+                if i not in self._retired and not self._ns_names[i].startswith("\0")]
+
     def _cluster_stats(self) -> dict[str, Any]:
         if self.cluster is None:
             return {"transport": "none", "share": {self.node_id: 1.0},
@@ -691,7 +872,10 @@ class Service:
         c = self.cluster
         return {"transport": c.transport_name, "peer_transports": c.transports.snapshot(),
                 "share": c.share(), "draining": c.draining,
-                "replicas": c.cfg.replicas, "vnodes": c.cfg.vnodes,
+                "vnodes": c.params[0], "replicas": c.params[1],
+                "placement_record": None if c.record is None else c.record.version,
+                "placement_config": {"vnodes": c.cfg.vnodes, "replicas": c.cfg.replicas},
+                "placement_config_differs": c.config_differs,
                 "placement_differs": {node: {"vnodes": v, "replicas": r}
                                       for node, (v, r) in c.disagree.items()},
                 "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in c.view]}
@@ -718,6 +902,15 @@ class Service:
         if self.cluster is None:
             raise RequestError(Status.INVALID_ARGUMENT, "a standalone node has no ring to leave")
         return {}, []  # the work follows (follow_up)
+
+    def _placement(self, _s: Session, h: dict[str, Any], _p: bytes) -> Response:
+        if self.cluster is None or not self.cluster.shares_placement:
+            raise RequestError(Status.INVALID_ARGUMENT, "only a ZooKeeper cluster keeps a placement "
+                               "record; static members take cluster.vnodes and cluster.replicas from config")
+        why = placement_record.invalid(h.get("vnodes"), h.get("replicas"))
+        if why is not None:
+            raise RequestError(Status.INVALID_ARGUMENT, why)
+        return {}, []  # the write follows (follow_up): ZooKeeper calls block
 
     def _ping(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         return {}, []
@@ -773,6 +966,7 @@ class Service:
         Op.DROP: _drop,
         Op.GRANT: _grant,
         Op.PUT: _put,
+        Op.PLACEMENT: _placement,
     }
 
 

@@ -7,8 +7,8 @@ With ``[tenants] file`` set, the daemon reads a TOML file of tenants::
     access_key = "...32-256 of [0-9A-Za-z+/=]..."
     quota = "8GiB"                  # optional: committed bytes this tenant may hold
 
-The file must not be readable by group or others (it holds secrets): the
-daemon refuses to start otherwise, naming the file. A client's HELLO must
+The file must be readable by the daemon's user only (``config.check_private``:
+it holds secrets): the daemon refuses to start otherwise, naming the file. A client's HELLO must
 carry a known ``access_id`` and its ``access_key`` (compared in constant
 time); a client without one is the default tenant, admitted only with
 ``allow_default``. Every namespace a tenant opens is qualified by its id on
@@ -22,13 +22,12 @@ from __future__ import annotations
 import hmac
 import os
 import re
-import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from emsd.config import ConfigError, parse_size
+from emsd.config import ConfigError, check_private, parse_size
 
 _ID = re.compile(r"[0-9a-z._@-]{1,512}")
 _KEY = re.compile(r"[0-9A-Za-z+/=]{32,256}")
@@ -92,9 +91,7 @@ def load(path: Path, allow_default: bool) -> Tenants:
         raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(where, f"cannot read: {exc.strerror or exc}") from None
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise ConfigError(where, f"holds access keys: make it readable by the daemon's user only "
-                                 f"(chmod 600; it is {stat.S_IMODE(st.st_mode):04o})")
+    check_private(where, st)
     try:
         doc = tomllib.loads(raw.decode())
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:

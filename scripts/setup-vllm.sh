@@ -43,8 +43,8 @@ if ((${#leftover[@]})); then
     echo "[setup-vllm] removing ${leftover[*]} (they break transformers' import)"
     "$VENV/bin/python" -m pip uninstall -q -y "${leftover[@]}"
 fi
-echo "[setup-vllm] emsd (editable) with test extras"
-pip_install -e ".[test]"  # every time, as scripts/setup.sh: emsd's dependencies may have changed
+echo "[setup-vllm] emsd (editable) with test and bench extras (matplotlib for benchmarks/engines)"
+pip_install -e ".[test,bench]"  # every time, as scripts/setup.sh: emsd's dependencies may have changed
 torch_version=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
 if [[ $torch_version != 2.13.0* ]]; then
     echo "[setup-vllm] error: torch $torch_version in $VENV, expected 2.13.0 (CPU)" >&2

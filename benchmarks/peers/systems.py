@@ -156,6 +156,7 @@ def start_emsd_remote(stack: contextlib.ExitStack, work: Path, volume: int) -> l
     stack.callback(server.stop)
     secret = d / "secret"
     secret.write_text("benchmark-peers-secret\n")
+    secret.chmod(0o600)  # emsd refuses a secret others can read
     socks = {}
     for name in ("a", "b"):
         proc, socks[name] = start_member(d, name, server.hosts, secret)

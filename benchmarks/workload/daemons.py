@@ -66,13 +66,13 @@ class Deployment:
 
 
 def _start(work: Path, name: str, pool: int, eviction: str, cluster: dict[str, str] | None,
-           page: int = 64 << 10, grants: bool = False) -> Node:
+           page: int = 64 << 10, grants: bool = False, prefault: bool = False) -> Node:
     d = work / name
     d.mkdir(parents=True)
     port = zk.free_port()
     lines = [
         f'[node]\nid = "{name}"\nsocket_dir = "{d / "sock"}"',
-        f'[pool]\nsize = {pool}\nhugepages = "off"\npage_size = {page}\nprefault = false\n'
+        f'[pool]\nsize = {pool}\nhugepages = "off"\npage_size = {page}\nprefault = {str(prefault).lower()}\n'
         f'warm_restart = false\neviction = "{eviction}"\ngrants = {str(grants).lower()}',
         f'[metrics]\nlisten = "127.0.0.1:{port}"',
         '[log]\nlevel = "warning"',
@@ -103,7 +103,7 @@ def _start(work: Path, name: str, pool: int, eviction: str, cluster: dict[str, s
 
 def start(work: Path, nodes: int, pool_per_node: int, eviction: str,
           zookeeper: zk.ZooKeeperServer | None = None, name: str = "workload",
-          page: int = 64 << 10, grants: bool = False) -> Deployment:
+          page: int = 64 << 10, grants: bool = False, prefault: bool = False) -> Deployment:
     """``nodes`` daemons of ``pool_per_node`` bytes each (slab pages of ``page`` bytes):
     1 standalone, more a cluster named ``name`` on ``zookeeper`` (started here, and
     stopped with it, if None).
@@ -111,20 +111,24 @@ def start(work: Path, nodes: int, pool_per_node: int, eviction: str,
     ``grants`` (``pool.grants``) is off unless asked for, so that a daemon's hit rates
     equal ``sim.in_store``'s exactly: with it on, the chunks a connection holds for its
     next save (at most 1/64 of a pool, here a few MiB) cost 0.01-0.09 points of hit rate
-    at 25-100% of the live working set (seed 1, measured 2026-11-24)."""
+    at 25-100% of the live working set (seed 1, measured 2026-11-24). ``prefault``
+    (``pool.prefault``, the daemon's default) is off unless asked for: the replay's pools
+    are small and start faster without it."""
     if nodes == 1:
-        return Deployment([_start(work / name, "solo", pool_per_node, eviction, None, page, grants)])
+        return Deployment([_start(work / name, "solo", pool_per_node, eviction, None, page, grants,
+                                  prefault)])
     own = zookeeper is None
     if zookeeper is None:
         zookeeper = start_zookeeper(work / "zk")
     dep = Deployment([], zookeeper if own else None)
     secret = work / "secret"
     secret.write_text("workload-benchmark-cluster-secret\n")
+    secret.chmod(0o600)  # emsd refuses a secret others can read
     try:
         for i in range(nodes):
             dep.nodes.append(_start(work / name, f"n{i}", pool_per_node, eviction,
                                     {"name": name, "zookeeper": zookeeper.hosts,
-                                     "secret_file": str(secret)}, page, grants))
+                                     "secret_file": str(secret)}, page, grants, prefault))
         _wait_members(dep, nodes)
     except BaseException:
         dep.stop()

@@ -26,16 +26,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.connection import _CONNECTION_DROP  # kazoo's own test hook (faults only)
 from kazoo.retry import KazooRetry
 
 from emsd.faults import FAULTS, Faults
 from emsd.membership.base import DuplicateNodeError, MembershipState, NodeInfo, ViewCallback
+from emsd.placement import record as placement_record
+from emsd.placement.agreement import Params
+from emsd.placement.record import NotWritten, Record
+
+RecordCallback = Callable[[Record], None]
 
 log = logging.getLogger("emsd.membership")
 
@@ -49,8 +55,11 @@ def _endpoint(data: bytes) -> str | None:
 
 class ZooKeeperMembership:
     def __init__(self, hosts: str, cluster: str, me: NodeInfo, session_timeout: float = 10.0,
-                 endpoint_is_mine: bool = False) -> None:
-        """``endpoint_is_mine``: the caller holds ``me.peer_addr`` (it bound that port), so a live
+                 endpoint_is_mine: bool = False, placement: Params | None = None) -> None:
+        """``placement``: this node's (vnodes, replicas); given, the cluster's placement record
+        (``emsd.placement.record``) is created from it if there is none yet, and followed:
+        ``on_placement`` callbacks get the record now and after every change.
+        ``endpoint_is_mine``: the caller holds ``me.peer_addr`` (it bound that port), so a live
         registration of this node id with that very endpoint can only be this node's previous
         process, killed before its session expired: it is replaced, not refused."""
         self.me = me
@@ -59,6 +68,10 @@ class ZooKeeperMembership:
         self.endpoint_is_mine = endpoint_is_mine
         self.dir = f"/emsd/{cluster}/nodes"
         self.path = f"{self.dir}/{me.node_id}"
+        self.placement = placement
+        self.record_path = placement_record.path(cluster)
+        self.record: Record | None = None  # the cluster's placement record, once read
+        self._record_callbacks: list[RecordCallback] = []
         self.state = MembershipState.CONNECTING
         self.transitions: list[MembershipState] = []  # every state entered, in order (metrics, tests)
         self._zk = KazooClient(hosts=hosts, timeout=session_timeout,
@@ -120,6 +133,46 @@ class ZooKeeperMembership:
 
     def on_change(self, callback: ViewCallback) -> None:
         self._callbacks.append(callback)
+
+    def on_placement(self, callback: RecordCallback) -> None:
+        """Call ``callback(record)`` (from a kazoo thread) for the record now known and every change."""
+        self._record_callbacks.append(callback)
+        if self.record is not None:
+            callback(self.record)
+
+    def set_placement(self, vnodes: int, replicas: int) -> Record:
+        """Rewrite the cluster's placement record (``emsctl placement set``); returns the new one.
+
+        A compare-and-set on the znode's version, retried when another writer came first,
+        so two concurrent changes both count in ``version``. Raises ``NotWritten`` when
+        ZooKeeper does not answer.
+        """
+        if not self._zk.connected:  # kazoo would queue the write until it reconnects
+            raise NotWritten(f"ZooKeeper {self.hosts} is not connected ({self.state.value})")
+        try:
+            return self._write_placement(vnodes, replicas)
+        except (KazooException, KazooTimeoutError) as exc:
+            raise NotWritten(f"ZooKeeper {self.hosts}: {exc!r}") from None
+
+    def _write_placement(self, vnodes: int, replicas: int) -> Record:
+        self._zk.ensure_path(self.record_path.rsplit("/", 1)[0])
+        while True:
+            try:
+                data, stat = self._zk.get(self.record_path)
+            except NoNodeError:
+                new = Record(vnodes, replicas)
+                try:
+                    self._zk.create(self.record_path, new.encode())
+                    return new
+                except NodeExistsError:
+                    continue
+            old = Record.decode(data)
+            new = Record(vnodes, replicas, (old.version if old else 0) + 1)
+            try:
+                self._zk.set(self.record_path, new.encode(), version=stat.version)
+                return new
+            except BadVersionError:
+                continue
 
     # -- kazoo callbacks (kazoo's threads: set flags, wake the worker) ----------------
 
@@ -212,11 +265,42 @@ class ZooKeeperMembership:
                 ) from None
         self._need_register = False
         if not self._watching:
+            if self.placement is not None:
+                self._follow_placement(self.placement)
             self._zk.ChildrenWatch(self.dir, self._on_children)
             self._watching = True
         if self.state is not MembershipState.JOINED:
             log.info("joined cluster at %s as %s", self.dir, self.me.node_id)
         self._enter(MembershipState.JOINED)
+
+    def _follow_placement(self, mine: Params) -> None:
+        """Create the placement record from ``mine`` unless there is one (exactly one creator
+        wins the race), then watch it."""
+        try:
+            self._zk.create(self.record_path, Record(*mine).encode(), makepath=True)
+            log.info("placement record %s created: vnodes=%d replicas=%d", self.record_path, *mine)
+        except NodeExistsError:
+            pass
+        self._zk.DataWatch(self.record_path, self._on_record)
+
+    def _on_record(self, data: bytes | None, _stat: Any) -> None:
+        """kazoo's thread: a new record (a deleted or unreadable one keeps the last)."""
+        if data is None:
+            log.warning("placement record %s is gone; keeping vnodes/replicas as they were", self.record_path)
+            return
+        record = Record.decode(data)
+        if record is None:
+            log.error("placement record %s is malformed (%r); keeping the last one",
+                      self.record_path, data[:200])
+            return
+        if record == self.record:
+            return
+        self.record = record
+        for callback in self._record_callbacks:
+            try:
+                callback(record)
+            except Exception:  # a broken callback must not stop the watch
+                log.exception("placement callback failed")
 
     def _refresh(self) -> None:
         self._need_refresh = False

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from emsd.files import open_own
+
 MAGIC = b"EMSDLEDG"
 FORMAT = 2  # 2: rows carry a checksum
 HEADER = 4096
@@ -83,7 +85,7 @@ class Ledger:
     @classmethod
     def open(cls, path: Path, geometry: Geometry) -> tuple[Ledger, str]:
         """Open or create the ledger at ``path`` for a pool of ``geometry``; (ledger, outcome)."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_own(path, os.O_RDWR | os.O_CREAT)  # never through a symlink (emsd.files)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one daemon per pool, until it exits

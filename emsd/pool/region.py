@@ -46,6 +46,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from emsd.files import open_own
+
 MODES = ("auto", "on", "off")
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by the mmap module of 3.11
 MEMINFO = Path("/proc/meminfo")
@@ -241,8 +243,9 @@ def _map_file(path: Path, size: int) -> tuple[int, mmap.mmap, bool, int]:
     """Map ``path`` shared, ``size`` bytes; (fd, map, reused, lock fd). An existing file
     of exactly ``size`` bytes keeps its bytes; any other is emptied first. Raises
     ``RegionBusy`` (before anything is changed) while another process holds the file,
-    ``OSError`` otherwise."""
-    lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    ``UnsafePath`` if it is a symlink or not the daemon's own (``emsd.files``), ``OSError``
+    otherwise."""
+    lock = open_own(path, os.O_RDWR | os.O_CREAT)
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -258,7 +261,7 @@ def _map_file(path: Path, size: int) -> tuple[int, mmap.mmap, bool, int]:
 
 def _map_locked(path: Path, size: int) -> tuple[int, mmap.mmap, bool]:
     """``_map_file``'s mapping, the lock held."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_own(path, os.O_RDWR | os.O_CREAT)
     try:
         reused = os.fstat(fd).st_size == size
         if not reused:

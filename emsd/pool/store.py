@@ -104,6 +104,9 @@ RECHECK_FRACTION = 1024  # _older_page: after a look that finds nothing, wait fo
 LRU_QUEUE_FRACTION = 16  # a scan queues the oldest 1/16 of the eligible entries
 _READY = np.uint8(READY)  # numpy scalars: with them numpy skips a slow conversion
 _ONE = np.uint32(1)
+# Pins are u32 in the index: an entry pinned this many times is not pinned again (a miss), so
+# that no batch (keys repeated) can wrap its count to 0 and let the entry be evicted while read.
+MAX_PINS = np.uint32(1 << 31)
 _NO_U4 = np.zeros(0, dtype=np.uint32)
 _NO_U8 = np.zeros(0, dtype=np.uint64)
 _NO_SUM = np.uint64(0)
@@ -449,10 +452,11 @@ class BlockStore:
 
         Each pinned entry gets one more pin (a key twice in the batch, two)
         and counts as used now (LRU). Pinned entries are never evicted until
-        ``release``d. PENDING entries count as misses. ``prev``: as for ``reserve``.
+        ``release``d. PENDING entries count as misses, and so do entries already
+        pinned ``MAX_PINS`` times (the u32 count never wraps). ``prev``: as for ``reserve``.
         """
         ids = self.index.find(ns, keys, prefix=True)
-        count = _leading(self.index.state.take(ids) == _READY)
+        count = _leading((self.index.state.take(ids) == _READY) & (self.index.pins.take(ids) < MAX_PINS))
         if count == 0:
             return Pinned(0, _NO_U4, _NO_U8, _NO_U8)
         h = ids[:count]
@@ -602,6 +606,16 @@ class BlockStore:
             idx = self.index
             self.ledger.record(ids, idx.w0[ids], idx.rest[ids], idx.offset[ids], idx.length[ids],
                                idx.cached[ids], 0 if self.sums is None else self.sums_of(ids))
+
+    def namespaces_in_use(self) -> set[int]:
+        """Namespace ids with at least one entry (PENDING or READY); one scan of the index."""
+        return set(np.unique(self.index.ns_of(self.index.live_ids())).tolist())
+
+    def forget_namespace(self, ns: int) -> None:
+        """Namespace ``ns`` (no entry in it) is freed: drop what the store keeps for it, so
+        that the id starts afresh when it is given to another name."""
+        self._admit_after.pop(ns, None)
+        self._ns_bytes.pop(ns, None)
 
     def ns_bytes(self, ns: int) -> int:
         """Committed bytes of namespace ``ns``."""

@@ -53,6 +53,7 @@ class Op(IntEnum):
     DROP = 12  # retire a namespace: its blocks are found no more, here and on every member
     GRANT = 13  # chunks of one size held for this connection's next saves (and give some back)
     PUT = 14  # store (key, size) x n in granted chunks already written, committed at once
+    PLACEMENT = 15  # rewrite the cluster's placement record: vnodes, replicas (emsctl placement set)
 
 
 class Status(IntEnum):

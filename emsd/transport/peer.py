@@ -24,8 +24,10 @@ A wrong secret is refused (and logged) and the connection closed; the
 secret itself never crosses the wire.
 
 With TLS configured (``emsd.transport.tls.PeerTls``) each connection first
-completes a mutual TLS handshake, then runs the same challenge inside it. A
-TLS connection does all its I/O (frames too) as blocking calls in the bulk
+completes a mutual TLS handshake, then runs the same challenge inside it. The
+handshake runs in the event loop (non-blocking steps, one deadline), so a
+stranger that stalls it holds a descriptor, never a thread. After it, a TLS
+connection does all its I/O (frames too) as blocking calls in the bulk
 worker threads, since the event loop's ``sock_*`` calls cannot drive an SSL
 socket; the loop only waits for readability before a frame, so an idle
 connection holds no thread. Plain connections take none of these paths.
@@ -54,6 +56,7 @@ closes, as for any malformed request.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -70,6 +73,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 from emsd.faults import FAULTS
+from emsd.logs import Once
 from emsd.pool.checksum import Checksums
 from emsd.pool.keys import KeyBatch, KeyError_
 from emsd.pool.store import BlockStore, Pinned
@@ -100,6 +104,14 @@ OP_HAS = 110  # how many leading keys the peer holds (a cluster-wide exists)
 OP_DROP = 111  # drop a namespace on the peer (a cluster-wide DROP)
 NONCE_BYTES = 32
 AUTH_TIMEOUT = 5.0
+# Before authentication a frame is a CHALLENGE, an AUTH or its answer: a few hundred bytes. A
+# larger one is refused before anything is allocated for it: a stranger's length prefix must
+# not make the daemon allocate (up to check_lengths' limits, megabytes a connection).
+AUTH_FRAME_LIMIT = 4096
+# Connections not yet authenticated (TLS handshake and AUTH exchange included), in all and per
+# source address; more are closed at once. A silent one costs a descriptor for AUTH_TIMEOUT.
+MAX_UNAUTHENTICATED = 64
+MAX_UNAUTHENTICATED_PER_ADDRESS = 16
 MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
 SOCKET_BUFFER = 256 << 10  # kernel buffers per direction (cluster.peer_socket_buffer; see _tune)
@@ -209,10 +221,6 @@ async def _recv_exact_into(loop: asyncio.AbstractEventLoop, sock: socket.socket,
 
 _BULK_THREADS = 16
 _bulk_pool: ThreadPoolExecutor | None = None
-# TLS handshakes run before the peer has shown a certificate: on threads of their own, so that
-# anyone who can reach the port and stalls handshakes cannot hold up the bulk threads.
-_HANDSHAKE_THREADS = 4
-_handshake_pool: ThreadPoolExecutor | None = None
 T = TypeVar("T")
 
 
@@ -259,24 +267,16 @@ async def _bulk(sock: socket.socket, move: Callable[[socket.socket, list[memoryv
         await _in_thread(sock, move, sock, views)
 
 
-async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any,
-                     handshake: bool = False) -> T:
+async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any) -> T:
     """``call(*args)`` (blocking I/O on ``sock``) in a bulk thread; ``OSError`` becomes ``PeerError``.
 
-    ``handshake``: on a TLS handshake thread instead. On cancellation the
-    socket is shut down, which wakes the thread at once, and the thread is
-    waited for before returning.
+    On cancellation the socket is shut down, which wakes the thread at once,
+    and the thread is waited for before returning.
     """
-    global _bulk_pool, _handshake_pool
-    if handshake:
-        if _handshake_pool is None:
-            _handshake_pool = ThreadPoolExecutor(_HANDSHAKE_THREADS, thread_name_prefix="emsd-tls")
-        pool = _handshake_pool
-    else:
-        if _bulk_pool is None:
-            _bulk_pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="emsd-bulk")
-        pool = _bulk_pool
-    fut = asyncio.get_running_loop().run_in_executor(pool, call, *args)
+    global _bulk_pool
+    if _bulk_pool is None:
+        _bulk_pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="emsd-bulk")
+    fut = asyncio.get_running_loop().run_in_executor(_bulk_pool, call, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -289,6 +289,14 @@ async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any,
         raise PeerError(str(exc)) from None
 
 
+def _address(conn: socket.socket) -> str:
+    """The source address of an accepted connection ("?" if it is already gone)."""
+    try:
+        return str(conn.getpeername()[0])
+    except OSError:
+        return "?"
+
+
 def _hang_up(sock: socket.socket) -> None:
     """Shut ``sock`` down, then close it: a bulk thread blocked on it wakes at once (a bare
     close would leave it blocked, holding views of the pool, until its kernel timeout)."""
@@ -297,8 +305,9 @@ def _hang_up(sock: socket.socket) -> None:
     sock.close()
 
 
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    """Wait until ``sock`` has bytes (or EOF) to read, in the event loop: no thread while idle."""
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket, write: bool = False) -> None:
+    """Wait until ``sock`` has bytes (or EOF) to read, or with ``write`` room to write, in the
+    event loop: no thread while idle."""
     fd = sock.fileno()
     if fd < 0:
         raise PeerError("connection closed")
@@ -308,17 +317,41 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         if not ready.done():
             ready.set_result(None)
 
-    loop.add_reader(fd, wake)
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    add(fd, wake)
     try:
         await ready
     finally:
-        loop.remove_reader(fd)
+        remove(fd)
 
 
 async def _tls_handshake(sock: ssl.SSLSocket, timeout: float) -> None:
-    """Complete the TLS handshake on a handshake thread, then set the bulk stall timeout."""
-    sock.settimeout(timeout)
-    await _in_thread(sock, sock.do_handshake, handshake=True)
+    """Complete the TLS handshake within ``timeout`` seconds, then set the bulk stall timeout.
+
+    The handshake runs in the event loop, one non-blocking step per readiness
+    event: a peer that connects and goes silent costs a descriptor until the
+    deadline, never a thread, so stalled handshakes cannot hold up anyone
+    else's (a node's own dials included). Raises ``PeerError``.
+    """
+    loop = asyncio.get_running_loop()
+    sock.setblocking(False)
+
+    async def steps() -> None:
+        while True:
+            try:
+                sock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                await _readable(loop, sock)
+            except ssl.SSLWantWriteError:
+                await _readable(loop, sock, write=True)
+
+    try:
+        await asyncio.wait_for(steps(), timeout)
+    except TimeoutError:
+        raise PeerError(f"the TLS handshake did not finish in {timeout:g} s") from None
+    except (ssl.SSLError, OSError) as exc:
+        raise PeerError(str(exc)) from None
     sock.settimeout(BULK_STALL)
 
 
@@ -326,26 +359,37 @@ def _views(pool: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> list[m
     return [pool[off : off + size] for off, size in zip(offsets.tolist(), lengths.tolist(), strict=True)]
 
 
-async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+def _frame_lengths(prefix: bytes | bytearray, limit: int | None) -> tuple[int, int]:
+    """(header, payload) lengths of a frame's prefix; raises ``FrameError`` past the codec's
+    limits and ``PeerError`` past ``limit`` bytes in all (before anything is allocated)."""
+    header_len, payload_len = PREFIX.unpack(prefix)
+    check_lengths(header_len, payload_len)
+    if limit is not None and header_len + payload_len > limit:
+        raise PeerError(f"a frame of {header_len + payload_len} bytes before authentication "
+                        f"(at most {limit})")
+    return header_len, payload_len
+
+
+async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                      limit: int | None = None) -> tuple[dict[str, Any], bytes]:
+    """One frame; with ``limit``, one of at most that many bytes (else ``PeerError``)."""
     if isinstance(sock, ssl.SSLSocket):
         if not sock.pending():
             await _readable(loop, sock)
-        return await _in_thread(sock, _recv_frame_blocking, sock)
+        return await _in_thread(sock, _recv_frame_blocking, sock, limit)
     prefix = bytearray(PREFIX.size)
     await _recv_exact_into(loop, sock, memoryview(prefix))
-    header_len, payload_len = PREFIX.unpack(prefix)
-    check_lengths(header_len, payload_len)
+    header_len, payload_len = _frame_lengths(prefix, limit)
     body = bytearray(header_len + payload_len)
     await _recv_exact_into(loop, sock, memoryview(body))
     return decode_header(bytes(body[:header_len])), bytes(body[header_len:])
 
 
-def _recv_frame_blocking(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+def _recv_frame_blocking(sock: socket.socket, limit: int | None = None) -> tuple[dict[str, Any], bytes]:
     """``_recv_frame`` for a TLS socket, in a worker thread."""
     prefix = bytearray(PREFIX.size)
     _recv_views(sock, [memoryview(prefix)])
-    header_len, payload_len = PREFIX.unpack(prefix)
-    check_lengths(header_len, payload_len)
+    header_len, payload_len = _frame_lengths(prefix, limit)
     body = bytearray(header_len + payload_len)
     _recv_views(sock, [memoryview(body)])
     return decode_header(bytes(body[:header_len])), bytes(body[header_len:])
@@ -447,7 +491,10 @@ class PeerServer:
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[socket.socket] = set()
-        self.refused = 0  # connections that failed authentication
+        self.refused = 0  # connections that ended before authenticating (TLS, AUTH, malformed, silent)
+        self.unauthenticated: collections.Counter[str] = collections.Counter()  # by source address
+        self.refused_busy = 0  # connections closed at once: too many not yet authenticated
+        self._busy_log, self._refused_log, self._accept_log = Once(60.0), Once(60.0), Once(60.0)
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen; returns the bound (host, port) (port 0 picks a free one)."""
@@ -485,22 +532,63 @@ class PeerServer:
             except OSError as exc:
                 if self._listener is None:
                     return
-                log.warning("peer accept failed: %s", exc)
+                if self._accept_log.due():  # EMFILE and friends: every 100 ms while it lasts
+                    log.warning("peer accept failed: %s (said once a minute at most)", exc)
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
+            address = _address(conn)
+            if not self._admit(address):
+                _hang_up(conn)
+                continue
             _tune(conn, self.socket_buffer)
             self._conns.add(conn)
-            self._spawn(self._serve(conn))
+            self._spawn(self._serve(conn, address))
 
-    async def _serve(self, conn: socket.socket) -> None:
+    def refusals(self) -> dict[str, int]:
+        """Connections refused so far, by reason: failed TLS or AUTH ("auth"), or closed at once
+        because too many were not yet authenticated ("busy")."""
+        return {"auth": self.refused, "busy": self.refused_busy}
+
+    def _admit(self, address: str) -> bool:
+        """Whether a new connection from ``address`` may start authenticating (and count it)."""
+        if (sum(self.unauthenticated.values()) >= MAX_UNAUTHENTICATED
+                or self.unauthenticated[address] >= MAX_UNAUTHENTICATED_PER_ADDRESS):
+            self.refused_busy += 1
+            if self._busy_log.due():
+                log.warning("peer connections refused: %d not yet authenticated (at most %d, %d from "
+                            "one address; %s has %d); %d refused so far", sum(self.unauthenticated.values()),
+                            MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_ADDRESS, address,
+                            self.unauthenticated[address], self.refused_busy)
+            return False
+        self.unauthenticated[address] += 1
+        return True
+
+    def _refuse(self, address: str, why: Exception) -> None:
+        """Count a connection from ``address`` that ended before authenticating; log it, at
+        most once a minute (anyone can make such connections)."""
+        self.refused += 1
+        if self._refused_log.due():
+            log.warning("peer connection from %s refused: %s (%d refused so far; one line a minute at "
+                        "most)", address, why, self.refused)
+
+    def _authenticated(self, address: str) -> None:
+        """``address``'s connection left the unauthenticated state (authenticated or closed)."""
+        self.unauthenticated[address] -= 1
+        if self.unauthenticated[address] <= 0:
+            del self.unauthenticated[address]
+
+    async def _serve(self, conn: socket.socket, address: str) -> None:
         loop = asyncio.get_running_loop()
         peer = "?"
         handler: ControlHandler | None = None
+        pending = True  # counted in self.unauthenticated until authenticated or closed
         try:
             if self.tls is not None:
                 conn = await self._tls_accept(conn)
             peer = await asyncio.wait_for(self._authenticate(loop, conn), AUTH_TIMEOUT)
+            pending = False
+            self._authenticated(address)
             scratch = memoryview(bytearray(SCRATCH))
             while True:
                 header, payload = await _recv_frame(loop, conn)
@@ -530,15 +618,20 @@ class PeerServer:
                     await _send(loop, conn, {"id": rid, "st": int(exc.status), "msg": str(exc)})
                     raise
         except (PeerError, FrameError, ConnectionError, TimeoutError, OSError) as exc:
-            log.debug("peer %s: connection ends: %s", peer, exc)
+            if pending:
+                self._refuse(address, exc if str(exc) else PeerError("no AUTH in time"))
+            else:
+                log.debug("peer %s: connection ends: %s", peer, exc)
         finally:
+            if pending:
+                self._authenticated(address)
             if handler is not None:
                 handler.close()  # its pins and reservations go with the connection
             self._conns.discard(conn)
             _hang_up(conn)
 
     async def _tls_accept(self, conn: socket.socket) -> ssl.SSLSocket:
-        """The TLS side of an accepted connection; a failed handshake is refused (and counted)."""
+        """The TLS side of an accepted connection; raises ``PeerError`` if its handshake fails."""
         assert self.tls is not None
         tls_conn = self.tls.server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         self._conns.discard(conn)  # wrapping took over its descriptor
@@ -548,9 +641,7 @@ class PeerServer:
         except PeerError as exc:
             self._conns.discard(tls_conn)
             _hang_up(tls_conn)
-            self.refused += 1
-            log.warning("peer connection refused: TLS handshake failed: %s", exc)
-            raise
+            raise PeerError(f"TLS handshake failed: {exc}") from None
         return tls_conn
 
     async def _control(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
@@ -569,14 +660,12 @@ class PeerServer:
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> str:
         nonce = os.urandom(NONCE_BYTES)
         await _send(loop, conn, {"op": OP_CHALLENGE, "nonce": nonce, "proto": PEER_PROTOCOL})
-        header, _ = await _recv_frame(loop, conn)
+        header, _ = await _recv_frame(loop, conn, AUTH_FRAME_LIMIT)
         node, their, mac = header.get("node"), header.get("nonce"), header.get("mac")
         ok = (header.get("op") == OP_AUTH and isinstance(node, str) and isinstance(their, bytes)
               and len(their) == NONCE_BYTES and isinstance(mac, bytes)
               and hmac.compare_digest(mac, _mac(self.secret, b"c", nonce, their, node.encode())))
         if not ok or not isinstance(their, bytes):
-            self.refused += 1
-            log.warning("peer connection refused: failed authentication")
             await _send(loop, conn, {"st": int(Status.INVALID_ARGUMENT), "msg": "authentication failed"})
             raise PeerError("authentication failed")
         await _send(loop, conn, {"st": int(Status.OK), "node": self.node_id,
@@ -683,14 +772,14 @@ class PeerConnection:
         self.sock = sock
 
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-        header, _ = await _recv_frame(loop, sock)
+        header, _ = await _recv_frame(loop, sock, AUTH_FRAME_LIMIT)
         theirs = header.get("nonce")
         if header.get("op") != OP_CHALLENGE or not isinstance(theirs, bytes):
             raise PeerError("peer did not send a challenge")
         mine = os.urandom(NONCE_BYTES)
         await _send(loop, sock, {"op": OP_AUTH, "node": self.node_id, "nonce": mine,
                                  "mac": _mac(self.secret, b"c", theirs, mine, self.node_id.encode())})
-        answer, _ = await _recv_frame(loop, sock)
+        answer, _ = await _recv_frame(loop, sock, AUTH_FRAME_LIMIT)
         node, mac = answer.get("node"), answer.get("mac")
         if answer.get("st") != Status.OK or not isinstance(node, str) or not isinstance(mac, bytes):
             raise PeerError(f"peer refused us: {answer.get('msg', 'no reason')}")

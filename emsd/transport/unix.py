@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from emsd.files import check_dir
+from emsd.logs import Once
 from emsd.service import RequestError, Service, Session
 from emsd.transport.frames import (
     PREFIX,
@@ -48,6 +50,7 @@ log = logging.getLogger("emsd.unix")
 
 HANDSHAKE_TIMEOUT = 5.0
 _PEERCRED = struct.Struct("3i")
+WRITE_STALL_TIMEOUT = 10.0  # seconds a client may leave its answers past the high-water mark unread
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -68,9 +71,31 @@ class ControlProtocol(asyncio.Protocol):
         self._on_close = on_close
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._stall: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
+
+    def pause_writing(self) -> None:
+        """The answers queued past the high-water mark: read no more requests until they drain,
+        and hang up on a client that does not read them within ``WRITE_STALL_TIMEOUT`` (issue 25:
+        a client sending STATS and never reading grew the daemon by gigabytes)."""
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self._stall = asyncio.get_running_loop().call_later(WRITE_STALL_TIMEOUT, self._stalled)
+
+    def resume_writing(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        if not self._closed and self.transport is not None:
+            self.transport.resume_reading()
+
+    def _stalled(self) -> None:
+        log.warning("closing client pid %s: it read no answers for %.0f s", self.session.peer_pid,
+                    WRITE_STALL_TIMEOUT)
+        if self.transport is not None:
+            self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
@@ -136,6 +161,8 @@ class ControlProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        if self._stall is not None:
+            self._stall.cancel()
         self.service.close(self.session)
         self._on_close(self)
 
@@ -162,13 +189,16 @@ class UnixControlServer:
         self._on_count = on_count
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
+        self._accept_log = Once(60.0)
         self._conns: set[ControlProtocol] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bind() made
 
     def bind(self) -> None:
-        """Create the socket file (replacing a stale one); raises OSError if one is live."""
+        """Create the socket file (replacing a stale one); raises OSError if one is live,
+        ``UnsafePath`` if the directory is another user's or others may write to it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_dir(self.path.parent)
         if self.path.exists():
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -180,7 +210,13 @@ class UnixControlServer:
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(str(self.path))
+        # bind() creates the file with the umask's permissions; under 0o177 no one but
+        # us can connect before the chmod below widens it to ``mode`` (issue 25).
+        umask = os.umask(0o177)
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(umask)
         st = os.stat(self.path)
         self._bound = (st.st_dev, st.st_ino)
         os.chmod(self.path, self.mode)
@@ -200,7 +236,8 @@ class UnixControlServer:
             except asyncio.CancelledError:
                 raise
             except OSError as exc:  # EMFILE and friends: back off, keep serving
-                log.warning("accept failed: %s", exc)
+                if self._accept_log.due():  # every 100 ms while it lasts
+                    log.warning("accept failed: %s (said once a minute at most)", exc)
                 await asyncio.sleep(0.1)
                 continue
             task = loop.create_task(self._handshake(conn))
@@ -215,7 +252,7 @@ class UnixControlServer:
             pid, uid, gid = peer_credentials(conn)
             session.peer_pid = pid
             header = await asyncio.wait_for(self._read_hello(loop, conn), HANDSHAKE_TIMEOUT)
-            if not self.admits(uid, gid):  # after the HELLO, so that the client reads the refusal
+            if not self.admits(uid, gid):  # before answering: a refused peer never gets the fd
                 log.warning("refused pid %d: uid %d / gid %d not in node.allowed_uids/gids", pid, uid, gid)
                 raise RequestError(Status.INVALID_ARGUMENT,
                                    f"uid {uid} / gid {gid} may not use this emsd (node.allowed_uids/gids)")

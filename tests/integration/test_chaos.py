@@ -4,7 +4,9 @@ One writer-reader process per node saves batches whose every byte encodes
 its key and loads earlier batches back, checking each loaded block. A
 seeded schedule (the seed is in every failure message; ``EMS_CHAOS_SEED``
 overrides it) kills nodes with -9 and restarts them (warm restart), and
-stops ZooKeeper long enough for sessions to expire. Asserted: no wrong
+stops ZooKeeper long enough for sessions to expire. Its sibling
+``test_zk_ensemble`` runs the same load against a 3-server ZooKeeper
+quorum and kills the quorum's leader. Asserted: no wrong
 byte ever loaded, no call slower than its timeout allows, a bounded miss
 rate, and afterwards nothing left pinned or pending on any node and each
 node's private memory (``tests/memory.py``; a restarted node's new process
@@ -99,10 +101,11 @@ def start_workers(workers: list[subprocess.Popen[str]], nodes: list[Any], second
 
 
 def assert_workers_ok(workers: list[subprocess.Popen[str]], seconds: float, seed: int,
-                      events: list[str]) -> str:
+                      events: list[str], lossless: bool = False) -> str:
     """Wait for the workers and check what they saw: no wrong byte, no call slower than its
     timeout allows, saves going through and at least half the loads hitting (two owners per
-    block: a dead or silent node costs little). Returns the run's description for later checks."""
+    block: a dead or silent node costs little). ``lossless`` (no node was hurt): no call
+    failed and every load of a saved batch hit. Returns the run's description for later checks."""
     results = []
     for w in workers:
         out, err = w.communicate(timeout=seconds + 60)
@@ -115,6 +118,8 @@ def assert_workers_ok(workers: list[subprocess.Popen[str]], seconds: float, seed
     assert all(r["saved"] > 10 for r in results), where
     hits, asked = sum(r["hits"] for r in results), sum(r["asked"] for r in results)
     assert hits >= 0.5 * asked, where
+    if lossless:
+        assert all(r["errors"] == 0 and r["hits"] == r["asked"] for r in results), where
     return where
 
 

@@ -259,23 +259,80 @@ def test_a_second_daemon_with_a_taken_node_id_exits_and_the_first_stays_in_the_v
     assert a.alive() and stats(a)["membership"] == "joined"
 
 
-def test_members_that_place_keys_otherwise_are_named_in_stats_status_and_the_log(
-        cluster: Any, emsd_factory: Any) -> None:
+def test_a_node_whose_vnodes_differ_adopts_the_cluster_record_and_loads_hit(
+        cluster: Any, emsd_factory: Any, monkeypatch: Any) -> None:
+    """b's config says vnodes=160, the cluster's record (written by a, the first node) 512: b
+    places keys by the record, so everything saved through a loads through b (with its own ring,
+    b looked for some blocks at the wrong owner and missed), and b says so."""
     (a,) = cluster(1)
     cfg = dict(a.sections["cluster"])
     b = emsd_factory(cluster={**cfg, "peer_listen": f"127.0.0.1:{zk.free_port()}", "vnodes": 160})
-    c = emsd_factory(cluster={**cfg, "peer_listen": f"127.0.0.1:{zk.free_port()}"})
-    ids = {d: d.sections["node"]["id"] for d in (a, b, c)}
-    wait_for(lambda: all(len(stats(d)["members"]) == 3 for d in (a, b, c)))
-    wait_for(lambda: stats(a)["placement_differs"] == {ids[b]: {"vnodes": 160, "replicas": 1}})
-    assert stats(c)["placement_differs"] == {ids[b]: {"vnodes": 160, "replicas": 1}}
-    assert stats(b)["placement_differs"] == {ids[a]: {"vnodes": 512, "replicas": 1},
-                                             ids[c]: {"vnodes": 512, "replicas": 1}}
-    assert f"placement: node {ids[b]} uses vnodes=160 replicas=1" in a.log()
-    assert [d.metric("emsd_cluster_placement_differs") for d in (a, b, c)] == [1, 2, 1]
-    shown = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(a.socket_dir), "status"],
-                           capture_output=True, text=True, timeout=30)
-    assert f"PLACEMENT   {ids[b]} uses vnodes=160" in shown.stdout, shown.stdout + shown.stderr
+    wait_for(lambda: all(len(stats(d)["members"]) == 2 for d in (a, b)))
+    src = kv(11)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(src)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
+                   option=CcKvOption(write_rcache=False)).success == BLOCKS
+    load_equal(b, src, KEYS, monkeypatch)
+
+    sb = stats(b)
+    assert (sb["vnodes"], sb["replicas"], sb["placement_record"]) == (512, 1, 1)
+    assert sb["placement_config"] == {"vnodes": 160, "replicas": 1} and sb["placement_config_differs"]
+    assert sb["placement_differs"] == {} and stats(a)["placement_differs"] == {}
+    assert not stats(a)["placement_config_differs"]
+    assert ("this node's config says vnodes=160 replicas=1, the cluster's record vnodes=512 replicas=1"
+            in b.log())
+    assert [d.metric("emsd_cluster_placement_differs") for d in (a, b)] == [0, 1]
+    shown = emsctl(b, "status")
+    assert "PLACEMENT   this node's config vnodes=160 replicas=1 differs from the cluster's record " \
+           "vnodes=512" in shown.stdout, shown.stdout + shown.stderr
+
+
+def emsctl(d: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(d.socket_dir), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def placement(d: Any) -> tuple[int, int, int]:
+    """(vnodes, replicas, record version) daemon ``d`` places keys by."""
+    st = stats(d)
+    return st["vnodes"], st["replicas"], st["placement_record"]
+
+
+def test_emsctl_placement_set_changes_every_nodes_ring_at_once(
+        cluster: Any, emsd_factory: Any, monkeypatch: Any) -> None:
+    """One command through a: both nodes place by vnodes=64 replicas=2 (so each holds every new
+    block), a node joining later adopts it over its own config, bad values are refused."""
+    a, b = cluster(2)
+    bad = emsctl(a, "placement", "set", "--vnodes", "0", "--replicas", "1")
+    assert bad.returncode == 1 and "vnodes must be an integer in 1..4096" in bad.stderr, bad.stderr
+    done = emsctl(a, "placement", "set", "--vnodes", "64", "--replicas", "2")
+    assert done.returncode == 0, done.stderr
+    assert "placement record version 2: vnodes=64 replicas=2 on every node" in done.stdout
+    wait_for(lambda: all(placement(d) == (64, 2, 2) for d in (a, b)))
+    assert all(stats(d)["placement_config_differs"] for d in (a, b))  # their files still say 512, 1
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(kv(5))
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
+                   option=CcKvOption(write_rcache=False)).success == BLOCKS
+    wait_for(lambda: (stats(a)["entries"], stats(b)["entries"]) == (BLOCKS, BLOCKS))  # two owners each
+
+    c = emsd_factory(cluster={**a.sections["cluster"], "peer_listen": f"127.0.0.1:{zk.free_port()}"})
+    wait_for(lambda: len(stats(c)["members"]) == 3)
+    assert placement(c) == (64, 2, 2)
+    assert a.alive() and b.alive()
+
+
+def test_placement_set_without_zookeeper_fails_at_once_and_changes_nothing(
+        cluster: Any, zookeeper: zk.ZooKeeperServer) -> None:
+    (a,) = cluster(1)
+    zookeeper.stop()
+    wait_for(lambda: stats(a)["membership"] != "joined")
+    out = emsctl(a, "placement", "set", "--vnodes", "64", "--replicas", "1")
+    assert out.returncode == 1 and "the placement record was not written" in out.stderr, out.stderr
+    zookeeper.start()
+    wait_for(lambda: stats(a)["membership"] == "joined")
+    assert placement(a) == (512, 1, 1)  # not queued and written later
 
 
 def test_a_joining_node_takes_new_saves_for_its_share(cluster: Any, emsd_factory: Any,

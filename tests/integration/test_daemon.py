@@ -103,8 +103,9 @@ def test_healthz_and_metrics_after_a_workload(emsd: Any, monkeypatch: Any) -> No
     from prometheus_client.parser import text_string_to_metric_families
 
     fams = {f.name: f for f in text_string_to_metric_families(emsd.http("/metrics")[1].decode())}
-    by_ns = {s.labels["namespace"]: s.value for s in fams["emsd_pool_namespace_bytes"].samples}
-    assert by_ns[ns_name()] > 0  # labelled by the namespace's name, not a daemon-local id
+    by_tenant = {s.labels["tenant"]: s.value for s in fams["emsd_pool_tenant_bytes"].samples}
+    assert by_tenant[""] > 0  # the default tenant's committed bytes
+    assert "emsd_pool_namespace_bytes" not in fams  # names are clients': only with metrics.namespace_labels
     assert emsd.metric("emsd_ops_total", 'op="reserve",result="ok"') == 1
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') == 2
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="miss"') == 1
@@ -307,7 +308,8 @@ def test_a_second_daemon_on_the_same_socket_refuses_to_start(emsd: Any, emsd_fac
 
 def test_full_pool_of_pinned_blocks_shows_in_success_not_an_exception(emsd_factory: Any,
                                                                      monkeypatch: Any) -> None:
-    d = emsd_factory(pool={"size": "8MiB", "page_size": "8MiB"})
+    # One save fills the pool: let one connection hold all of it reserved (default: half).
+    d = emsd_factory(pool={"size": "8MiB", "page_size": "8MiB", "connection_uncommitted": "8MiB"})
     monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
     Ems._reset()
     try:

@@ -169,3 +169,11 @@ def test_drain_moves_a_nodes_share_to_the_others_before_it_stops(emsd_factory: A
         load_equal(b, src, KEYS, monkeypatch)
     finally:
         server.stop()
+
+
+def test_placement_set_is_refused_without_a_zookeeper_cluster(emsd: Any) -> None:
+    """No ZooKeeper, no shared record: the command fails with why, and the daemon keeps serving."""
+    out = emsctl("placement", "set", "--vnodes", "64", "--replicas", "1", socket_dir=emsd.socket_dir)
+    assert out.returncode == 1, out.stderr
+    assert "only a ZooKeeper cluster keeps a placement record" in out.stderr, out.stderr
+    assert emsd.alive() and stats(emsd)["membership"] == "standalone"

@@ -20,6 +20,17 @@ After each well-framed request a PING marks the end of its answers, since
 some ops (RELEASE) never answer. Throughout, a real SDK client's blocks
 must load with identical bytes; at the end nothing stays reserved or
 pinned or granted, and the daemon's memory has not grown beyond a small bound.
+
+The peer port's path before authentication gets the same treatment
+(``EMS_FUZZ_PEER`` connections, each sending one hostile AUTH exchange): AUTH
+frames with fuzzed fields, byte-flipped and cut-short ones, oversized length
+prefixes and noise. Each is refused and hung up on, the daemon stays up
+within a memory bound, and the cluster still moves blocks afterwards.
+
+So does the HTTP endpoint (``EMS_FUZZ_HTTP`` requests): request heads with
+random methods, paths, versions and headers, over-long lines, too many
+lines, binary noise, heads cut short. Each gets an answer or a hang-up, and
+/healthz and /metrics still answer, with memory flat.
 """
 
 from __future__ import annotations
@@ -36,13 +47,17 @@ import msgpack
 import psutil
 import pytest
 import torch
+from test_attack_peer import cluster_still_works, pair  # noqa: F401 (pair: two clustered daemons)
 
 from ems import CcConfig, Ems, EmsConfig
 from ems.client import DaemonClient
 from emsd.transport.frames import PROTOCOL_VERSION, Op
+from emsd.transport.peer import NONCE_BYTES, OP_AUTH, OP_CHALLENGE
 
 SEED = int(os.environ.get("EMS_FUZZ_SEED", "20261123"))
 FRAMES = int(os.environ.get("EMS_FUZZ_FRAMES", "100000"))
+PEER_CONNECTIONS = int(os.environ.get("EMS_FUZZ_PEER", "3000"))
+HTTP_REQUESTS = int(os.environ.get("EMS_FUZZ_HTTP", "3000"))
 MARK = 0x7FFF_FFF0  # the PING's request id: the end of a fuzz frame's answers
 WEIRD: list[Any] = [0, 1, -1, 2, 7, 255, 65536, 65537, 2**31, 2**32 + 5, -(2**40), 2**63, 1.5, "x", "",
                     b"\x00" * 3, None, True, [], [1, 2], {}, {"a": 1}, "\u2603" * 40]
@@ -264,5 +279,111 @@ def test_a_hundred_thousand_hostile_frames(victim: tuple[Any, Any, list[Any]]) -
     assert granted == 0, (SEED, granted)
     stored = d.metric("emsd_op_bytes_total", 'op="put"')
     assert stored > 100 * 64, f"only {stored} bytes were stored by PUTs into granted chunks (seed {SEED})"
+    grown = rss.memory_info().rss - baseline
+    assert grown < 16 << 20, f"daemon RSS grew {grown} bytes over the run (seed {SEED})"
+
+
+def hostile_auth(rng: random.Random, nonce: bytes) -> bytes:
+    """One hostile answer to a peer's CHALLENGE ``nonce`` (see the module docstring)."""
+    good = {"v": PROTOCOL_VERSION, "id": 0, "op": OP_AUTH, "node": "mallory",
+            "nonce": rng.randbytes(NONCE_BYTES), "mac": rng.randbytes(32)}
+    kind = rng.randrange(6)
+    if kind == 0:  # well framed, fields fuzzed
+        header = dict(good)
+        for _ in range(rng.randrange(1, 4)):
+            header[rng.choice([*good, "proto", "st"])] = rng.choice([*WEIRD, nonce, rng.randbytes(5000)])
+        return _frame(header)
+    if kind == 1:  # a plausible AUTH with a wrong mac (an echoed nonce, a long node name)
+        return _frame({**good, "nonce": nonce, "node": "n" * rng.randrange(1, 3000)})
+    if kind == 2:  # byte-flipped
+        raw = bytearray(_frame(good))
+        for _ in range(rng.randrange(1, 6)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        return bytes(raw)
+    if kind == 3:  # cut short
+        raw = _frame(good)
+        return raw[: rng.randrange(len(raw))]
+    if kind == 4:  # an oversized or implausible length prefix, maybe with some of what it announces
+        return struct.pack("<II", rng.randrange(1 << 32), rng.randrange(1 << 32)) + rng.randbytes(
+            rng.randrange(0, 9000))
+    return rng.randbytes(rng.randrange(1, 9000))  # noise
+
+
+def test_hostile_auth_exchanges_on_the_peer_port(pair: tuple[Any, Any, int],  # noqa: F811
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, port = pair
+    rng = random.Random(SEED)
+    rss = psutil.Process(b.pid)
+    baseline = 0
+    for i in range(PEER_CONNECTIONS):
+        if i == PEER_CONNECTIONS // 10:
+            baseline = rss.memory_info().rss
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            hlen, plen = struct.unpack("<II", _recv_exactly(s, 8))
+            challenge = msgpack.unpackb(_recv_exactly(s, hlen + plen)[:hlen])
+            assert challenge["op"] == OP_CHALLENGE, challenge
+            try:
+                s.sendall(hostile_auth(rng, challenge["nonce"]))
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(1 << 16):  # an answer (a refusal) may come; then the hang-up
+                    pass
+            except (BrokenPipeError, ConnectionResetError, OSError):  # hung up on before all was sent
+                pass
+    assert b.alive() and a.alive(), f"seed {SEED}"
+    grown = rss.memory_info().rss - baseline
+    assert grown < 16 << 20, f"daemon RSS grew {grown} bytes over the run (seed {SEED})"
+    refused = b.metric("emsd_peer_connections_refused_total", 'reason="auth"')
+    assert refused > PEER_CONNECTIONS // 2, f"{refused} refusals counted (seed {SEED})"
+    cluster_still_works(a, b, monkeypatch)
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        assert chunk, "the daemon hung up before its CHALLENGE"
+        data += chunk
+    return data
+
+
+def hostile_http(rng: random.Random) -> bytes:
+    """One hostile HTTP request head (see the module docstring)."""
+    method = rng.choice([b"GET", b"POST", b"HEAD", b"get", b"", b"\x00GET", rng.randbytes(8)])
+    path = rng.choice([b"/healthz", b"/readyz", b"/metrics", b"/metrics?x=" + b"a" * rng.randrange(9000), b"",
+                       b"/%00", b"*", b"/" + rng.randbytes(20), b"../../etc/passwd"])
+    version = rng.choice([b" HTTP/1.0", b" HTTP/1.1", b" HTTP/9", b"", b" " + rng.randbytes(4)])
+    head = method + b" " + path + version + b"\r\n"
+    kind = rng.randrange(5)
+    if kind == 0:  # many header lines
+        head += b"".join(b"X-%d: %d\r\n" % (i, i) for i in range(rng.randrange(200)))
+    elif kind == 1:  # one over-long header line
+        head += b"X-Long: " + b"a" * rng.randrange(8000, 20000) + b"\r\n"
+    elif kind == 2:  # noise
+        head = rng.randbytes(rng.randrange(1, 12000))
+    elif kind == 3:  # cut short
+        return head[: rng.randrange(len(head) + 1)]
+    return head + rng.choice([b"\r\n", b"\n", b""])
+
+
+def test_hostile_requests_on_the_http_endpoint(emsd: Any) -> None:
+    rng = random.Random(SEED)
+    rss = psutil.Process(emsd.pid)
+    baseline = 0
+    for i in range(HTTP_REQUESTS):
+        if i == HTTP_REQUESTS // 10:
+            baseline = rss.memory_info().rss
+        with socket.create_connection((emsd.metrics_host, emsd.metrics_port), timeout=10) as s:
+            try:
+                s.sendall(hostile_http(rng))
+                s.shutdown(socket.SHUT_WR)
+                answer = b""
+                while chunk := s.recv(1 << 16):
+                    answer += chunk
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                continue
+            assert answer == b"" or answer.startswith(b"HTTP/1.0 "), (SEED, i, answer[:80])
+    assert emsd.alive(), f"seed {SEED}"
+    assert emsd.http("/healthz") == (200, b"ok\n")
+    assert emsd.metric("emsd_ready") == 1.0
     grown = rss.memory_info().rss - baseline
     assert grown < 16 << 20, f"daemon RSS grew {grown} bytes over the run (seed {SEED})"

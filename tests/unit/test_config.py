@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ems.cc_v1 import CcConfig as CcConfigAlias
 from ems.cc_v1.cc_config import CcConfig_v1, KVCacheType
@@ -57,9 +59,58 @@ def test_cc_config_alias_is_the_same_class() -> None:
     assert CcConfigAlias is CcConfig_v1
 
 
-def test_cc_config_is_immutable() -> None:
+def test_cc_config_is_mutable_as_the_published_connector_uses_it() -> None:
+    # vllm-ascend's EmsAdapter.get_ems_cfg builds the config, then for MLA models:
+    c = cc()
+    c.kvcache_type = KVCacheType.MLA
+    assert c.kvcache_type is KVCacheType.MLA
+    c.kvcache_type = "GQA"  # type: ignore[assignment]
+    assert c.kvcache_type is KVCacheType.GQA
+    c.model_id = "other"
+    assert c == cc(model_id="other", kvcache_type="GQA")
+
+
+@pytest.mark.parametrize(("field", "bad", "rule"), [
+    ("rank_id", -1, ">= 0"), ("device_id", True, "int"), ("tp_world_size", 0, ">= 1"),
+    ("rank_in_pp_group", 1.0, "int"), ("model_id", "Upper", "[0-9a-z._@-]"),
+    ("llm_engine", "", "printable"), ("kvcache_type", "mla", "KVCacheType")])
+def test_cc_config_assignment_checks_the_field_and_keeps_the_old_value(field: str, bad: object,
+                                                                       rule: str) -> None:
+    c = cc()
+    before = getattr(c, field)
+    msg = invalid_message(setattr, c, field, bad)
+    assert field in msg and rule in msg
+    assert getattr(c, field) == before
+
+
+def test_cc_config_unknown_attribute_is_refused() -> None:
     with pytest.raises(AttributeError):
-        cc().model_id = "other"  # type: ignore[misc]
+        cc().kv_cache_type = KVCacheType.MLA  # type: ignore[attr-defined]
+
+
+def test_cc_config_group_rules_are_checked_by_validate_in_any_assignment_order() -> None:
+    c = cc()
+    c.rank_in_tp_group = 3  # before tp_world_size: fine until used
+    assert "rank_in_tp_group must be < tp_world_size (1)" in invalid_message(c.validate)
+    assert "rank_in_tp_group must be < tp_world_size" in invalid_message(
+        EmsConfig(cc_config=c).validate)
+    c.tp_world_size = 4
+    assert c.validate() is c
+
+
+@given(st.lists(st.tuples(st.sampled_from(["rank_id", "device_id", "tp_world_size"]),
+                          st.integers(-3, 2**40)), max_size=8))
+def test_cc_config_assignments_either_store_or_refuse(steps: list[tuple[str, int]]) -> None:
+    c = cc()
+    for field, value in steps:
+        minimum = 1 if field == "tp_world_size" else 0
+        if value >= minimum:
+            setattr(c, field, value)
+            assert getattr(c, field) == value
+        else:
+            before = getattr(c, field)
+            invalid_message(setattr, c, field, value)
+            assert getattr(c, field) == before
 
 
 def test_cc_config_accepts_kvcache_type_as_string_value() -> None:
@@ -100,10 +151,12 @@ def test_cc_config_rank_in_groups_below_world_sizes() -> None:
         cc, pp_world_size=2, rank_in_pp_group=2)
 
 
-def test_cc_config_rank_id_below_ranks_of_instance() -> None:
-    assert cc(rank_id=5, tp_world_size=2, pp_world_size=3).rank_id == 5
-    assert "rank_id must be < tp_world_size * pp_world_size" in invalid_message(
-        cc, rank_id=6, tp_world_size=2, pp_world_size=3)
+def test_cc_config_rank_id_is_the_global_rank_beyond_one_tp_pp_group() -> None:
+    # The reference's first example; with data parallelism an instance has more ranks
+    # than tp_world_size * pp_world_size.
+    assert cc(rank_id=8).rank_id == 8
+    assert cc(rank_id=6, tp_world_size=2, pp_world_size=3).rank_id == 6
+    assert cc(rank_id=2**40).rank_id == 2**40
 
 
 def test_cc_config_device_id_has_no_upper_bound() -> None:
@@ -125,13 +178,22 @@ def test_cc_config_model_id_must_be_str() -> None:
     assert "model_id" in invalid_message(cc, model_id=b"llama")
 
 
-@pytest.mark.parametrize("bad", ["", "vLLM", "x" * 65, None])
+@pytest.mark.parametrize("bad", ["", "x" * 257, "a\nb", None, b"vllm"])
 def test_cc_config_llm_engine_rule(bad: object) -> None:
-    assert "llm_engine" in invalid_message(cc, llm_engine=bad)
+    msg = invalid_message(cc, llm_engine=bad)
+    assert "llm_engine must be a printable str of 1-256 characters" in msg
+
+
+def test_cc_config_llm_engine_takes_the_published_connectors_value() -> None:
+    # vllm-ascend: f"{EmsEnv.llm_engine}@{model_name}", model_name from the model path.
+    assert cc(llm_engine="vllm@models_Kimi-K2.5-w4a8").llm_engine == "vllm@models_Kimi-K2.5-w4a8"
+    assert cc(llm_engine="x" * 256).llm_engine == "x" * 256
 
 
 def test_cc_config_equality_and_repr() -> None:
-    assert cc() == cc() and hash(cc()) == hash(cc())
+    assert cc() == cc()
+    with pytest.raises(TypeError):  # mutable settings are not hashable
+        hash(cc())
     assert cc() != cc(device_id=1)
     assert "model_id='llama-3.1-8b'" in repr(cc())
 
@@ -193,6 +255,11 @@ def test_ems_config_access_key_accepts_bounds() -> None:
     assert EmsConfig(access_id="me", access_key="Z" * 256).access_key == "Z" * 256
 
 
+def test_ems_config_empty_access_key_is_no_key() -> None:
+    # The published vllm-ascend connector's default: os.environ.get("ACCELERATE_KEY", "").
+    assert EmsConfig(access_id="cc_kvstore@_@ds_default_ns_001", access_key="").access_key is None
+
+
 def test_ems_config_access_key_requires_access_id() -> None:
     msg = invalid_message(EmsConfig, access_key=KEY)
     assert "access_id" in msg and KEY not in msg
@@ -233,6 +300,55 @@ def test_option_equality_and_repr() -> None:
     assert CcKvOption(timeout=10) == CcKvOption(timeout=10) != CcKvOption()
     assert repr(CcKvOption()) == (
         "CcKvOption(write_rcache=True, read_local_only=False, timeout=5000)")
+
+
+def test_option_is_mutable_as_the_reference_retry_example_uses_it() -> None:
+    option = CcKvOption(timeout=100)
+    option.timeout = 1000
+    option.write_rcache, option.read_local_only = False, True
+    assert option == CcKvOption(write_rcache=False, read_local_only=True, timeout=1000)
+    assert option.timeout_seconds() == 1.0
+    with pytest.raises(TypeError):
+        hash(option)
+
+
+@pytest.mark.parametrize(("field", "bad"), [("timeout", -1), ("timeout", 1.5), ("timeout", 2**31),
+                                            ("write_rcache", 1), ("read_local_only", None)])
+def test_option_assignment_checks_the_field_and_keeps_the_old_value(field: str, bad: object) -> None:
+    option = CcKvOption()
+    before = getattr(option, field)
+    assert field in invalid_message(setattr, option, field, bad)
+    assert getattr(option, field) == before
+
+
+def test_option_copy_is_independent() -> None:
+    option = CcKvOption(timeout=7)
+    twin = option.copy()
+    option.timeout = 8
+    assert twin == CcKvOption(timeout=7)
+
+
+def test_ems_config_is_mutable_and_validate_checks_across_fields() -> None:
+    config = EmsConfig()
+    config.cc_config_v1 = cc()
+    assert config.cc_config == cc()
+    config.access_key = KEY  # no access_id yet: refused when used
+    msg = invalid_message(config.validate)
+    assert "access_id" in msg and KEY not in msg
+    config.access_id = "me"
+    assert config.validate() == cc()
+    assert "access_id" in invalid_message(setattr, config, "access_id", "Me")
+    assert "cc_config must be a CcConfig_v1" in invalid_message(setattr, config, "cc_config", 1)
+    assert config.access_id == "me"
+
+
+def test_ems_config_copy_is_independent() -> None:
+    config = EmsConfig(access_id="me", access_key=KEY, cc_config=cc())
+    twin = config.copy()
+    assert twin.same(config)
+    assert config.cc_config is not None
+    config.cc_config.rank_id = 9
+    assert not twin.same(config) and twin.cc_config == cc()
 
 
 def test_resolve_option() -> None:

@@ -25,7 +25,7 @@ def configs(draw: st.DrawFn) -> CcConfig_v1:
     tp = draw(st.integers(1, 4))
     pp = draw(st.integers(1, 3))
     return CcConfig_v1(
-        rank_id=draw(st.integers(0, tp * pp - 1)),
+        rank_id=draw(st.integers(0, 4 * tp * pp)),  # the global rank: DP ranks beyond TP x PP too
         device_id=draw(st.integers(0, 7)),
         model_id=draw(NAME),
         tp_world_size=tp,
@@ -54,7 +54,7 @@ def test_namespace_is_injective_over_its_fields(t1: str | None, c1: CcConfig_v1,
 def test_namespace_ignores_rank_id_and_device_id(tenant: str | None, c: CcConfig_v1,
                                                  sig: str) -> None:
     other = CcConfig_v1(
-        rank_id=(c.rank_id + 1) % (c.tp_world_size * c.pp_world_size), device_id=c.device_id + 1,
+        rank_id=c.rank_id + c.tp_world_size * c.pp_world_size, device_id=c.device_id + 1,
         model_id=c.model_id, tp_world_size=c.tp_world_size, pp_world_size=c.pp_world_size,
         rank_in_tp_group=c.rank_in_tp_group, rank_in_pp_group=c.rank_in_pp_group,
         llm_engine=c.llm_engine, kvcache_type=c.kvcache_type)

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from emsd.membership.base import NodeInfo
-from emsd.placement.agreement import RING_KEY, advertised, disagreeing, params_of
+from emsd.placement.agreement import RING_KEY, advertised, disagreeing, follows_record, params_of
 
 
 def node(node_id: str, extra: dict[str, Any]) -> NodeInfo:
@@ -43,3 +43,20 @@ def test_exactly_the_other_members_with_known_other_values_are_named(theirs: lis
         node(f"n{i}", {} if p is None else advertised(*p)) for i, p in enumerate(theirs)]
     assert disagreeing(view, "me", mine) == {f"n{i}": p for i, p in enumerate(theirs)
                                              if p is not None and p != mine}
+
+
+@given(st.lists(st.tuples(st.one_of(params, st.none()), st.booleans()), max_size=8), params)
+def test_under_a_record_only_members_that_do_not_follow_it_are_named(theirs: list[Any], record: Any) -> None:
+    view = [node("me", advertised(512, 1, follows_record=True))]
+    view += [node(f"n{i}", {} if p is None else advertised(*p, follows_record=f))
+             for i, (p, f) in enumerate(theirs)]
+    assert disagreeing(view, "me", record, skip_followers=True) == {
+        f"n{i}": p for i, (p, f) in enumerate(theirs) if p is not None and not f and p != record}
+
+
+def test_following_the_record_reads_back_through_the_membership_entry() -> None:
+    info = node("a", advertised(160, 2, follows_record=True))
+    extra = NodeInfo.decode(info.encode()).extra
+    assert follows_record(extra) and params_of(extra) == (160, 2)
+    assert not follows_record(advertised(160, 2)) and not follows_record({}) and not follows_record(
+        {RING_KEY: {"vnodes": 160, "replicas": 2, "record": "yes"}})

@@ -30,3 +30,22 @@ def test_bad_values_name_the_key(pool: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError) as err:
         config_from_dict({"pool": pool})
     assert err.value.key == key
+
+
+def test_the_issue_25_limits_default_and_read() -> None:
+    cfg = config_from_dict({})
+    assert (cfg.pool.connection_uncommitted, cfg.metrics.namespace_labels, cfg.tenants.max_namespaces) == \
+        (0, False, 1024)
+    cfg = config_from_dict({"pool": {"connection_uncommitted": "1GiB"}, "metrics": {"namespace_labels": True},
+                            "tenants": {"max_namespaces": 16}})
+    assert (cfg.pool.connection_uncommitted, cfg.metrics.namespace_labels, cfg.tenants.max_namespaces) == \
+        (1 << 30, True, 16)
+
+
+@pytest.mark.parametrize(("table", "key", "value"), [
+    ("pool", "connection_uncommitted", -1), ("metrics", "namespace_labels", "yes"),
+    ("tenants", "max_namespaces", 0), ("tenants", "max_namespaces", 1 << 20),
+])
+def test_bad_issue_25_limits_name_the_key(table: str, key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"{table}.{key}"):
+        config_from_dict({table: {key: value}})

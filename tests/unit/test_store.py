@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from emsd.pool.eviction import lru_victims, page_ages, steal_choice
 from emsd.pool.index import FREE, PENDING, READY
 from emsd.pool.keys import KeyBatch
-from emsd.pool.store import BlockStore, Reservation, Status
+from emsd.pool.store import MAX_PINS, BlockStore, Reservation, Status
 
 PAGE = 4096
 MODEL_KEYS = 40  # enough distinct keys to keep the model's pool under eviction pressure
@@ -215,6 +215,18 @@ def test_release_never_takes_pins_below_zero() -> None:
     assert store.release(np.concatenate([h, h, h])) == 1
     assert store.release(h) == 0
     assert store.stats().pinned == 0
+
+
+def test_a_pin_count_never_wraps() -> None:
+    """u32 pins: an entry pinned MAX_PINS times is a miss for the next pin, never wrapped to 0."""
+    store = BlockStore(8 * PAGE, PAGE)
+    save(store, 0, [1, 2])
+    handle = store.pin(0, kb(1)).handles[0]
+    store.index.pins[handle] = MAX_PINS - 1  # as if a client had pinned it 2**31 - 1 times
+    assert store.pin(0, kb(1, 1, 1, 2)).count == 4  # below the limit when asked: pinned, no wrap
+    assert int(store.index.pins[handle]) == int(MAX_PINS) + 2
+    assert store.pin(0, kb(1, 2)).count == 0 and store.pin(0, kb(2, 1)).count == 1
+    assert int(store.index.pins[handle]) == int(MAX_PINS) + 2
 
 
 def test_eviction_takes_the_least_recently_used_first() -> None:

@@ -1,0 +1,47 @@
+"""The real-engine benchmark (benchmarks/engines) in its quick mode, so that it cannot rot.
+
+Three requests through two engine processes per system: engine A serves a
+prompt, engine B the same session's next turn and a new prompt. Checked:
+every system's outputs equal the cold engine's token for token; with emsd
+(one node, and two nodes of a cluster with engine B on the other node) engine
+B loads engine A's blocks from emsd; LMCache's own connector is tried in the
+same engines (its venv, .venv-lmvllm, is set up by scripts/test-vllm.sh) and
+reported as unable to run on a CPU engine, with LMCache's own reason (if a
+later LMCache gains a CPU path, this test says so and the benchmark's docs
+need its figures). No timing is asserted: the figures are the benchmark's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+def test_quick_run_loads_across_engines_and_nodes_with_equal_outputs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.engines.run", "--quick", "--out", str(out),
+                          "--systems", "cold,emsd,emsd-2node,lmcache", "--plot", str(tmp_path / "p.png")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    res = json.loads((out / "engines.json").read_text())
+    systems = res["systems"]
+    assert set(systems) == {"cold", "emsd", "emsd-2node", "lmcache"}
+    ran = ("cold", "emsd", "emsd-2node")
+    assert all("error" not in systems[s] for s in ran), {k: systems[k].get("error") for k in ran}
+    assert "No supported cpu connector found" in systems["lmcache"]["error"]
+    assert systems["cold"]["requests"] == 3
+    for name in ("emsd", "emsd-2node"):
+        assert systems[name]["outputs_equal"] is True, name
+    prompt_blocks_of_a = 1024 // 32
+    for name in ("emsd", "emsd-2node"):  # B's returning request found all of A's prompt but its last block
+        assert systems[name]["loaded_blocks"] >= prompt_blocks_of_a - 1, systems[name]
+    assert systems["cold"]["loaded_blocks"] == 0
+    assert (tmp_path / "p.png").stat().st_size > 0
