@@ -296,7 +296,7 @@ class Daemon:
             self.disk = DiskTier(cfg.dir, cfg.size, cfg.queue, cfg.readers, cfg.writers, cfg.extent,
                                  quota=lambda name: service.tenants.quota(Tenants.tenant_of(name)),
                                  tenant=Tenants.tenant_of, on_read=self.metrics.disk_read.observe)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, UnsafePath) as exc:
             self.disk_error = f"cannot open {cfg.dir}: {exc}"
             log.error("disk tier off: %s; serving from DRAM only", self.disk_error)
             service.info.update(disk={"dir": str(cfg.dir), "failed": self.disk_error})

@@ -67,6 +67,7 @@ import numpy as np
 import xxhash
 
 from emsd.faults import FAULTS
+from emsd.files import check_dir
 from emsd.pool.keys import KeyBatch
 from emsd.tier.engine import DataFile, Engine, aligned, read_block
 from emsd.tier.ledger import NS_SLOTS, DiskLedger
@@ -166,6 +167,7 @@ class DiskTier:
                  tenant: Callable[[str], str] | None = None,
                  on_read: Callable[[float], None] | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
+        check_dir(directory)  # the daemon's own, not writable by others (emsd.files)
         self.space = DiskSpace(size, extent)
         self.ledger, self.outcome = DiskLedger.open(directory / INDEX_FILE, self.space.size, extent)
         try:

@@ -30,6 +30,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from emsd.files import open_own
 from emsd.tier.space import SECTOR, slot_for
 
 log = logging.getLogger("emsd.tier")
@@ -45,7 +46,7 @@ class DataFile:
     def __init__(self, path: Path, size: int) -> None:
         self.path = path
         self.size = size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_own(path, os.O_RDWR | os.O_CREAT)  # never through a symlink (emsd.files)
         try:
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)
@@ -81,7 +82,7 @@ class DataFile:
 def _reopen_direct(path: Path, fd: int) -> tuple[int, bool, str]:
     """(descriptor, direct?, why not): ``path`` reopened with O_DIRECT when the FS takes it."""
     try:
-        direct = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+        direct = open_own(path, os.O_RDWR | os.O_DIRECT)
     except OSError as exc:
         return fd, False, f"O_DIRECT refused ({exc.strerror})"
     probe = aligned(SECTOR)

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from emsd.files import open_own
+
 MAGIC = b"EMSDDISK"
 FORMAT = 1
 HEADER = 4096
@@ -74,7 +76,7 @@ class DiskLedger:
         Returns (ledger, outcome). Raises ``LedgerBusy`` if another process holds
         it, ``OSError`` if it cannot be made.
         """
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_own(path, os.O_RDWR | os.O_CREAT)  # never through a symlink (emsd.files)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
