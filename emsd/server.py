@@ -255,7 +255,7 @@ class Daemon:
         """
         page = min(self.config.pool.page_size, region.size)
         store = self._store(region.size, page)
-        if region.path is None:
+        if region.keeper is None:
             if self.config.pool.warm_restart:
                 log.info("warm restart: off for this pool (%s)", region.reason)
             return store, {}
@@ -269,7 +269,7 @@ class Daemon:
         except OSError as exc:
             raise StartupError(f"pool.state_dir: cannot open {path}: {exc.strerror or exc}") from None
         if outcome == "attached" and not region.reused:
-            outcome = "rebuilt: the pool file was new"
+            outcome = "rebuilt: the pool was new"
         names = ledger.names() if outcome == "attached" else {}
         try:
             restored = store.attach(ledger, set(names)) if names else 0
@@ -282,7 +282,7 @@ class Daemon:
         self.ledger = ledger
         self.restart_outcome, self.restored = outcome, restored
         log.info("warm restart: %s; %d blocks restored (%s, ledger %s)", outcome, restored,
-                 region.path, path)
+                 region.keeper, path)
         return store, names
 
     def _open_disk(self, store: BlockStore, service: Service) -> TierStack | None:

@@ -1,4 +1,4 @@
-"""The pool's shared-memory region: one memfd, mapped once, handed to clients.
+"""The pool's shared-memory region: one sealed memfd, mapped once, handed to clients.
 
 ``Region.create(size, hugepages)`` decides which kind of memory backs the
 pool and maps it:
@@ -9,30 +9,28 @@ pool and maps it:
 - ``"shm"``: a plain memfd (shmem, 4 KiB pages). Used when ``hugepages`` is
   ``"off"``, or ``"auto"`` and hugepages are short or fail to map.
 
-With ``persist_dir`` (warm restart), the region is a file instead of a
-memfd, so that it outlives the process and a restarted daemon maps the very
-same bytes again: ``<persist_dir>/<name>.pool`` for shared memory (put
-``persist_dir`` on tmpfs, such as /dev/shm), or a file on the first
-hugetlbfs mount for hugepages. ``reused`` says whether an existing file of
-the right size was mapped (its bytes kept) rather than a new one. Without
-a hugetlbfs mount, hugepages stay a memfd and the reason says that warm
-restart is off.
+Either is sealed once sized (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``):
+clients receive ``fd`` over the Unix socket (SCM_RIGHTS) and map it
+read/write, and whatever they do with it, they cannot truncate it (which
+would bring SIGBUS to the daemon and every other client and lose every
+block), grow it, or add seals that would stop others mapping it. (They can
+still write or punch holes in its pages: with ``pool.checksum`` a block whose
+bytes changed is a miss.)
 
-One daemon per pool file: ``_map_file`` takes an exclusive ``flock`` on the
-file before it looks at it or resizes it, on a descriptor of its own that
-clients never receive (they map the file through ``fd``, and a mapping keeps
-its open file's lock alive: a lock on ``fd`` would outlive a killed daemon
-for as long as its clients run, and block its warm restart). A second
-daemon given the same file (the same ``node.id`` and state directory) gets
-``RegionBusy`` and has touched nothing: resizing the file would have zeroed
-the live daemon's pool under it.
+With ``persist_dir`` (warm restart) the memfd outlives the daemon in a keeper
+process (``emsd.pool.keeper``) listening at ``<persist_dir>/<name>.keeper``:
+a restarted daemon gets the very same memory back from it. ``reused`` says
+whether it did (a kept memfd of the right kind and size) rather than start a
+new one. One daemon per pool: ``create`` takes an exclusive ``flock`` on
+``<persist_dir>/<name>.lock`` first, on a descriptor that clients never
+receive, and a second daemon given the same files (the same ``node.id`` and
+state directory) gets ``RegionBusy`` having touched nothing. A pool file
+``<name>.pool`` left by an emsd from before the keeper is removed (its
+blocks are not carried over: the first start after the upgrade is cold).
 
-The decision (``_choose``) is apart from the mapping (``_map_memfd``,
-``_map_file``).
-
-``reason`` says in one line why this kind was chosen, for the startup log.
-Clients receive ``fd`` over the Unix socket (SCM_RIGHTS) and map it
-themselves. ``prefault`` makes the kernel allocate every page up front, so
+The decision (``_choose``) is apart from the mapping (``_new_memfd``,
+``_map``). ``reason`` says in one line why this kind was chosen, for the
+startup log. ``prefault`` makes the kernel allocate every page up front, so
 that the first save does not pay for page faults and a short host fails at
 start, not mid-service.
 """
@@ -47,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from emsd.files import open_own
+from emsd.pool import keeper
 
 MODES = ("auto", "on", "off")
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by the mmap module of 3.11
@@ -73,44 +72,61 @@ class HugepageInfo:
 
 @dataclass
 class Region:
-    """A MAP_SHARED read/write mapping of a memfd of ``size`` bytes."""
+    """A MAP_SHARED read/write mapping of a sealed memfd of ``size`` bytes."""
 
     kind: str  # "hugetlb" or "shm"
     reason: str  # why this kind, one line for the log
     size: int  # bytes mapped
-    fd: int  # the memfd or file, to pass to clients with SCM_RIGHTS
+    fd: int  # the memfd, to pass to clients with SCM_RIGHTS
     mm: mmap.mmap  # the whole region
-    path: Path | None = None  # the file, when the region outlives the process
-    reused: bool = False  # an existing file was mapped with its bytes
-    lock_fd: int = -1  # with a file: the descriptor holding its flock (never given to clients)
+    keeper: Path | None = None  # the keeper's socket, when the region outlives the process
+    reused: bool = False  # the keeper's memfd was mapped again, with its bytes
+    lock_fd: int = -1  # with a keeper: the descriptor holding the pool's flock (never given to clients)
 
     @classmethod
     def create(cls, size: int, hugepages: str, name: str = "emsd-pool",
                persist_dir: Path | None = None) -> Region:
-        """Create and map a region of at least ``size`` bytes.
+        """Create (or, with ``persist_dir``, get back from the keeper) and map a region of at
+        least ``size`` bytes.
 
         ``hugepages`` is ``"auto"``, ``"on"`` or ``"off"`` (see the module
         docstring). Raises ``RegionError`` if the mode is unknown, the size is
         not positive, ``"on"`` cannot get enough hugepages, or shared memory
-        itself cannot be mapped.
+        itself cannot be mapped; ``RegionBusy`` while another daemon holds the
+        pool; ``UnsafePath`` for a lock file that is a symlink or not the daemon's.
         """
         if hugepages not in MODES:
             raise RegionError(f'pool.hugepages: must be "auto", "on" or "off" (got {hugepages!r})')
         if size <= 0:
             raise RegionError(f"pool.size: must be positive (got {size} bytes)")
+        if persist_dir is None:
+            return cls._new(size, hugepages, name)
+        lock = _lock(persist_dir / f"{name}.lock")
+        try:
+            _remove_pool_file(persist_dir / f"{name}.pool")
+            keeper_path = persist_dir / f"{name}.keeper"
+            region, why = _kept(keeper_path, size, hugepages)
+            kept = region is not None
+            if region is None:
+                region = cls._new(size, hugepages, name)
+                kept, why_not = _keep(keeper_path, region.fd)
+                why += why_not
+            region.reason += why
+            region.keeper = keeper_path if kept else None
+            region.lock_fd = lock
+            return region
+        except BaseException:
+            os.close(lock)
+            raise
+
+    @classmethod
+    def _new(cls, size: int, hugepages: str, name: str) -> Region:
+        """A new sealed memfd region (see ``create``)."""
         huge_size, reason = _choose(size, hugepages, read_hugepage_info())
         if huge_size is not None:
             try:
-                mount = hugetlbfs_mount() if persist_dir is not None else None
-                if mount is not None:
-                    path = mount / f"{name}.pool"
-                    fd, mm, reused, lock = _map_file(path, huge_size)
-                    return cls("hugetlb", reason, huge_size, fd, mm, path, reused, lock)
-                if persist_dir is not None:
-                    reason += ("; warm restart off: no hugetlbfs mount "
-                               "(mount -t hugetlbfs none /dev/hugepages)")
-                fd, mm = _map_memfd(name, huge_size, huge=True)
-                return cls("hugetlb", reason, huge_size, fd, mm)
+                fd = _new_memfd(name, huge_size, huge=True)
+                return cls("hugetlb", reason, huge_size, fd, _map(fd, huge_size))
             except OSError as exc:
                 if hugepages == "on":
                     raise RegionError(
@@ -123,16 +139,12 @@ class Region:
                 )
         shm_size = _round_up(size, mmap.PAGESIZE)
         try:
-            if persist_dir is not None:
-                path = persist_dir / f"{name}.pool"
-                fd, mm, reused, lock = _map_file(path, shm_size)
-                return cls("shm", reason, shm_size, fd, mm, path, reused, lock)
-            fd, mm = _map_memfd(name, shm_size, huge=False)
+            fd = _new_memfd(name, shm_size, huge=False)
+            return cls("shm", reason, shm_size, fd, _map(fd, shm_size))
         except OSError as exc:
             raise RegionError(
                 f"pool.size: cannot map {shm_size} bytes of shared memory: {exc.strerror or exc}"
             ) from None
-        return cls("shm", reason, shm_size, fd, mm)
 
     def prefault(self) -> str:
         """Allocate every page now; returns the method used.
@@ -226,65 +238,106 @@ def _choose(size: int, mode: str, info: HugepageInfo | None) -> tuple[int | None
     return huge_size, f"hugepages={mode}: {needed} hugepages of {mib} MiB ({info.free} were free)"
 
 
-def _map_memfd(name: str, size: int, huge: bool) -> tuple[int, mmap.mmap]:
-    """A new memfd of ``size`` bytes and its shared mapping; raises OSError."""
-    flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if huge else 0)
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _new_memfd(name: str, size: int, huge: bool) -> int:
+    """A new memfd of ``size`` bytes, sealed against any change of size and any further seal;
+    raises OSError."""
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if huge else 0)
     fd = os.memfd_create(name, flags)
     try:
         os.ftruncate(fd, size)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
     except BaseException:
         os.close(fd)
         raise
-    return fd, mm
+    return fd
 
 
-def _map_file(path: Path, size: int) -> tuple[int, mmap.mmap, bool, int]:
-    """Map ``path`` shared, ``size`` bytes; (fd, map, reused, lock fd). An existing file
-    of exactly ``size`` bytes keeps its bytes; any other is emptied first. Raises
-    ``RegionBusy`` (before anything is changed) while another process holds the file,
-    ``UnsafePath`` if it is a symlink or not the daemon's own (``emsd.files``), ``OSError``
-    otherwise."""
+def _map(fd: int, size: int) -> mmap.mmap:
+    """``fd``'s shared read/write mapping; closes ``fd`` and raises OSError if it cannot."""
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _lock(path: Path) -> int:
+    """An exclusive ``flock`` on ``path`` (created), held by the returned descriptor; raises
+    ``RegionBusy`` while another process holds it."""
     lock = open_own(path, os.O_RDWR | os.O_CREAT)
     try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RegionBusy(f"another emsd holds {path} (a second daemon with the same node.id and "
-                             "pool.state_dir?); it was left as it is") from None
-        fd, mm, reused = _map_locked(path, size)
-    except BaseException:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         os.close(lock)
-        raise
-    return fd, mm, reused, lock
+        raise RegionBusy(f"another emsd holds {path} (a second daemon with the same node.id and "
+                         "pool.state_dir?); its pool was left as it is") from None
+    return lock
 
 
-def _map_locked(path: Path, size: int) -> tuple[int, mmap.mmap, bool]:
-    """``_map_file``'s mapping, the lock held."""
-    fd = open_own(path, os.O_RDWR | os.O_CREAT)
+def _remove_pool_file(path: Path) -> None:
+    """Remove the pool file an emsd from before the keeper left (``RegionBusy`` if one still runs)."""
     try:
-        reused = os.fstat(fd).st_size == size
-        if not reused:
-            os.ftruncate(fd, 0)
-            os.ftruncate(fd, size)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
+        fd = open_own(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RegionBusy(f"an older emsd still holds {path}; it was left as it is") from None
+        path.unlink()
+    finally:
         os.close(fd)
-        raise
-    return fd, mm, reused
 
 
-def hugetlbfs_mount(mounts: Path = Path("/proc/mounts")) -> Path | None:
-    """The first writable hugetlbfs mount point, or None."""
+def _kept(path: Path, size: int, hugepages: str) -> tuple[Region | None, str]:
+    """The region the keeper at ``path`` holds, mapped again, if it has one that suits ``size``
+    and ``hugepages``; else (None, why not, for the log)."""
     try:
-        lines = mounts.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 3 and parts[2] == "hugetlbfs" and os.access(parts[1], os.W_OK):
-            return Path(parts[1])
-    return None
+        fd = keeper.fetch(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None, ""
+    except (OSError, keeper.KeeperError) as exc:
+        return None, f"; the keeper did not answer ({exc}): a new pool"
+    if fd is None:
+        return None, ""
+    st = os.fstat(fd)
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    info = read_hugepage_info()
+    huge = info is not None and st.st_blksize == info.page_size != mmap.PAGESIZE
+    kind, unit = ("hugetlb", info.page_size) if huge and info is not None else ("shm", mmap.PAGESIZE)
+    suits = (st.st_size == _round_up(size, unit) and seals & SEALS == SEALS
+             and hugepages != ("off" if huge else "on"))
+    if not suits:
+        os.close(fd)
+        return None, (f"; the kept pool ({kind}, {st.st_size} bytes) does not suit pool.size and "
+                      f"pool.hugepages now: a new pool")
+    try:
+        mm = _map(fd, st.st_size)
+    except OSError as exc:
+        return None, f"; the kept pool cannot be mapped ({exc.strerror or exc}): a new pool"
+    return Region(kind, f"kept by {path.name} since an earlier start", st.st_size, fd, mm,
+                  reused=True), ""
+
+
+def _keep(path: Path, fd: int) -> tuple[bool, str]:
+    """Hand ``fd`` to the keeper at ``path``, starting one if none listens; (whether it is
+    kept, "" or why warm restart is off, for the log)."""
+    try:
+        keeper.put(path, fd)
+        return True, ""
+    except (FileNotFoundError, ConnectionRefusedError):
+        pass
+    except (OSError, keeper.KeeperError) as exc:
+        return False, f"; warm restart off: the keeper at {path} did not take the pool ({exc})"
+    try:
+        keeper.spawn(path, fd)
+    except OSError as exc:
+        return False, f"; warm restart off: cannot start a keeper at {path} ({exc.strerror or exc})"
+    return True, ""
 
 
 def _round_up(n: int, unit: int) -> int:

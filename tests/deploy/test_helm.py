@@ -152,6 +152,19 @@ def test_socket_hostpath_is_the_config_socket_dir(case: tuple[str, list[Doc]]) -
     assert container(docs, "DaemonSet", "emsd")["securityContext"]["runAsNonRoot"] is True
 
 
+def test_a_keeper_container_holds_the_pool_at_the_daemons_keeper_path(case: tuple[str, list[Doc]]) -> None:
+    """emsd restarts in its container; the keeper beside it keeps the pool (warm restart)."""
+    _, docs = case
+    keeper = container(docs, "DaemonSet", "keeper")
+    config = tomllib.loads(config_toml(docs))
+    state_dir = config["pool"].get("state_dir") or config["node"]["socket_dir"]
+    assert keeper["args"] == [f'exec python -m emsd.pool.keeper "{state_dir}/emsd-$NODE_ID.keeper"']
+    assert config["node"]["id"] == "@NODE_ID@"  # the emsd container fills in the same node name
+    assert keeper["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    emsd = container(docs, "DaemonSet", "emsd")
+    assert keeper["securityContext"]["runAsUser"] == emsd["securityContext"]["runAsUser"]
+
+
 def test_hugepages() -> None:
     default = container(render(), "DaemonSet", "emsd")["resources"]
     assert "hugepages-2Mi" not in default["requests"] and "hugepages-2Mi" not in default["limits"]

@@ -121,8 +121,8 @@ def refused_at_start(d: Any, *words: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("planted", ["pool", "ledger"])
-def test_symlinks_planted_for_the_pool_or_the_ledger_are_refused_and_their_targets_untouched(
+@pytest.mark.parametrize("planted", ["pool", "lock", "ledger"])
+def test_symlinks_planted_for_the_state_files_are_refused_and_their_targets_untouched(
         emsd_factory: Any, tmp_path: Path, planted: str) -> None:
     """Main truncated and zeroed both targets (which kept mode 0644): now neither is opened."""
     victim = tmp_path / f"victim-{planted}"
@@ -155,3 +155,67 @@ def test_a_directory_others_can_write_or_another_user_owns_is_refused(emsd_facto
     d3 = emsd_factory(start=False, **{section: {key: str(directory)}})
     d3.start()
     assert d3.alive() and d3.http("/readyz")[0] == 200
+
+
+def pool_descriptor(d: Any) -> tuple[socket.socket, int]:
+    """A control connection past HELLO and the pool descriptor it was handed, as any client gets."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(d.socket_dir / "emsd.sock"))
+    head = msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": int(Op.HELLO)})
+    sock.sendall(struct.pack("<II", len(head), 0) + head)
+    data, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+    assert msgpack.unpackb(data[8:])["st"] == 0 and len(fds) == 1
+    return sock, fds[0]
+
+
+F_SEAL_FUTURE_WRITE = 0x0010  # linux/fcntl.h; not in Python's fcntl module: it would stop new writable maps
+
+
+@pytest.mark.usefixtures("reset_sdk")
+def test_a_client_cannot_truncate_grow_or_seal_the_pool_it_was_handed(
+        emsd_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Main: ftruncate(fd, 0) on the handed descriptor gave every mapper SIGBUS, killed the daemon
+    on its next PIN and lost every block. Now the memfd is sealed: the calls fail with EPERM,
+    the daemon serves on, and the blocks load equal, also after a kill -9 and a restart."""
+    import fcntl
+
+    import torch
+
+    from ems import CcConfig, Ems, EmsConfig
+
+    d = emsd_factory()
+    monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+    cc = Ems.get_cc()
+    kv = [[torch.randn(16, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]]
+    cc.register_kvcache(kv)
+    slots, hashes = list(range(64)), list(range(500, 516))
+    assert cc.save(slots, hashes=hashes, offsets=[4] * 16).success == 16
+
+    sock, fd = pool_descriptor(d)
+    try:
+        size = os.fstat(fd).st_size
+        for attack in (lambda: os.ftruncate(fd, 0), lambda: os.ftruncate(fd, size // 2),
+                       lambda: os.ftruncate(fd, size * 2),
+                       lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)):
+            with pytest.raises(PermissionError):
+                attack()
+        assert os.fstat(fd).st_size == size
+    finally:
+        os.close(fd)
+        sock.close()
+
+    def loads_equal() -> bool:
+        out = [[torch.zeros(16, 4, 8) for _ in range(2)]]
+        cc.register_kvcache(out)
+        ok = cc.load(slots, hashes=hashes, offsets=[4] * 16).success == 16
+        return ok and all(torch.equal(a, b) for a, b in zip(out[0], kv[0], strict=True))
+
+    assert d.alive() and loads_equal()
+    d.kill9()
+    d.start()
+    Ems._reset()
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+    cc = Ems.get_cc()
+    assert loads_equal()

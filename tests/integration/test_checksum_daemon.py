@@ -1,7 +1,7 @@
 """Per-block checksums (``pool.checksum``): a block whose bytes changed in the pool is a miss.
 
 The pool is shared memory every client maps writable. The test changes one
-byte of a committed block behind the daemon's back (through the pool file)
+byte of a committed block behind the daemon's back (through the pool's memfd, as the keeper hands it out)
 and loads: with checksums the load stops before that block and the block is
 dropped; without them the changed bytes are served (which shows the test's
 corruption really lands in the block).
@@ -10,6 +10,7 @@ corruption really lands in the block).
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from ems import CcConfig, Ems, EmsConfig
+from emsd.pool import keeper
 
 N, TOKENS = 4, 4
 KEYS = [11, 12, 13, 14]
@@ -63,13 +65,17 @@ def load(cc: Any) -> tuple[int, list[bool]]:
 
 
 def corrupt(d: Any, key: int) -> None:
-    """Change one byte in the middle of ``key``'s block, found in the pool file by its pattern."""
-    pool = next(Path(d.sections["pool"]["state_dir"]).glob("*.pool"))
+    """Change one byte in the middle of ``key``'s block, found in the pool by its pattern."""
+    fd = keeper.fetch(next(Path(d.sections["pool"]["state_dir"]).glob("*.keeper")))
+    assert fd is not None, "the keeper holds no pool"
     pattern = struct.pack("<f", value(key)) * (TOKENS * 16 * 32)  # one tensor's part of the block
-    with open(pool, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
-        at = mm.find(pattern)
-        assert at >= 0, "block not found in the pool file"
-        mm[at + len(pattern) // 2] ^= 0xFF
+    try:
+        with mmap.mmap(fd, 0) as mm:
+            at = mm.find(pattern)
+            assert at >= 0, "block not found in the pool"
+            mm[at + len(pattern) // 2] ^= 0xFF
+    finally:
+        os.close(fd)
 
 
 def test_a_changed_block_is_a_miss_and_dropped_never_served(emsd_factory: Any, sdk: Any) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from emsd.pool import keeper
 from emsd.pool import region as region_mod
 from emsd.pool.region import HugepageInfo, Region, RegionBusy, RegionError, _choose, read_hugepage_info
 
@@ -151,31 +152,120 @@ def test_hugetlb_region_when_hugepages_are_reserved(hugepages: int) -> None:
         auto.close()
 
 
-def test_a_second_region_on_a_held_pool_file_is_refused_and_changes_nothing(tmp_path: Path) -> None:
-    first = Region.create(1 << 20, "off", name="p", persist_dir=tmp_path)
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    """A state directory; its keepers are let go afterwards."""
+    yield tmp_path
+    for sock in tmp_path.glob("*.keeper"):
+        keeper.stop(sock)
+
+
+def test_the_pool_is_sealed_against_any_change_of_size_and_any_further_seal(shm: Region) -> None:
+    import fcntl
+
+    for attack in (lambda: os.ftruncate(shm.fd, 0), lambda: os.ftruncate(shm.fd, 2 * shm.size),
+                   lambda: fcntl.fcntl(shm.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)):
+        with pytest.raises(PermissionError):
+            attack()
+    assert os.fstat(shm.fd).st_size == shm.size
+
+
+def test_a_second_region_on_a_held_pool_is_refused_and_changes_nothing(state: Path) -> None:
+    first = Region.create(1 << 20, "off", name="p", persist_dir=state)
     try:
         first.mm[:4] = b"live"
-        for size in (1 << 20, 2 << 20):  # the same size, and one that would resize the file
+        for size in (1 << 20, 2 << 20):  # the same size, and one that would need a new pool
             with pytest.raises(RegionBusy, match="another emsd holds"):
-                Region.create(size, "off", name="p", persist_dir=tmp_path)
+                Region.create(size, "off", name="p", persist_dir=state)
         assert first.mm[:4] == b"live" and os.fstat(first.fd).st_size == 1 << 20
     finally:
         first.close()
-    again = Region.create(1 << 20, "off", name="p", persist_dir=tmp_path)  # the holder is gone
+    again = Region.create(1 << 20, "off", name="p", persist_dir=state)  # the holder is gone
     try:
         assert again.reused and again.mm[:4] == b"live"
     finally:
         again.close()
 
 
-def test_a_clients_mapping_of_the_pool_does_not_keep_it_locked(tmp_path: Path) -> None:
-    first = Region.create(1 << 20, "off", name="p", persist_dir=tmp_path)
+def test_a_clients_mapping_of_the_pool_does_not_keep_it_locked(state: Path) -> None:
+    first = Region.create(1 << 20, "off", name="p", persist_dir=state)
     client_fd = os.dup(first.fd)  # what a client holds: the fd it was sent, and its mapping
     client_map = mmap.mmap(client_fd, 1 << 20, flags=mmap.MAP_SHARED)
     try:
         first.close()  # the daemon dies; its client lives on
-        again = Region.create(1 << 20, "off", name="p", persist_dir=tmp_path)  # the warm restart
+        again = Region.create(1 << 20, "off", name="p", persist_dir=state)  # the warm restart
+        assert again.reused
         again.close()
     finally:
         client_map.close()
         os.close(client_fd)
+
+
+def test_the_keeper_outlives_the_daemon_and_a_pool_of_another_size_replaces_it(state: Path) -> None:
+    first = Region.create(1 << 20, "off", name="p", persist_dir=state)
+    first.mm[:4] = b"kept"
+    first.close()  # nothing in this process holds the memfd now: only the keeper
+    again = Region.create(1 << 20, "off", name="p", persist_dir=state)
+    try:
+        assert again.reused and again.mm[:4] == b"kept" and "kept by p.keeper" in again.reason
+    finally:
+        again.close()
+    bigger = Region.create(2 << 20, "off", name="p", persist_dir=state)
+    try:
+        assert not bigger.reused and "does not suit pool.size" in bigger.reason and bigger.mm[:4] == bytes(4)
+    finally:
+        bigger.close()
+    third = Region.create(2 << 20, "off", name="p", persist_dir=state)  # the keeper holds the new one
+    try:
+        assert third.reused and third.size == 2 << 20
+    finally:
+        third.close()
+
+
+def test_a_stopped_keeper_exits_and_the_next_start_is_cold(state: Path) -> None:
+    first = Region.create(1 << 20, "off", name="p", persist_dir=state)
+    first.mm[:4] = b"gone"
+    first.close()
+    keeper.stop(state / "p.keeper")
+    again = Region.create(1 << 20, "off", name="p", persist_dir=state)
+    try:
+        assert not again.reused and again.mm[:4] == bytes(4)
+    finally:
+        again.close()
+
+
+def test_an_older_emsds_pool_file_is_removed(state: Path) -> None:
+    (state / "p.pool").write_bytes(bytes(1 << 20))
+    (state / "p.pool").chmod(0o600)
+    r = Region.create(1 << 20, "off", name="p", persist_dir=state)
+    try:
+        assert not (state / "p.pool").exists() and not r.reused
+    finally:
+        r.close()
+
+
+def test_a_keeper_started_on_its_own_takes_over_the_pool(state: Path) -> None:
+    """As the Helm chart's keeper container does, started after a daemon that began its own."""
+    import subprocess
+    import sys
+    import time
+
+    first = Region.create(1 << 20, "off", name="p", persist_dir=state)
+    first.mm[:4] = b"over"
+    first.close()
+    sock = state / "p.keeper"
+    before = os.stat(sock).st_ino
+    own = subprocess.Popen([sys.executable, "-m", "emsd.pool.keeper", str(sock)])
+    try:
+        deadline = time.monotonic() + 10
+        while (not sock.exists() or os.stat(sock).st_ino == before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.5)  # the first keeper has seen its socket file go, and exited
+        again = Region.create(1 << 20, "off", name="p", persist_dir=state)
+        try:
+            assert again.reused and again.mm[:4] == b"over"
+        finally:
+            again.close()
+    finally:
+        keeper.stop(sock)
+        assert own.wait(10) == 0
