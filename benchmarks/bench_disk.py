@@ -10,9 +10,10 @@ and off, and what a reboot keeps.
    and a disk tier saves ``--gib`` of blocks through the SDK; all but the
    pool's worth are evicted and written to disk. Then loads of 16 blocks a
    call, oldest first (blocks only on disk), read them back through the SDK:
-   GB/s over the whole pass. fio reads a file of the same size in the same
-   directory with the same block size and queue depth (``O_DIRECT``,
-   ``libaio``, iodepth = ``disk.readers``): the ratio is emsd / fio.
+   GB/s over the whole pass. Then fio reads the tier's own data file (the
+   blocks this run wrote, read only) with the same block size and queue
+   depth (``O_DIRECT``; ``disk.readers`` threads as emsd's readers, and
+   ``libaio`` with as many in flight): the ratios are emsd / fio.
 2. **DRAM hits, tier on and off**: two daemons, the same pool, one with a disk
    tier; the same blocks saved in each (all fit in DRAM); loads of them
    timed in alternating rounds; the ratio of the medians (on / off).
@@ -51,7 +52,6 @@ SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None
 BATCH = 16  # blocks a load or save call
 TOKENS = 16  # tokens a block
 READERS = 8  # disk.readers, and fio's queue depth
-POOL = 128 << 20
 
 
 class Daemon:
@@ -129,37 +129,41 @@ def sdk(daemon: Daemon, model: str) -> Iterator[Any]:
         Ems._reset()
 
 
-def kv(block: int) -> list[list[np.ndarray]]:
-    """K and V of one layer, ``BATCH`` blocks of ``TOKENS`` tokens, ``block`` bytes a block."""
-    return [[np.zeros((BATCH * TOKENS, block // 2 // TOKENS), dtype=np.uint8) for _ in range(2)]]
+def kv(block: int, n: int) -> list[list[np.ndarray]]:
+    """K and V of one layer, ``n`` blocks of ``TOKENS`` tokens, ``block`` bytes a block."""
+    return [[np.zeros((n, TOKENS, block // 2 // TOKENS), dtype=np.uint8) for _ in range(2)]]
 
 
-def fill(tensors: list[list[np.ndarray]], first: int) -> None:
-    """The pattern of blocks ``first`` .. ``first + BATCH - 1``: each token row its block's index."""
+def pattern(first: int, count: int) -> np.ndarray:
+    """Each block's byte: a function of its index (a column, one row per block)."""
+    return ((np.arange(first, first + count) * 7 + 3) % 251).astype(np.uint8)[:, None]
+
+
+def fill(tensors: list[list[np.ndarray]], first: int, count: int) -> None:
+    """The pattern of blocks ``first`` .. ``first + count - 1`` in the tensors' leading blocks."""
     for t in tensors[0]:
-        t.reshape(BATCH, -1)[:] = ((np.arange(first, first + BATCH) * 7 + 3) % 251)[:, None]
+        t.reshape(t.shape[0], -1)[:count] = pattern(first, count)
 
 
 def check(tensors: list[list[np.ndarray]], first: int, count: int) -> int:
     """How many of the ``count`` leading blocks hold their pattern."""
-    want = ((np.arange(first, first + count) * 7 + 3) % 251)[:, None]
     good = np.ones(count, dtype=bool)
     for t in tensors[0]:
-        good &= (t.reshape(BATCH, -1)[:count] == want).all(axis=1)
+        good &= (t.reshape(t.shape[0], -1)[:count] == pattern(first, count)).all(axis=1)
     return int(good.sum())
 
 
-def call(cc: Any, op: str, first: int) -> int:
-    slots = list(range(BATCH * TOKENS))
-    hashes = [first + i for i in range(BATCH)]
-    return int(getattr(cc, op)(slots, hashes=hashes, offsets=[TOKENS] * BATCH).success)
+def call(cc: Any, op: str, first: int, count: int) -> int:
+    slots = list(range(count * TOKENS))
+    hashes = [first + i for i in range(count)]
+    return int(getattr(cc, op)(slots, hashes=hashes, offsets=[TOKENS] * count).success)
 
 
 def save_all(cc: Any, tensors: list[list[np.ndarray]], blocks: int) -> None:
     cc.register_kvcache(tensors)
     for first in range(0, blocks, BATCH):
-        fill(tensors, first)
-        if call(cc, "save", first) != BATCH:
+        fill(tensors, first, BATCH)
+        if call(cc, "save", first, BATCH) != BATCH:
             raise RuntimeError(f"saving blocks {first}..: not all saved")
 
 
@@ -170,27 +174,32 @@ def wait_written(d: Daemon) -> None:
         time.sleep(0.1)
 
 
-def read_pass(cc: Any, tensors: list[list[np.ndarray]], first: int, last: int) -> tuple[float, int, int]:
-    """(seconds, blocks loaded, blocks with the right bytes) loading blocks first..last-1."""
+def read_pass(cc: Any, tensors: list[list[np.ndarray]], first: int, last: int,
+              batch: int = BATCH) -> tuple[float, int, int]:
+    """(seconds, blocks loaded, blocks with the right bytes) loading blocks first..last-1,
+    ``batch`` a call."""
     cc.register_kvcache(tensors)
     took, loaded, right = 0.0, 0, 0
-    for b in range(first, last - BATCH + 1, BATCH):
+    for b in range(first, last - batch + 1, batch):
         t0 = time.perf_counter()
-        got = call(cc, "load", b)
+        got = call(cc, "load", b, batch)
         took += time.perf_counter() - t0
         loaded += got
         right += check(tensors, b, got)
     return took, loaded, right
 
 
-def fio(directory: Path, block: int, total: int) -> float:
-    """fio's read bandwidth (bytes/s): random reads of ``block`` bytes, queue depth ``READERS``."""
-    path = directory / "fio.data"
+def fio(data: Path, block: int, size: int, engine: str) -> float:
+    """fio's read bandwidth (bytes/s) on the tier's own data file (read only, its first ``size``
+    bytes, the blocks this run wrote): random reads of ``block`` bytes, ``O_DIRECT``, queue depth
+    ``READERS``, as ``engine``: ``psync`` (``READERS`` jobs: threads, as emsd's readers) or
+    ``libaio`` (one job, ``READERS`` in flight)."""
+    jobs = ["--ioengine=psync", f"--numjobs={READERS}"] if engine == "psync" else [
+        "--ioengine=libaio", f"--iodepth={READERS}", "--numjobs=1"]
     out = subprocess.run(
-        ["fio", "--name=disk", f"--filename={path}", f"--size={total}", "--rw=randread", f"--bs={block}",
-         "--direct=1", "--ioengine=libaio", f"--iodepth={READERS}", "--numjobs=1", f"--io_size={total}",
-         "--output-format=json"], capture_output=True, text=True, check=True)
-    path.unlink()
+        ["fio", "--name=disk", f"--filename={data}", "--readonly", f"--size={size}", "--rw=randread",
+         f"--bs={block}", "--direct=1", *jobs, f"--io_size={size // (READERS if engine == 'psync' else 1)}",
+         "--group_reporting", "--output-format=json"], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout)["jobs"][0]["read"]["bw_bytes"])
 
 
@@ -202,41 +211,53 @@ def drop_page_cache() -> bool:
         return False
 
 
-def reads_and_reboot(work: Path, disk_root: Path, block: int, total: int) -> dict[str, Any]:
-    """Steps 1 and 3 for one block size."""
+def reads_and_reboot(work: Path, disk_root: Path, block: int, total: int, batch: int) -> dict[str, Any]:
+    """Steps 1 and 3 for one block size, loads of ``batch`` blocks a call."""
     blocks = total // block // BATCH * BATCH
+    pool = 4 * batch * block  # room for the loads' promotions and what they evict
+    cold = blocks - pool // block - 2 * batch  # certainly not in DRAM: older than a pool's worth
+    if cold < batch:
+        raise SystemExit(f"bench_disk: {total >> 20} MiB of {block >> 10} KiB blocks is too little for "
+                         f"loads of {batch} (a pool of {pool >> 20} MiB): raise --gib")
     disk_dir = Path(tempfile.mkdtemp(prefix="emsd-bench-disk-", dir=disk_root))
-    d = Daemon(work, f"disk-{block}", POOL, disk_dir, total + (256 << 20)).start()
+    d = Daemon(work, f"disk-{block}", pool, disk_dir, total + (256 << 20)).start()
     try:
-        tensors = kv(block)
+        tensors = kv(block, max(batch, BATCH))
         with sdk(d, f"m{block}") as cc:
             save_all(cc, tensors, blocks)
             wait_written(d)
             on_disk = int(d.metric("emsd_disk_blocks"))
             dropped = int(sum(d.metric(f'emsd_disk_dropped_demotions_total{{reason="{r}"}}')
                               for r in ("queue", "room", "quota", "failed", "corrupt")))
-            cold = blocks - 2 * POOL // block  # certainly not in DRAM: older than two pools' worth
-            took, loaded, right = read_pass(cc, tensors, 0, cold)
-        fio_bps = fio(disk_dir, block, total)
+            took, loaded, right = read_pass(cc, tensors, 0, cold, batch)
+            wait_written(d)
+            kept = int(d.metric("emsd_disk_blocks"))  # what the reboot may find
+        d.stop(signal.SIGKILL)
+        data = next(disk_dir.glob("*.data"))
+        fio_bps = {e: fio(data, block, total, e) for e in ("psync", "libaio")}
         emsd_bps = loaded * block / took
         print(f"  {block >> 10:>5} KiB blocks: {blocks} saved, {on_disk} on disk "
-              f"({dropped} demotions dropped); "
-              f"loads of {BATCH} from disk {emsd_bps / 1e9:.2f} GB/s ({loaded} blocks, {right} right), "
-              f"fio {fio_bps / 1e9:.2f} GB/s: {emsd_bps / fio_bps:.2f}x", flush=True)
-        d.stop(signal.SIGKILL)
+              f"({dropped} demotions dropped); loads of {batch} from disk {emsd_bps / 1e9:.2f} GB/s "
+              f"({loaded} blocks, {right} right); fio on the same file, {READERS} threads "
+              f"{fio_bps['psync'] / 1e9:.2f} GB/s: {emsd_bps / fio_bps['psync']:.2f}x, libaio "
+              f"{fio_bps['libaio'] / 1e9:.2f} GB/s: {emsd_bps / fio_bps['libaio']:.2f}x", flush=True)
         dropped_cache = drop_page_cache()
         d.forget_memory()
         d.start()
         with sdk(d, f"m{block}") as cc:
-            _, back, back_right = read_pass(cc, tensors, 0, blocks)
+            _, back, back_right = read_pass(cc, tensors, 0, blocks, batch)
         print(f"  {block >> 10:>5} KiB blocks after kill -9, page cache "
               f"{'dropped' if dropped_cache else 'NOT dropped (not root)'}, pool state removed: "
-              f"{back_right} of {on_disk} blocks that were on disk load identical "
-              f"({back_right / max(on_disk, 1):.3f})", flush=True)
-        return {"block": block, "saved": blocks, "on_disk": on_disk, "dropped": dropped,
-                "emsd_gbps": emsd_bps / 1e9, "fio_gbps": fio_bps / 1e9, "ratio": emsd_bps / fio_bps,
+              f"{back_right} of the {kept} blocks on disk load identical ({back_right / max(kept, 1):.3f})",
+              flush=True)
+        return {"block": block, "batch": batch, "saved": blocks, "on_disk": on_disk, "dropped": dropped,
+                "emsd_gbps": emsd_bps / 1e9, "fio_psync_gbps": fio_bps["psync"] / 1e9,
+                "fio_libaio_gbps": fio_bps["libaio"] / 1e9, "ratio_psync": emsd_bps / fio_bps["psync"],
+                "ratio_libaio": emsd_bps / fio_bps["libaio"],
                 "loaded": loaded, "right": right, "page_cache_dropped": dropped_cache,
-                "after_reboot_right": back_right, "after_reboot_share": back_right / max(on_disk, 1)}
+                "on_disk_at_kill": kept,
+                "after_reboot_loaded": back, "after_reboot_right": back_right,
+                "after_reboot_share": back_right / max(kept, 1)}
     finally:
         d.stop(signal.SIGKILL)
         d.forget_memory()
@@ -251,7 +272,7 @@ def dram_hits(work: Path, disk_root: Path, block: int, rounds: int) -> dict[str,
     off = Daemon(work, f"off-{block}", 256 << 20, None, 0).start()
     times: dict[str, list[float]] = {"on": [], "off": []}
     try:
-        tensors = kv(block)
+        tensors = kv(block, BATCH)
         for d in (on, off):
             with sdk(d, "hits") as cc:
                 save_all(cc, tensors, blocks)
@@ -280,19 +301,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="a directory on the disk to test")
     p.add_argument("--gib", type=float, default=1.0, help="GiB of blocks saved per block size")
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--quick", action="store_true", help="256 MiB and 3 rounds")
+    p.add_argument("--batch", type=int, default=32,
+                   help="2 MiB blocks a load call (64 KiB blocks: 4x as many)")
+    p.add_argument("--quick", action="store_true", help="3 rounds of DRAM hits")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if shutil.which("fio") is None:
         sys.exit("bench_disk: needs fio (apt-get install fio)")
-    total = (256 << 20) if args.quick else int(args.gib * (1 << 30))
+    total = int(args.gib * (1 << 30))
     rounds = 3 if args.quick else args.rounds
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "dir": str(args.dir), "readers": READERS}
     with tempfile.TemporaryDirectory(dir=SHM) as tmp:
         work = Path(tmp)
         print(f"disk tier in {args.dir}, {total >> 20} MiB per block size, queue depth {READERS}:",
               flush=True)
-        out["reads"] = [reads_and_reboot(work, args.dir, b, total) for b in (2 << 20, 64 << 10)]
+        out["reads"] = [reads_and_reboot(work, args.dir, b, total, batch)
+                        for b, batch in ((2 << 20, args.batch), (64 << 10, args.batch * 4))]
         out["dram_hits"] = [dram_hits(work, args.dir, b, rounds) for b in (2 << 20, 64 << 10)]
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -195,6 +195,11 @@ class DiskTier:
         self._tenant_bytes: dict[str, int] = {}
         self.queued = 0
         self.queued_bytes = 0
+        # Staging buffers of finished demotions, by slot size, kept (up to half the queue's bytes)
+        # for the next ones: a fresh buffer's pages are faulted in by the copy, which costs more
+        # than the copy itself and runs on the event loop.
+        self._spare: dict[int, list[mmap.mmap]] = {}
+        self._spare_bytes = 0
         self.writes = 0
         self.reads = 0
         self.corrupt = 0
@@ -243,6 +248,11 @@ class DiskTier:
         with self._lock:
             self.ledger.close()
             self.data.close()
+            for bufs in self._spare.values():
+                for buf in bufs:
+                    buf.close()
+            self._spare.clear()
+            self._spare_bytes = 0
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(FLUSH_INTERVAL):
@@ -341,13 +351,18 @@ class DiskTier:
                     self._index.move_to_end(key)
                     continue
             slot = slot_for(n)
-            if n > self.space.max_block or self.queued_bytes + slot > self.queue_bytes:
-                self.dropped["queue" if n <= self.space.max_block else "room"] += 1
-                continue
-            buf = aligned(slot)
+            with self._lock:
+                if n > self.space.max_block or self.queued_bytes + slot > self.queue_bytes:
+                    self.dropped["queue" if n <= self.space.max_block else "room"] += 1
+                    continue
+                self.queued += 1
+                self.queued_bytes += slot
+                spare = self._spare.get(slot)
+                reused = spare.pop() if spare else None
+                if reused is not None:
+                    self._spare_bytes -= slot
+            buf = reused if reused is not None else aligned(slot)
             buf[:n] = pool[off : off + n]
-            self.queued += 1
-            self.queued_bytes += slot
             self.engine.write(self._write, key, name, buf, n, seal)
             queued += 1
         return queued
@@ -392,11 +407,16 @@ class DiskTier:
         except OSError as exc:
             self._fail(f"writing {self.data.path}: {exc}")
         finally:
-            buf.close()
             with self._lock:
                 self.queued -= 1
                 self.queued_bytes -= slot
+                keep = self._spare_bytes + slot <= self.queue_bytes // 2
+                if keep:  # for the next demotion: no fresh pages to fault in
+                    self._spare.setdefault(slot, []).append(buf)
+                    self._spare_bytes += slot
                 self._idle.notify_all()
+            if not keep:
+                buf.close()
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no demotion is queued or being written; False if ``timeout`` passed first."""
