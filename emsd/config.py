@@ -122,6 +122,22 @@ class TenantsConfig:
 
 
 @dataclass(frozen=True)
+class DiskConfig:
+    """``[disk]``: the disk tier below DRAM (emsd/tier/); off while ``dir`` is empty."""
+
+    dir: Path | None = None  # a directory on a local file system (not tmpfs: it is DRAM)
+    size: int = 0  # bytes of data file
+    queue: int = 256 << 20  # bytes of demotions waiting for the writers; more are dropped
+    readers: int = 8  # reads in flight (promotions)
+    writers: int = 2  # writes in flight (demotions)
+    extent: int = 64 << 20  # the data file's unit of allocation to a block size
+
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -129,6 +145,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
+    disk: DiskConfig = field(default_factory=DiskConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -166,14 +183,41 @@ def load_config(path: str | Path) -> Config:
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Build and check a ``Config`` from parsed TOML."""
-    _only(raw, "", {"node", "pool", "metrics", "log", "cluster", "tenants"})
+    _only(raw, "", {"node", "pool", "metrics", "log", "cluster", "tenants", "disk"})
     node = _node(_table(raw, "node"))
     pool = _pool(_table(raw, "pool"))
     metrics = _metrics(_table(raw, "metrics"))
     log = _log(_table(raw, "log"))
     cluster = _cluster(_table(raw, "cluster"))
     tenants = _tenants(_table(raw, "tenants"))
-    return Config(node=node, pool=pool, metrics=metrics, log=log, cluster=cluster, tenants=tenants)
+    disk = _disk(_table(raw, "disk"))
+    return Config(node=node, pool=pool, metrics=metrics, log=log, cluster=cluster, tenants=tenants,
+                  disk=disk)
+
+
+def _disk(t: dict[str, Any]) -> DiskConfig:
+    _only(t, "disk", {"dir", "size", "queue", "readers", "writers", "extent"})
+    d = DiskConfig()
+    where = t.get("dir", "")
+    if not isinstance(where, str) or (where and not where.startswith("/")):
+        raise ConfigError("disk.dir", f"must be an absolute path or empty (got {where!r})")
+    extent = parse_size("disk.extent", t.get("extent", d.extent))
+    if extent < MIN_PAGE or extent & (extent - 1):
+        raise ConfigError("disk.extent", f"must be a power of two >= 64KiB (got {extent} bytes)")
+    size = parse_size("disk.size", t.get("size", d.size))
+    if where and size < extent:
+        raise ConfigError("disk.size", f"must hold at least one extent of {extent} bytes (got {size} bytes)")
+    queue = parse_size("disk.queue", t.get("queue", d.queue))
+    if queue < MIN_PAGE:
+        raise ConfigError("disk.queue", f"must be at least 64KiB (got {queue} bytes)")
+    threads = []
+    for name in ("readers", "writers"):
+        n = t.get(name, getattr(d, name))
+        if type(n) is not int or not 1 <= n <= 64:
+            raise ConfigError(f"disk.{name}", f"must be an integer in 1..64 (got {n!r})")
+        threads.append(n)
+    return DiskConfig(dir=Path(where) if where else None, size=size, queue=queue,
+                      readers=threads[0], writers=threads[1], extent=extent)
 
 
 def _tenants(t: dict[str, Any]) -> TenantsConfig:

@@ -126,6 +126,7 @@ def show_status(st: dict[str, Any]) -> str:
         f" pending {st['pending']})   namespaces {st['namespaces']}   clients {st.get('clients', '?')}",
         f"evictions   {', '.join(f'{k} {v}' for k, v in sorted(st['evictions'].items())) or 'none'}",
         f"restart     {st.get('restart', '?')} ({st.get('restored', 0)} blocks restored)",
+        *_disk(st.get("disk")),
         f"membership  {st['membership']}{'  (draining)' if st.get('draining') else ''}"
         f"   transport {st.get('transport', '?')}",
         *_placement_differs(st),
@@ -136,6 +137,20 @@ def show_status(st: dict[str, Any]) -> str:
                for m in st.get("view", [])]),
     ]
     return "\n".join(lines)
+
+
+def _disk(d: dict[str, Any] | None) -> list[str]:
+    """The disk tier's line (none when it is not configured)."""
+    if d is None:
+        return []
+    if "capacity" not in d:
+        return [f"disk        {d['dir']}   OFF: {d.get('failed', '?')}"]
+    gib = 1 << 30
+    dropped = sum(d["dropped"].values())
+    return [f"disk        {d['capacity'] / gib:.2f} GiB in {d['dir']}   used {d['bytes_used'] / gib:.2f} GiB"
+            f"   blocks {d['blocks']}   queue {d['queued']}   writes {d['writes']}   reads {d['reads']}"
+            f"   dropped {dropped}   {'O_DIRECT' if d['direct'] else 'buffered'}"
+            + (f"   FAILED: {d['failed']}" if d["failed"] else "")]
 
 
 def _placement_differs(st: dict[str, Any]) -> list[str]:

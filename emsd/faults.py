@@ -10,11 +10,13 @@ site is a single attribute test that finds nothing. Set, it is a list of
 Sites: ``peer.get`` and ``peer.put`` (this daemon asking a peer),
 ``peer.serve`` (this daemon answering a peer), ``pool.reserve`` (a save's
 reservation), ``zk.session`` (the ZooKeeper session, consulted about once a
-second by the membership worker while connected). Actions: ``error`` (the
+second by the membership worker while connected), ``disk.read`` (a block
+read from the disk tier, in its reader thread). Actions: ``error`` (the
 operation fails as if the peer or the pool had; at ``zk.session`` the
 session is expired by ZooKeeper itself), ``drop`` (the connection is cut; at
 ``zk.session`` the client reconnects with the same session), ``delay`` (it
-waits ``seconds`` first; at ``zk.session`` the membership worker stalls).
+waits ``seconds`` first; at ``zk.session`` the membership worker stalls; at ``disk.read`` the read
+takes that much longer).
 Stopping the ZooKeeper server is tested for real too. Decisions come
 from one ``random.Random(seed)``, so a run is repeatable given the same
 sequence of calls.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger("emsd.faults")
 
-SITES = ("peer.get", "peer.put", "peer.serve", "pool.reserve", "zk.session")
+SITES = ("peer.get", "peer.put", "peer.serve", "pool.reserve", "zk.session", "disk.read")
 ACTIONS = ("error", "drop", "delay")
 
 

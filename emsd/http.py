@@ -2,7 +2,9 @@
 
 ``HttpEndpoint`` answers ``GET /healthz`` (200 while the process serves:
 liveness), ``GET /readyz`` (200 once the pool is attached and the node is
-standalone or joined to its cluster, else 503 and the reason: readiness),
+standalone or joined to its cluster, else 503 and the reason: readiness; a
+ready node that runs without a part, such as a failed disk tier, adds a
+``degraded:`` line),
 ``GET /metrics`` (Prometheus text format) and 404 otherwise. It is a
 deliberately tiny HTTP/1.0 server on asyncio: one request per connection, no
 body, and the limits below on everything a stranger could stretch.
@@ -41,6 +43,7 @@ class HttpEndpoint:
     def __init__(self, metrics: Metrics, readiness: Callable[[], str | None]) -> None:
         self.metrics = metrics
         self.readiness = readiness  # None: ready; else the reason it is not
+        self.degraded: Callable[[], str | None] = lambda: None  # ready, but a part is off (a failed disk)
         self.server: asyncio.base_events.Server | None = None
         self.open: collections.Counter[str] = collections.Counter()  # connections by source address
         self._refusal_log = Once(60.0)
@@ -107,7 +110,8 @@ class HttpEndpoint:
         if path == "/readyz":
             why = self.readiness()
             if why is None:
-                return "200 OK", "text/plain", b"ready\n"
+                less = self.degraded()
+                return "200 OK", "text/plain", b"ready\n" + (f"degraded: {less}\n".encode() if less else b"")
             return "503 Service Unavailable", "text/plain", why.encode() + b"\n"
         if path == "/metrics":
             return "200 OK", "text/plain; version=0.0.4; charset=utf-8", self.metrics.render()

@@ -135,6 +135,13 @@ class Metrics:
         members whose ring parameters differ from this node's)."""
         self.registry.register(ClusterCollector(view))
 
+    def watch_disk(self, stats: Callable[[], Any]) -> None:
+        """Publish the disk tier's gauges and counters, read from ``stats()`` (``TierStats``) at
+        each scrape; its read latency is observed by the reader threads (``disk_read``)."""
+        self.disk_read = Histogram("emsd_disk_read_seconds", "Time of one block read from the disk tier",
+                                   buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(DiskCollector(stats))
+
     def watch_peer_refusals(self, counts: Callable[[], dict[str, int]]) -> None:
         """Publish ``emsd_peer_connections_refused_total`` by reason, read from ``counts()`` at
         each scrape (``PeerServer.refusals``)."""
@@ -142,6 +149,43 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class DiskCollector(Collector):
+    """Disk tier gauges and counters computed at scrape time from ``DiskTier.stats()``."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        st = self._stats()
+        size = GaugeMetricFamily("emsd_disk_bytes", "Disk tier bytes by state", labels=["state"])
+        size.add_metric(["capacity"], st.capacity)
+        size.add_metric(["used"], st.bytes_used)
+        yield size
+        yield GaugeMetricFamily("emsd_disk_blocks", "Blocks on the disk tier", value=st.blocks)
+        yield GaugeMetricFamily("emsd_disk_queue_blocks", "Demotions waiting for a writer", value=st.queued)
+        yield GaugeMetricFamily("emsd_disk_queue_bytes", "Bytes of demotions waiting for a writer",
+                                value=st.queued_bytes)
+        yield CounterMetricFamily("emsd_disk_writes", "Blocks written to the disk tier", value=st.writes)
+        yield CounterMetricFamily("emsd_disk_reads", "Blocks read back from the disk tier (checked)",
+                                  value=st.reads)
+        yield CounterMetricFamily("emsd_disk_corrupt", "Blocks read from disk that failed their checksum",
+                                  value=st.corrupt)
+        yield CounterMetricFamily("emsd_disk_evictions", "Blocks removed from disk for room",
+                                  value=st.evicted)
+        dropped = CounterMetricFamily("emsd_disk_dropped_demotions",
+                                      "Evicted blocks not written to disk, by reason", labels=["reason"])
+        for reason, n in sorted(st.dropped.items()):
+            dropped.add_metric([reason], n)
+        yield dropped
+        yield GaugeMetricFamily("emsd_disk_failed", "1 when the disk tier failed (DRAM only since)",
+                                value=1 if st.failed else 0)
+        yield GaugeMetricFamily("emsd_disk_direct_io", "1 when the data file moves with O_DIRECT",
+                                value=1 if st.direct else 0)
 
 
 class PoolCollector(Collector):

@@ -39,6 +39,8 @@ from emsd.pool.store import BlockStore
 from emsd.service import Service
 from emsd.tenants import Tenants
 from emsd.tenants import load as load_tenants
+from emsd.tier.disk import DiskTier, TierStats
+from emsd.tier.stack import TierStack
 from emsd.transport.unix import UnixControlServer
 
 if TYPE_CHECKING:
@@ -73,6 +75,8 @@ class Daemon:
         self.ledger: Ledger | None = None
         self.restart_outcome = "off"
         self.restored = 0
+        self.disk: DiskTier | None = None
+        self.disk_error = ""  # why the configured disk tier is not running ("" when it is)
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
@@ -117,6 +121,8 @@ class Daemon:
             service.connection_uncommitted = cfg.pool.connection_uncommitted
         service.restore_namespaces(names)
         self.metrics.watch_pool(store.stats, service.namespace_name, cfg.metrics.namespace_labels)
+        if cfg.disk.enabled:
+            service.tiers = await loop.run_in_executor(None, self._open_disk, store, service)
         self.metrics.restart.labels(self.restart_outcome.split(":")[0]).set(1)
         self.metrics.restored.set(self.restored)
         service.info.update(version=__version__, pid=os.getpid(), metrics=cfg.metrics.listen,
@@ -124,6 +130,7 @@ class Daemon:
                             socket=str(cfg.socket_path))
         if cfg.cluster.enabled:
             service.cluster = await self._join(store, region, service)
+            service.cluster.access.tiers = service.tiers
             self.metrics.watch_peer_refusals(service.cluster.server.refusals)
         self.metrics.watch_cluster(self._membership)
         transport = "none" if self.cluster is None else self.cluster.transport_name
@@ -278,6 +285,38 @@ class Daemon:
                  region.keeper, path)
         return store, names
 
+    def _open_disk(self, store: BlockStore, service: Service) -> TierStack | None:
+        """The disk tier of ``[disk]`` under ``store``, or None (logged, said on /readyz and in
+        metrics) when it cannot be opened: the daemon then serves from DRAM only."""
+        cfg = self.config.disk
+        assert cfg.dir is not None and self._pool_view is not None
+        self.metrics.watch_disk(self._disk_stats)
+        self.http.degraded = self._disk_degraded
+        try:
+            self.disk = DiskTier(cfg.dir, cfg.size, cfg.queue, cfg.readers, cfg.writers, cfg.extent,
+                                 quota=lambda name: service.tenants.quota(Tenants.tenant_of(name)),
+                                 tenant=Tenants.tenant_of, on_read=self.metrics.disk_read.observe)
+        except (OSError, ValueError, UnsafePath) as exc:
+            self.disk_error = f"cannot open {cfg.dir}: {exc}"
+            log.error("disk tier off: %s; serving from DRAM only", self.disk_error)
+            service.info.update(disk={"dir": str(cfg.dir), "failed": self.disk_error})
+            return None
+        log.info("disk tier: %d MiB in %s, index %s, %d blocks; %s", self.disk.space.size >> 20, cfg.dir,
+                 self.disk.outcome, self.disk.restored,
+                 "O_DIRECT" if self.disk.data.direct else self.disk.data.reason)
+        return TierStack(store, self.disk, self._pool_view, service.namespace_name, service.checksums)
+
+    def _disk_stats(self) -> TierStats:
+        if self.disk is None:
+            return TierStats(0, 0, 0, 0, 0, 0, 0, {}, 0, 0, False, self.disk_error)
+        self.disk.check()
+        return self.disk.stats()
+
+    def _disk_degraded(self) -> str | None:
+        if self.disk is not None:
+            self.disk_error = self.disk.check()
+        return f"disk tier off: {self.disk_error}" if self.disk_error else None
+
     def _tenants(self) -> Tenants:
         """The configured tenants (none: one default tenant); raises ``StartupError`` for a bad file."""
         cfg = self.config.tenants
@@ -315,6 +354,9 @@ class Daemon:
             self.cluster = None
         await self.http.close()
         self.service = None
+        if self.disk is not None:  # its last demotions written and its index flushed, then the pool goes
+            await asyncio.get_running_loop().run_in_executor(None, self.disk.close)
+            self.disk = None
         if self._pool_view is not None:
             self._pool_view.release()
             self._pool_view = None

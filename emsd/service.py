@@ -65,6 +65,7 @@ from emsd.placement import record as placement_record
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
+    from emsd.tier.stack import TierStack
 from emsd.pool.checksum import Checksums
 from emsd.pool.index import FIRST_ID, READY
 from emsd.pool.keys import KT_INT, KT_TAGGED, TAGGED_ITEMSIZE, KeyBatch, KeyError_
@@ -154,6 +155,7 @@ class Service:
         self._unkept = Once(60.0)  # "namespace will not survive a restart", at most once a minute
         self.started = time.time()
         self.cluster: Cluster | None = None  # set when the node runs in a cluster
+        self.tiers: TierStack | None = None  # set when the disk tier is on ([disk])
         self.info: dict[str, Any] = {}  # start-up facts STATS reports (restart outcome, metrics address)
         self.sessions = 0  # connections past HELLO
         self._pressure = Once(60.0)  # "evicting under pressure", at most once a minute
@@ -235,14 +237,16 @@ class Service:
 
     def remote_fetch(self, session: Session, header: dict[str, Any],
                      payload: bytes) -> Awaitable[None] | None:
-        """For a PIN whose keys are not all here: fetching the rest from their owners.
+        """For a PIN whose keys are not all here: promoting the next ones from the disk tier,
+        then fetching the rest from their owners.
 
         The transport awaits it, then handles the PIN as usual (the fetched
         blocks are local by then, kept as read cache). None: nothing to fetch
-        (standalone, ``lo`` = read_local_only, all present, or a bad request
-        that the synchronous handler will refuse).
+        (standalone without a disk tier, ``lo`` = read_local_only without one,
+        all present, or a bad request that the synchronous handler will refuse).
         """
-        if self.cluster is None or header.get("op") != Op.PIN or header.get("lo"):
+        remote = self.cluster is not None and not header.get("lo")
+        if header.get("op") != Op.PIN or not (remote or self.tiers is not None):
             return None
         try:
             ns, keys, _ = self._keys(session, header, payload)
@@ -253,7 +257,20 @@ class Service:
             return None
         deadline = _now() + _timeout(header)
         keep = header.get("wr", True) is not False
+        if self.tiers is not None and self.tiers.wanted(ns, keys, count):
+            return self._promote(session, ns, keys, count, deadline, keep if remote else None)
+        if not remote:
+            return None
         return self._fetch(session, ns, keys.take(slice(count, None)), deadline, keep)
+
+    async def _promote(self, session: Session, ns: int, keys: KeyBatch, count: int, deadline: float,
+                       keep: bool | None) -> None:
+        """Blocks from the disk tier, then (``keep`` not None: in a cluster) the rest from owners."""
+        assert self.tiers is not None
+        await self.tiers.promote(ns, keys, count, deadline)
+        count = self.store.exists(ns, keys)
+        if keep is not None and count < len(keys) and _now() < deadline:
+            await self._fetch(session, ns, keys.take(slice(count, None)), deadline, keep)
 
     async def _fetch(self, session: Session, ns: int, keys: KeyBatch, deadline: float, keep: bool) -> None:
         """Fetch ``keys`` from their owners; copies stay as read cache, or (``keep`` off) until released."""
@@ -295,7 +312,8 @@ class Service:
         """Extend an EXISTS answer with the keys other nodes hold (nothing moves, nothing pinned)."""
         assert self.cluster is not None
         ns, keys, _ = self._keys(session, header, payload)
-        resp["count"] = await self.cluster.exists(self.namespace_name(ns), keys, self.store.present(ns, keys),
+        here = self.store.present(ns, keys) if self.tiers is None else self.tiers.present(ns, keys)
+        resp["count"] = await self.cluster.exists(self.namespace_name(ns), keys, here,
                                                   _now() + _timeout(header))
         return resp
 
@@ -484,6 +502,8 @@ class Service:
         if ledger is not None:
             ledger.add_namespace(old, RETIRED)  # a warm restart must not bring its blocks back
         dropped = self.store.drop_namespaces([old])
+        if self.tiers is not None:
+            dropped += self.tiers.drop(name)
         log.info("namespace %r dropped: id %d -> %d, %d blocks evicted", name, old, new, dropped)
         return dropped
 
@@ -806,6 +826,8 @@ class Service:
         if rest:
             raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
         count = self.store.exists(ns, keys)
+        if self.tiers is not None:  # blocks on disk count too (a load promotes them)
+            count = self.tiers.exists(ns, keys, count)
         self.metrics.looked_up("exists", count, len(keys) - count, 0)
         return {"count": count}, []
 
@@ -831,6 +853,7 @@ class Service:
             "membership": "standalone" if self.cluster is None else self.cluster.state.value,
             "members": [self.node_id] if self.cluster is None else [n.node_id for n in self.cluster.view],
             **self.info,
+            **({"disk": self.tiers.summary()} if self.tiers is not None else {}),
             **self._cluster_stats(),
         }, []
 

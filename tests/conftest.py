@@ -178,6 +178,14 @@ def emsd(emsd_factory: Any) -> Emsd:
 
 
 @pytest.fixture
+def emsd_disk(emsd_factory: Any) -> Iterator[Emsd]:
+    """A daemon with a disk tier ([disk]) in a directory on a real file system (/var/tmp)."""
+    where = Path(tempfile.mkdtemp(prefix="emsd-disk-", dir=os.environ.get("EMSD_TEST_DISK_DIR", "/var/tmp")))
+    yield emsd_factory(disk={"dir": str(where), "size": "64MiB", "extent": "4MiB"})
+    shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.fixture
 def sdk_env(emsd: Emsd, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emsd]:
     """The ``ems`` SDK pointed at ``emsd``; the process-wide state is reset after."""
     from ems.ems import Ems

@@ -66,7 +66,8 @@ class Deployment:
 
 
 def _start(work: Path, name: str, pool: int, eviction: str, cluster: dict[str, str] | None,
-           page: int = 64 << 10, grants: bool = False, prefault: bool = False) -> Node:
+           page: int = 64 << 10, grants: bool = False, prefault: bool = False,
+           disk: dict[str, str] | None = None) -> Node:
     d = work / name
     d.mkdir(parents=True)
     port = zk.free_port()
@@ -77,6 +78,8 @@ def _start(work: Path, name: str, pool: int, eviction: str, cluster: dict[str, s
         f'[metrics]\nlisten = "127.0.0.1:{port}"',
         '[log]\nlevel = "warning"',
     ]
+    if disk is not None:
+        lines.append("[disk]\n" + "\n".join(f'{k} = "{v}"' for k, v in disk.items()))
     if cluster is not None:
         lines.append("[cluster]\n" + "\n".join(f'{k} = "{v}"' for k, v in cluster.items())
                      + f'\npeer_listen = "127.0.0.1:{zk.free_port()}"\nsession_timeout = 4')
@@ -103,7 +106,8 @@ def _start(work: Path, name: str, pool: int, eviction: str, cluster: dict[str, s
 
 def start(work: Path, nodes: int, pool_per_node: int, eviction: str,
           zookeeper: zk.ZooKeeperServer | None = None, name: str = "workload",
-          page: int = 64 << 10, grants: bool = False, prefault: bool = False) -> Deployment:
+          page: int = 64 << 10, grants: bool = False, prefault: bool = False,
+          disk: dict[str, str] | None = None) -> Deployment:
     """``nodes`` daemons of ``pool_per_node`` bytes each (slab pages of ``page`` bytes):
     1 standalone, more a cluster named ``name`` on ``zookeeper`` (started here, and
     stopped with it, if None).
@@ -113,10 +117,10 @@ def start(work: Path, nodes: int, pool_per_node: int, eviction: str,
     next save (at most 1/64 of a pool, here a few MiB) cost 0.01-0.09 points of hit rate
     at 25-100% of the live working set (seed 1, measured 2026-11-24). ``prefault``
     (``pool.prefault``, the daemon's default) is off unless asked for: the replay's pools
-    are small and start faster without it."""
+    are small and start faster without it. ``disk``: a ``[disk]`` table (standalone only)."""
     if nodes == 1:
         return Deployment([_start(work / name, "solo", pool_per_node, eviction, None, page, grants,
-                                  prefault)])
+                                  prefault, disk)])
     own = zookeeper is None
     if zookeeper is None:
         zookeeper = start_zookeeper(work / "zk")

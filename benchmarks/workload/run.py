@@ -315,7 +315,7 @@ def main() -> None:
         print("standalone daemon:", flush=True)
         solo = run_daemons(trace, chained, work, sizes,
                            [("live", f) for f in GOAL_FRACS] + [("distinct", 0.5)], 1, None, out)
-        probe_dep = daemons.start(work, 1, 160 << 20, "prefix", name="probe", page=16 << 20)
+        probe_dep = daemons.start(work, 1, 320 << 20, "prefix", name="probe", page=16 << 20)
         try:
             fixed, bw = probe(daemons.connect(probe_dep, "probe")[0], blocks=16, reps=5)
         finally:

@@ -81,6 +81,7 @@ their class, and the region past the last whole page)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -203,6 +204,9 @@ class BlockStore:
         self._granted: dict[int, int] = {}  # byte offset -> chunk size of each chunk granted, unused
         self.granted_bytes = 0  # their bytes
         self.ledger: Ledger | None = None  # rows of committed blocks, for a warm restart
+        # Called with (ids, reason) before evicted entries go, while their bytes are still in
+        # their chunks (the disk tier copies them for demotion: emsd.tier.stack). Must not call back.
+        self.on_evict: Callable[[np.ndarray, str], None] | None = None
 
     # -- the contract -------------------------------------------------------------
 
@@ -810,6 +814,8 @@ class BlockStore:
         Their chunks go back to the allocator, or with ``reuse`` stay allocated for the
         caller to give to new entries: returns their byte offsets then (else an empty array).
         """
+        if self.on_evict is not None:
+            self.on_evict(ids, reason)
         if self.ledger is not None:
             self.ledger.forget(ids)  # first: a crash from here on must not bring them back
         self._ns_add(ids, -1)

@@ -68,7 +68,7 @@ import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -89,6 +89,9 @@ from emsd.transport.frames import (
     encode_parts,
 )
 from emsd.transport.tls import PeerTls
+
+if TYPE_CHECKING:
+    from emsd.tier.stack import TierStack
 
 log = logging.getLogger("emsd.peer")
 
@@ -112,6 +115,7 @@ MAX_UNAUTHENTICATED_PER_ADDRESS = 16
 MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
 SOCKET_BUFFER = 256 << 10  # kernel buffers per direction (cluster.peer_socket_buffer; see _tune)
+PROMOTE_BUDGET = 1.0  # seconds a GET may spend reading blocks from the disk tier (then: misses)
 BULK_STALL = 30  # seconds a bulk send or receive may make no progress before the connection fails
 
 
@@ -170,6 +174,7 @@ class PoolAccess:
     namespace_id: Callable[[str], int]  # name -> local id (created on first use)
     checksums: Checksums | None = None  # pool.checksum: seal what arrives, check what leaves
     drop_namespace: Callable[[str], int] | None = None  # name -> blocks evicted (None: refused)
+    tiers: TierStack | None = None  # the disk tier ([disk]): GET promotes, HAS counts what is on disk
 
     def pin(self, ns: int, keys: KeyBatch) -> Pinned:
         """``store.pin``, cut before the first block whose checksum fails."""
@@ -671,6 +676,11 @@ class PeerServer:
                    header: dict[str, Any], payload: bytes) -> None:
         ns, keys = self._keyed(header, payload)
         store = self.access.store
+        tiers = self.access.tiers
+        if tiers is not None:  # blocks only on this node's disk are read into the pool first
+            count = store.exists(ns, keys)
+            if tiers.wanted(ns, keys, count):
+                await tiers.promote(ns, keys, count, loop.time() + PROMOTE_BUDGET)
         pinned = self.access.pin(ns, keys)
         try:
             lengths = pinned.lengths.astype("<u8")
@@ -684,6 +694,8 @@ class PeerServer:
                    header: dict[str, Any], payload: bytes) -> None:
         ns, keys = self._keyed(header, payload)
         count = self.access.store.exists(ns, keys)
+        if self.access.tiers is not None:
+            count = self.access.tiers.exists(ns, keys, count)
         await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": count})
 
     async def _drop(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,

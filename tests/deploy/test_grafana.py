@@ -47,8 +47,8 @@ def test_the_dashboard_is_well_formed() -> None:
     assert all('instance=~"$instance"' in e for e in exprs())  # every panel follows the node picker
 
 
-def test_panels_use_only_metrics_emsd_serves(emsd: Any) -> None:
-    status, body = emsd.http("/metrics")
+def test_panels_use_only_metrics_emsd_serves(emsd_disk: Any) -> None:
+    status, body = emsd_disk.http("/metrics")  # with a disk tier: its panels' metrics too
     assert status == 200
     served = served_names(body.decode())
     used = {m for e in exprs() for m in re.findall(r"\bemsd_[a-z0-9_]+", e)}
@@ -57,8 +57,9 @@ def test_panels_use_only_metrics_emsd_serves(emsd: Any) -> None:
 
 
 @needs_prometheus
-def test_every_panel_expression_is_valid_promql_against_a_real_prometheus(emsd: Any, tmp_path: Path) -> None:
-    server, port = start_prometheus(tmp_path, emsd.metrics_port)
+def test_every_panel_expression_is_valid_promql_against_a_real_prometheus(emsd_disk: Any,
+                                                                          tmp_path: Path) -> None:
+    server, port = start_prometheus(tmp_path, emsd_disk.metrics_port)
 
     def query(expr: str) -> dict[str, Any]:
         url = f"http://127.0.0.1:{port}/api/v1/query?query={urllib.parse.quote(expr)}"

@@ -73,8 +73,8 @@ def served_names(metrics_text: str) -> set[str]:
     return names
 
 
-def test_rules_name_only_metrics_emsd_serves(emsd: Any) -> None:
-    status, body = emsd.http("/metrics")
+def test_rules_name_only_metrics_emsd_serves(emsd_disk: Any) -> None:
+    status, body = emsd_disk.http("/metrics")  # with a disk tier: its metrics are named too
     assert status == 200
     served = served_names(body.decode())
     used = {m for r in rules() for m in re.findall(r"\bemsd_[a-z0-9_]+", str(r["expr"]))}

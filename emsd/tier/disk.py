@@ -1,0 +1,550 @@
+"""DiskTier: the blocks of one node kept on local disk, below the pool's DRAM.
+
+Off by default (``[disk]`` in the config). Three ways in and out:
+
+- Demotion: a block evicted from DRAM for room (``lru`` or ``page``, not a
+  drop, a quota or a corrupt block; not a read-cache copy of a block owned
+  by another node, which the owner keeps: ``worth_demoting``) is copied into
+  a page-aligned staging buffer at once, because the store hands its chunk to
+  the next block in the same call, and queued for a writer thread. The queue
+  is bounded in bytes (``queue_bytes``); a demotion that does not fit is
+  dropped and counted, so eviction and saves never wait for the disk.
+- Promotion: a load whose blocks are not all in DRAM finds the next ones
+  here, the daemon reserves chunks for them in the pool, and reader threads
+  read them straight into those chunks (``read``), check each against its
+  digest and the daemon commits them: the load then finds them in DRAM. The
+  disk copy stays (blocks are content-addressed: it is still right), so the
+  block's next eviction costs no write.
+- Presence: ``present`` answers per key whether a whole, checked-in block is
+  here; ``exists`` adds them to what DRAM holds, as consecutive runs.
+
+A block's life here::
+
+    (absent) --write placed--> WRITING --bytes on disk, row recorded--> READY
+    READY --read--> READING (readers > 0) --done--> READY
+    READY --evicted for room, dropped, or found corrupt--> (absent)
+
+A WRITING or READING block is busy: no eviction takes its slot. A drop or a
+corrupt read takes it out of the index at once (nothing finds it again) and
+its slot is freed by whoever ends the busy state (``_settle``).
+
+The index is a dict in the daemon (key -> ``DiskEntry``) in LRU order, the
+persistent copy is ``emsd.tier.ledger`` (rows written after the bytes). At
+start every committed row is re-indexed; a row that does not fit the layout
+(outside the file, overlapping another) is forgotten. Rows are not checked
+against the bytes at start (that would read the whole disk): a block whose
+bytes do not match its digest is found when it is read, and is a miss.
+
+Room: a new block takes a free slot of its size class (``emsd.tier.space``);
+when there is none, the least recently used idle block goes: its slot if it
+is of the same class, else every idle block on its extent. A tenant's blocks
+on disk are bounded by its quota as in DRAM (``quota``): beyond it, its own
+least recently used blocks go first.
+
+Failure: any I/O error marks the tier failed (``failed`` says why; logged
+once): from then on nothing is demoted, nothing found, nothing read, and the
+daemon carries on with DRAM only. ``check`` also notices a data file that
+was deleted or a directory that was unmounted under the daemon.
+
+Threads: writer and reader threads and the daemon's event loop share the
+index under one lock, held only for bookkeeping, never during I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from emsd.faults import FAULTS
+from emsd.files import check_dir
+from emsd.pool.keys import KeyBatch
+from emsd.tier.engine import DataFile, Engine, aligned, read_block
+from emsd.tier.ledger import NS_SLOTS, DiskLedger
+from emsd.tier.space import DEFAULT_EXTENT, DiskSpace, slot_for
+
+log = logging.getLogger("emsd.tier")
+
+DATA_FILE = "emsd-disk.data"
+INDEX_FILE = "emsd-disk.index"
+DEMOTE_REASONS = frozenset({"lru", "page"})
+FLUSH_INTERVAL = 1.0  # seconds between flushes of the index's changed rows
+Key = tuple[int, bytes]  # (the tier's namespace id, 33 bytes: four key words and the tag)
+
+
+def worth_demoting(reason: str, cached: bool) -> bool:
+    """Admission to disk: a block evicted for room that this node owns.
+
+    Drops, quotas and corrupt blocks are not wanted any more; a read-cache copy
+    (``cached``) is held by its owner, which demotes its own copy.
+    """
+    return reason in DEMOTE_REASONS and not cached
+
+
+def key_bytes(keys: KeyBatch) -> list[bytes]:
+    """The tier's form of each key: its four words then its tag (33 bytes)."""
+    n = len(keys)
+    raw = np.empty((n, 33), dtype=np.uint8)
+    raw[:, :32] = np.ascontiguousarray(keys.words, dtype="<u8").view(np.uint8).reshape(n, 32)
+    raw[:, 32] = keys.tags
+    flat = raw.tobytes()
+    return [flat[i * 33 : i * 33 + 33] for i in range(n)]
+
+
+def digest(buf: memoryview | bytes) -> int:
+    """xxh3-64 of a block (never 0, which the index reads as "none")."""
+    return xxhash.xxh3_64_intdigest(buf) or 1
+
+
+def _inject_read() -> None:
+    """The ``disk.read`` fault site (tests only): a slow or failing device."""
+    assert FAULTS is not None
+    rule = FAULTS.at("disk.read")
+    if rule is None:
+        return
+    if rule.action == "delay":
+        time.sleep(rule.seconds)
+    else:
+        raise OSError(errno.EIO, "injected fault at disk.read")
+
+
+@dataclass
+class DiskEntry:
+    """One block on disk."""
+
+    ns: int
+    offset: int  # byte offset of its slot in the data file
+    length: int
+    row: int  # its row in the ledger
+    digest: int = 0
+    ready: bool = False  # bytes on disk and row recorded (else WRITING)
+    readers: int = 0
+    gone: bool = False  # out of the index (dropped, corrupt): the slot goes when it is idle
+
+    @property
+    def busy(self) -> bool:
+        return not self.ready or self.readers > 0
+
+
+@dataclass
+class TierStats:
+    bytes_used: int
+    capacity: int
+    blocks: int
+    queued: int  # demotions waiting for a writer
+    queued_bytes: int
+    writes: int
+    reads: int
+    dropped: dict[str, int]  # demotions not written, by reason: queue, room, quota, failed, corrupt
+    corrupt: int  # reads whose bytes failed their digest
+    evicted: int  # blocks removed from disk for room
+    direct: bool
+    failed: str
+
+
+class DiskTier:
+    """The disk tier in ``directory``: ``size`` bytes of data file plus its index.
+
+    ``quota(ns_name)`` gives the byte limit of the tenant a namespace belongs
+    to and ``tenant(ns_name)`` the tenant (both optional: no limits). Raises
+    ``OSError`` when the files cannot be made (the daemon then runs without the
+    tier) and ``emsd.tier.ledger.LedgerBusy`` when another daemon has them.
+    """
+
+    def __init__(self, directory: Path, size: int, queue_bytes: int = 256 << 20,
+                 readers: int = 8, writers: int = 2, extent: int = DEFAULT_EXTENT,
+                 quota: Callable[[str], int | None] | None = None,
+                 tenant: Callable[[str], str] | None = None,
+                 on_read: Callable[[float], None] | None = None) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        check_dir(directory)  # the daemon's own, not writable by others (emsd.files)
+        self.space = DiskSpace(size, extent)
+        self.ledger, self.outcome = DiskLedger.open(directory / INDEX_FILE, self.space.size, extent)
+        try:
+            self.data = DataFile(directory / DATA_FILE, self.space.size)
+        except BaseException:
+            self.ledger.close()
+            raise
+        if not self.data.direct:
+            log.warning("disk tier: %s: %s; buffered I/O (through the page cache)", directory,
+                        self.data.reason)
+        self.directory = directory
+        self.queue_bytes = queue_bytes
+        self.quota = quota
+        self.tenant = tenant or (lambda _name: "")
+        self.on_read = on_read
+        self.engine = Engine(readers, writers)
+        self._lock = threading.RLock()  # _fail may run under it
+        self._idle = threading.Condition(self._lock)  # notified when a demotion ends
+        self._index: OrderedDict[Key, DiskEntry] = OrderedDict()  # LRU order: oldest first
+        self._at: dict[int, Key] = {}  # slot offset -> key, for freeing an extent
+        self._free_rows: list[int] = []
+        self._rows = 0  # rows ever used (the next new row id)
+        self._ns: dict[str, int] = {}
+        self._ns_names: dict[int, str] = {}
+        self._tenant_bytes: dict[str, int] = {}
+        self.queued = 0
+        self.queued_bytes = 0
+        # Staging buffers of finished demotions, by slot size, kept (up to half the queue's bytes)
+        # for the next ones: a fresh buffer's pages are faulted in by the copy, which costs more
+        # than the copy itself and runs on the event loop.
+        self._spare: dict[int, list[mmap.mmap]] = {}
+        self._spare_bytes = 0
+        self.writes = 0
+        self.reads = 0
+        self.corrupt = 0
+        self.evicted = 0
+        self.dropped = {"queue": 0, "room": 0, "quota": 0, "failed": 0, "corrupt": 0}
+        self.failed = ""
+        self.restored = self._restore()
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, name="emsd-disk-flush", daemon=True)
+        self._flusher.start()
+
+    # -- start and stop -------------------------------------------------------------------
+
+    def _restore(self) -> int:
+        """Index the ledger's committed rows; forget those that do not fit. Returns blocks indexed."""
+        names = self.ledger.names()
+        for ns, name in names.items():
+            self._ns[name] = ns
+            self._ns_names[ns] = name
+        ids, rows = self.ledger.committed()
+        self._rows = int(ids.max()) + 1 if ids.size else 0
+        used = set(ids.tolist())
+        self._free_rows = [r for r in range(self._rows - 1, -1, -1) if r not in used]
+        kept = 0
+        for row, r in zip(ids.tolist(), rows, strict=True):
+            ns, offset, length = int(r["ns"]), int(r["offset"]), int(r["length"])
+            key = (ns, r["words"].astype("<u8").tobytes() + bytes([int(r["tag"])]))
+            if ns not in self._ns_names or key in self._index or not self.space.restore(offset, length):
+                self.ledger.forget(row)
+                self._free_rows.append(row)
+                continue
+            self._index[key] = DiskEntry(ns, offset, length, row, int(r["sum"]), ready=True)
+            self._at[offset] = key
+            self._count(ns, slot_for(length))
+            kept += 1
+        self.ledger.flush()
+        return kept
+
+    def close(self) -> None:
+        """Finish the queued demotions, flush the index and close the files (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.engine.close(wait=True)
+        self._flusher.join()
+        with self._lock:
+            self.ledger.close()
+            self.data.close()
+            for bufs in self._spare.values():
+                for buf in bufs:
+                    buf.close()
+            self._spare.clear()
+            self._spare_bytes = 0
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(FLUSH_INTERVAL):
+            try:
+                with self._lock:
+                    if self.ledger.fd >= 0:
+                        self.ledger.flush()
+            except OSError as exc:
+                self._fail(f"flushing the index: {exc}")
+
+    # -- health -----------------------------------------------------------------------------
+
+    def check(self) -> str:
+        """"" while the tier works, else why not (also notices a data file deleted or unmounted)."""
+        if not self.failed and self.data.fd >= 0:
+            try:
+                if os.fstat(self.data.fd).st_nlink == 0:
+                    self._fail(f"{self.data.path} was removed")
+            except OSError as exc:
+                self._fail(f"{self.data.path}: {exc}")
+        return self.failed
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            if self.failed:
+                return
+            self.failed = why
+        log.error("disk tier failed: %s; carrying on with DRAM only", why)
+
+    # -- namespaces -------------------------------------------------------------------------
+
+    def _ns_id(self, name: str, create: bool) -> int | None:
+        ns = self._ns.get(name)
+        if ns is None and create:
+            free = next((i for i in range(len(self._ns_names), NS_SLOTS) if i not in self._ns_names), None)
+            if free is None:
+                free = next((i for i in range(NS_SLOTS) if i not in self._ns_names), None)
+            if free is None or not self.ledger.set_name(free, name):
+                return None
+            ns = self._ns[name] = free
+            self._ns_names[free] = name
+        return ns
+
+    def drop(self, name: str) -> int:
+        """Remove every block of namespace ``name`` (``emsctl drop``, ``clear()``); returns how many."""
+        with self._lock:
+            ns = self._ns.get(name)
+            if ns is None:
+                return 0
+            gone = [k for k in self._index if k[0] == ns]
+            for k in gone:
+                self._remove(k)
+            return len(gone)
+
+    # -- presence -----------------------------------------------------------------------------
+
+    def present(self, name: str, keys: KeyBatch) -> np.ndarray:
+        """Per key: a whole block of it is on disk (bool). Touches nothing."""
+        out = np.zeros(len(keys), dtype=bool)
+        ns = self._ns.get(name)
+        if ns is None or self.failed or not self._index:
+            return out
+        with self._lock:
+            for i, kb in enumerate(key_bytes(keys)):
+                e = self._index.get((ns, kb))
+                out[i] = e is not None and e.ready
+        return out
+
+    # -- demotion -----------------------------------------------------------------------------
+
+    def demote(self, name: str, keys: KeyBatch, pool: memoryview, offsets: np.ndarray,
+               lengths: np.ndarray, sums: np.ndarray | None = None) -> int:
+        """Queue blocks leaving DRAM (bytes at ``pool[offsets[i]:][:lengths[i]]``) for writing.
+
+        Copies each block into a staging buffer now (its chunk is reused right
+        after); never waits. Blocks already on disk are only refreshed (LRU).
+        ``sums``: the pool's seals of the blocks (``emsd.pool.checksum``; 0 none):
+        a block whose bytes no longer match its seal is not written.
+        Returns how many were queued; the rest are counted in ``dropped``.
+        """
+        if self.failed:
+            self.dropped["failed"] += len(keys)
+            return 0
+        ns = self._ns_id(name, create=True)
+        if ns is None:
+            self.dropped["room"] += len(keys)
+            return 0
+        queued = 0
+        seals = sums.tolist() if sums is not None else [0] * len(keys)
+        for kb, off, n, seal in zip(key_bytes(keys), offsets.tolist(), lengths.tolist(), seals,
+                                    strict=True):
+            key = (ns, kb)
+            with self._lock:
+                e = self._index.get(key)
+                if e is not None:
+                    self._index.move_to_end(key)
+                    continue
+            slot = slot_for(n)
+            with self._lock:
+                if n > self.space.max_block or self.queued_bytes + slot > self.queue_bytes:
+                    self.dropped["queue" if n <= self.space.max_block else "room"] += 1
+                    continue
+                self.queued += 1
+                self.queued_bytes += slot
+                spare = self._spare.get(slot)
+                reused = spare.pop() if spare else None
+                if reused is not None:
+                    self._spare_bytes -= slot
+            buf = reused if reused is not None else aligned(slot)
+            buf[:n] = pool[off : off + n]
+            self.engine.write(self._write, key, name, buf, n, seal)
+            queued += 1
+        return queued
+
+    def _write(self, key: Key, name: str, buf: mmap.mmap, length: int, seal: int = 0) -> None:
+        """Writer thread: place, write, record one staged block (``seal``: its pool digest, 0 none)."""
+        slot = slot_for(length)
+        try:
+            with memoryview(buf) as view:
+                sealed = digest(view[:length])
+            if seal and sealed != seal:  # changed in the pool since its commit: not worth keeping
+                self.dropped["corrupt"] += 1
+                return
+            with self._lock:
+                if self.failed:
+                    self.dropped["failed"] += 1
+                    return
+                if key in self._index:
+                    return
+                why = self._make_room(key[0], name, length)
+                if why:
+                    self.dropped[why] += 1
+                    return
+                offset = self.space.alloc(length)
+                assert offset is not None  # _make_room made room
+                row = self._free_rows.pop() if self._free_rows else self._take_row()
+                entry = DiskEntry(key[0], offset, length, row)
+                self._index[key] = entry
+                self._at[offset] = key
+                self._count(key[0], slot)
+            entry.digest = sealed
+            with memoryview(buf) as view:
+                self.data.write(offset, view)
+            with self._lock:
+                entry.ready = True
+                self.writes += 1
+                if entry.gone:
+                    self._settle(key, entry)
+                else:
+                    self.ledger.record(row, np.frombuffer(key[1][:32], dtype="<u8"), key[1][32], key[0],
+                                       offset, length, entry.digest)
+        except OSError as exc:
+            self._fail(f"writing {self.data.path}: {exc}")
+        finally:
+            with self._lock:
+                self.queued -= 1
+                self.queued_bytes -= slot
+                keep = self._spare_bytes + slot <= self.queue_bytes // 2
+                if keep:  # for the next demotion: no fresh pages to fault in
+                    self._spare.setdefault(slot, []).append(buf)
+                    self._spare_bytes += slot
+                self._idle.notify_all()
+            if not keep:
+                buf.close()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no demotion is queued or being written; False if ``timeout`` passed first."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self.queued == 0, timeout)
+
+    def _take_row(self) -> int:
+        self._rows += 1
+        return self._rows - 1
+
+    def _make_room(self, ns: int, name: str, length: int) -> str:
+        """Under the lock: evict until a slot for ``length`` is free and the tenant's quota
+        holds it. "" when done, else the reason it cannot be: "room" or "quota"."""
+        slot = slot_for(length)
+        limit = self.quota(name) if self.quota is not None else None
+        if limit is not None:
+            tenant = self.tenant(name)
+            if self._tenant_bytes.get(tenant, 0) + slot > limit:
+                for k in [k for k, e in self._index.items() if not e.busy
+                          and self.tenant(self._ns_names.get(k[0], "")) == tenant]:
+                    self._evict(k)
+                    if self._tenant_bytes.get(tenant, 0) + slot <= limit:
+                        break
+            if self._tenant_bytes.get(tenant, 0) + slot > limit:
+                return "quota"
+        tries = len(self._index)
+        while not self.space.has_room(length) and tries > 0:
+            tries -= 1
+            victim = next(iter(self._index))
+            e = self._index[victim]
+            if e.busy:  # being written or read: recent anyway
+                self._index.move_to_end(victim)
+            elif slot_for(e.length) == slot:
+                self._evict(victim)
+            else:  # another size: free what is idle on its extent, for the extent to come free
+                for off in self.space.slots_on(self.space.extent_of(e.offset)):
+                    held = self._at.get(off)
+                    if held is not None and held in self._index and not self._index[held].busy:
+                        self._evict(held)
+        return "" if self.space.has_room(length) else "room"
+
+    def _evict(self, key: Key) -> None:
+        self.evicted += 1
+        self._remove(key)
+
+    # -- promotion ---------------------------------------------------------------------------
+
+    def checkout(self, name: str, keys: KeyBatch) -> list[DiskEntry | None]:
+        """Per key: its READY entry, now READING (the caller must ``checkin`` it), or None.
+
+        Counts as a use (LRU).
+        """
+        out: list[DiskEntry | None] = [None] * len(keys)
+        ns = self._ns.get(name)
+        if ns is None or self.failed:
+            return out
+        with self._lock:
+            for i, kb in enumerate(key_bytes(keys)):
+                e = self._index.get((ns, kb))
+                if e is not None and e.ready:
+                    e.readers += 1
+                    self._index.move_to_end((ns, kb))
+                    out[i] = e
+        return out
+
+    def read(self, entry: DiskEntry, dest: memoryview, base: int) -> bool:
+        """Reader thread: the block's bytes into ``dest`` (``base``: its address); True when
+        they match the block's digest. False on a mismatch (the block is dropped) or on an
+        I/O error (the tier fails). Ends the READING state taken by ``checkout``."""
+        start = time.perf_counter()
+        ok = False
+        try:
+            if FAULTS is not None:
+                _inject_read()
+            read_block(self.data, entry.offset, dest, base)
+            ok = digest(dest) == entry.digest
+            if not ok:
+                log.warning("disk tier: block at %d failed its checksum; a miss, dropped", entry.offset)
+        except (OSError, ValueError) as exc:
+            self._fail(f"reading {self.data.path}: {exc}")
+        finally:
+            self.checkin(entry, ok)
+        if self.on_read is not None:
+            self.on_read(time.perf_counter() - start)
+        return ok
+
+    def checkin(self, entry: DiskEntry, ok: bool = True) -> None:
+        """End one READING of ``entry``; a block that read wrong (``ok`` False) is dropped."""
+        with self._lock:
+            entry.readers -= 1
+            if ok:
+                self.reads += 1
+            elif not self.failed:
+                self.corrupt += 1
+                key = self._at.get(entry.offset)
+                if key is not None and self._index.get(key) is entry:
+                    self._remove(key)
+            if entry.gone:
+                self._settle(self._at.get(entry.offset), entry)
+
+    # -- bookkeeping (under the lock) -----------------------------------------------------------
+
+    def _remove(self, key: Key) -> None:
+        """Take ``key`` out of the index; its slot and row go now, or when it is idle."""
+        e = self._index.pop(key)
+        self.ledger.forget(e.row)  # first: the slot may be written again from here on
+        e.gone = True
+        self._settle(key, e)
+
+    def _settle(self, key: Key | None, e: DiskEntry) -> None:
+        """Free a removed entry's slot and row once it is idle (once)."""
+        if e.busy or e.row < 0:
+            return
+        if key is not None and self._at.get(e.offset) == key:
+            del self._at[e.offset]
+        self.space.free(e.offset, e.length)
+        self._free_rows.append(e.row)
+        self._count(e.ns, -slot_for(e.length))
+        e.row = -1
+
+    def _count(self, ns: int, delta: int) -> None:
+        tenant = self.tenant(self._ns_names.get(ns, ""))
+        self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + delta
+
+    def tenant_bytes(self, tenant: str) -> int:
+        return self._tenant_bytes.get(tenant, 0)
+
+    def stats(self) -> TierStats:
+        return TierStats(self.space.bytes_used, self.space.size, len(self._index), self.queued,
+                         self.queued_bytes, self.writes, self.reads, dict(self.dropped), self.corrupt,
+                         self.evicted, self.data.direct, self.failed)

@@ -1,0 +1,201 @@
+"""The disk tier's persistent index: which block is in which slot of the data file.
+
+A file beside the data file (``emsd-disk.index``), mapped shared, so that a
+daemon started after a crash or a reboot serves the blocks on disk again:
+
+=========  =============================================================
+header     4 KiB: magic, format, the data file's size and extent size,
+           the row capacity
+names      ``NS_SLOTS`` slots of ``NS_SLOT`` bytes: the tier's namespace
+           id -> name (u16 length + UTF-8). The pool's namespace ids do not
+           survive a reboot (its ledger is in shared memory), so the tier
+           keeps names of its own.
+rows       one 64-byte row per row id: the key (four u64 words and the
+           tag of ``emsd.pool.keys``), the namespace id, the slot's byte
+           offset, the block's length, its xxh3-64 digest and ``state``
+           (1 = the slot holds these bytes)
+=========  =============================================================
+
+Order of writes, so that a crash or power loss at any point never serves
+wrong bytes: a row's ``state`` is set only after the block's bytes are on
+disk (the O_DIRECT write returned), and cleared before its slot is given to
+another block. The map is flushed (msync) by the tier's writer on a timer
+and at a clean shutdown; rows lost with the page cache are blocks lost, not
+wrong ones. What the order cannot rule out (a row that reached the disk
+while a slot's new bytes did, in another order than written) the digest
+catches: ``emsd.tier.disk`` checks every block read against it, and a
+mismatch is a miss.
+
+``DiskLedger.open`` says how it went: ``"new"``, ``"attached"``, or
+``"rebuilt: <why>"`` (another format or geometry: reset empty, never served).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from emsd.files import open_own
+
+MAGIC = b"EMSDDISK"
+FORMAT = 1
+HEADER = 4096
+_HEAD = struct.Struct("<8sIIQQQ")  # magic, format, unused, data size, extent, capacity
+NS_SLOTS = 4096
+NS_SLOT = 256
+RECORDS = HEADER + NS_SLOTS * NS_SLOT
+ROW = np.dtype([("words", "<u8", (4,)), ("tag", "u1"), ("state", "u1"), ("ns", "<u2"),
+                ("length", "<u4"), ("offset", "<u8"), ("sum", "<u8"), ("pad", "u1", (8,))])
+COMMITTED = 1
+_MIN_CAPACITY = 1024
+
+
+class LedgerBusy(OSError):
+    """Another live daemon has this disk tier open."""
+
+
+class DiskLedger:
+    """Rows of the blocks on disk, in a shared map of ``path``."""
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap) -> None:
+        self.path = path
+        self.fd = fd
+        self.mm = mm
+        self.rows = self._view()
+        self.dirty = False  # rows changed since the last flush
+
+    @classmethod
+    def open(cls, path: Path, data_size: int, extent: int) -> tuple[DiskLedger, str]:
+        """Open or create the ledger at ``path`` for a data file of this geometry.
+
+        Returns (ledger, outcome). Raises ``LedgerBusy`` if another process holds
+        it, ``OSError`` if it cannot be made.
+        """
+        fd = open_own(path, os.O_RDWR | os.O_CREAT)  # never through a symlink (emsd.files)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LedgerBusy(f"another emsd holds {path}") from None
+            size = os.fstat(fd).st_size
+            outcome = "new" if size == 0 else _check(fd, size, data_size, extent)
+            if outcome != "attached":
+                _format(fd, data_size, extent)
+                size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, mm), outcome
+
+    def close(self) -> None:
+        """Flush and close (idempotent)."""
+        if self.fd < 0:
+            return
+        self.flush()
+        self.rows = np.zeros(0, dtype=ROW)
+        self.mm.close()
+        os.close(self.fd)
+        self.fd = -1
+
+    def flush(self) -> None:
+        """Write the changed rows to the file system (msync)."""
+        if self.fd >= 0 and self.dirty:
+            self.dirty = False
+            self.mm.flush()
+
+    # -- namespaces -------------------------------------------------------------------
+
+    def names(self) -> dict[int, str]:
+        """The tier's namespace id -> name, for the ids that have one."""
+        out: dict[int, str] = {}
+        for ns in range(NS_SLOTS):
+            at = HEADER + ns * NS_SLOT
+            (n,) = struct.unpack_from("<H", self.mm, at)
+            if 0 < n <= NS_SLOT - 2:
+                try:
+                    out[ns] = bytes(self.mm[at + 2 : at + 2 + n]).decode()
+                except UnicodeDecodeError:
+                    continue
+        return out
+
+    def set_name(self, ns: int, name: str) -> bool:
+        """Name the tier's namespace id ``ns`` (empty: unused); False if it cannot be kept."""
+        raw = name.encode()
+        if not 0 <= ns < NS_SLOTS or len(raw) > NS_SLOT - 2:
+            return False
+        at = HEADER + ns * NS_SLOT
+        struct.pack_into("<H", self.mm, at, 0)  # absent while the bytes change
+        self.mm[at + 2 : at + 2 + len(raw)] = raw
+        struct.pack_into("<H", self.mm, at, len(raw))
+        self.dirty = True
+        return True
+
+    # -- rows ---------------------------------------------------------------------------
+
+    def record(self, row: int, words: np.ndarray, tag: int, ns: int, offset: int, length: int,
+               digest: int) -> None:
+        """Row ``row`` now says: the slot at ``offset`` holds this block (its bytes are on disk)."""
+        self._ensure(row + 1)
+        r = self.rows
+        r["state"][row] = 0
+        r["words"][row] = words
+        r["tag"][row] = tag
+        r["ns"][row] = ns
+        r["offset"][row] = offset
+        r["length"][row] = length
+        r["sum"][row] = digest
+        r["state"][row] = COMMITTED  # last: a torn row reads as absent
+        self.dirty = True
+
+    def forget(self, row: int) -> None:
+        """Row ``row`` no longer counts (before its slot is written again)."""
+        if row < self.rows.size:
+            self.rows["state"][row] = 0
+            self.dirty = True
+
+    def committed(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row ids, rows) of every committed row."""
+        ids = np.flatnonzero(self.rows["state"] == COMMITTED)
+        return ids, self.rows[ids]
+
+    def _ensure(self, capacity: int) -> None:
+        if capacity <= self.rows.size:
+            return
+        new = max(capacity, 2 * self.rows.size)
+        self.rows = np.zeros(0, dtype=ROW)  # no view may be alive across the resize
+        os.ftruncate(self.fd, RECORDS + new * ROW.itemsize)
+        self.mm.resize(RECORDS + new * ROW.itemsize)
+        struct.pack_into("<Q", self.mm, _HEAD.size - 8, new)
+        self.rows = self._view()
+
+    def _view(self) -> np.ndarray:
+        (capacity,) = struct.unpack_from("<Q", self.mm, _HEAD.size - 8)
+        return np.frombuffer(self.mm, dtype=ROW, count=capacity, offset=RECORDS)
+
+
+def _check(fd: int, size: int, data_size: int, extent: int) -> str:
+    """"attached" when the file is a whole ledger of this format and geometry, else why not."""
+    if size < RECORDS:
+        return "rebuilt: the index file is truncated"
+    magic, fmt, _, dsize, ext, capacity = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))
+    if magic != MAGIC:
+        return "rebuilt: not an emsd disk index"
+    if fmt != FORMAT:
+        return f"rebuilt: index format {fmt}, this emsd writes format {FORMAT}"
+    if (dsize, ext) != (data_size, extent):
+        return f"rebuilt: the tier's geometry changed (size {dsize} -> {data_size}, extent {ext} -> {extent})"
+    if size != RECORDS + capacity * ROW.itemsize:
+        return "rebuilt: the index's size does not match its header"
+    return "attached"
+
+
+def _format(fd: int, data_size: int, extent: int) -> None:
+    os.ftruncate(fd, 0)
+    os.ftruncate(fd, RECORDS + _MIN_CAPACITY * ROW.itemsize)
+    os.pwrite(fd, _HEAD.pack(MAGIC, FORMAT, 0, data_size, extent, _MIN_CAPACITY), 0)

@@ -1,0 +1,135 @@
+"""Where blocks live in the disk tier's data file: extents carved into slots of one size.
+
+The data file is cut into extents (``extent`` bytes, 64 MiB by default). A
+size class is one exact slot size: a block's length rounded up to ``SECTOR``
+(4 KiB, the unit O_DIRECT needs), so every slot starts and ends on a sector
+boundary. A class takes a whole extent when it has no free slot and carves
+it into ``extent // slot`` slots; when the last used slot of an extent is
+freed, the extent goes back to the free extents for any class to take (KV
+blocks come in one or two sizes per model, so an extent rarely holds a few
+stragglers for long).
+
+This module only counts: it never touches the file and never chooses a
+victim (``emsd.tier.disk`` evicts when ``alloc`` says there is no room).
+"""
+
+from __future__ import annotations
+
+SECTOR = 4096
+DEFAULT_EXTENT = 64 << 20
+
+
+class SpaceError(ValueError):
+    """A geometry that cannot work, or a restored slot that does not fit the layout."""
+
+
+def slot_for(length: int) -> int:
+    """The slot size that holds ``length`` bytes: rounded up to ``SECTOR``."""
+    return -(-length // SECTOR) * SECTOR
+
+
+class DiskSpace:
+    """Slot allocation over ``size`` bytes of file, in extents of ``extent`` bytes.
+
+    Raises ``SpaceError`` when ``extent`` is not a positive multiple of
+    ``SECTOR`` or the file holds no whole extent.
+    """
+
+    def __init__(self, size: int, extent: int = DEFAULT_EXTENT) -> None:
+        if extent <= 0 or extent % SECTOR:
+            raise SpaceError(f"extent {extent} must be a positive multiple of {SECTOR}")
+        if size < extent:
+            raise SpaceError(f"disk tier size {size} holds no extent of {extent} bytes")
+        self.extent = extent
+        self.extents = size // extent
+        self.size = self.extents * extent
+        self._free_extents = list(range(self.extents - 1, -1, -1))  # a stack: low extents first
+        self.extent_slot = [0] * self.extents  # slot size of each extent's class, 0 free
+        self.extent_used = [0] * self.extents  # used slots on each extent
+        self._free: dict[int, set[int]] = {}  # slot size -> byte offsets of its free slots
+        self.bytes_used = 0  # bytes of used slots
+
+    @property
+    def max_block(self) -> int:
+        """The largest block a slot can hold: one extent."""
+        return self.extent
+
+    def extent_of(self, offset: int) -> int:
+        return offset // self.extent
+
+    def alloc(self, length: int) -> int | None:
+        """A free slot for ``length`` bytes (1..``max_block``): its byte offset, or None if full."""
+        if not 0 < length <= self.extent:
+            return None
+        slot = slot_for(length)
+        free = self._free.setdefault(slot, set())
+        if not free:
+            if not self._free_extents:
+                return None
+            e = self._free_extents.pop()
+            self.extent_slot[e] = slot
+            base = e * self.extent
+            free.update(range(base, base + (self.extent // slot) * slot, slot))
+        offset = free.pop()
+        self._take(offset, slot)
+        return offset
+
+    def free(self, offset: int, length: int) -> None:
+        """Give back the slot at ``offset`` that holds ``length`` bytes (used, once)."""
+        slot = slot_for(length)
+        e = self.extent_of(offset)
+        if self.extent_slot[e] != slot or self.extent_used[e] <= 0:
+            raise SpaceError(f"slot {offset} of {slot} bytes is not in use")
+        self.extent_used[e] -= 1
+        self.bytes_used -= slot
+        free = self._free[slot]
+        free.add(offset)
+        if self.extent_used[e] == 0:  # the whole extent is free again: any class may take it
+            base = e * self.extent
+            free.difference_update(range(base, base + (self.extent // slot) * slot, slot))
+            self.extent_slot[e] = 0
+            self._free_extents.append(e)
+
+    def restore(self, offset: int, length: int) -> bool:
+        """Claim the slot at ``offset`` for ``length`` bytes (re-indexing at start).
+
+        False (nothing claimed) when it does not fit the layout: outside the
+        file, not on a slot boundary of its class, on an extent of another
+        class, or already claimed.
+        """
+        slot = slot_for(length)
+        if not 0 < length <= self.extent or offset < 0 or offset + slot > self.size:
+            return False
+        e = self.extent_of(offset)
+        base = e * self.extent
+        if (offset - base) % slot or offset + slot > base + (self.extent // slot) * slot:
+            return False
+        if self.extent_slot[e] == 0:
+            self._free_extents.remove(e)
+            self.extent_slot[e] = slot
+            self._free.setdefault(slot, set()).update(
+                range(base, base + (self.extent // slot) * slot, slot))
+        elif self.extent_slot[e] != slot:
+            return False
+        free = self._free[slot]
+        if offset not in free:
+            return False
+        free.discard(offset)
+        self._take(offset, slot)
+        return True
+
+    def _take(self, offset: int, slot: int) -> None:
+        self.extent_used[self.extent_of(offset)] += 1
+        self.bytes_used += slot
+
+    def slots_on(self, e: int) -> range:
+        """Byte offsets of every slot of extent ``e`` (empty for a free extent)."""
+        slot = self.extent_slot[e]
+        if slot == 0:
+            return range(0)
+        base = e * self.extent
+        return range(base, base + (self.extent // slot) * slot, slot)
+
+    def has_room(self, length: int) -> bool:
+        """Whether ``alloc(length)`` would find a slot without an eviction."""
+        return bool(self._free.get(slot_for(length))) or bool(self._free_extents)

@@ -1,0 +1,182 @@
+"""TierStack: one node's DRAM pool over its disk tier, as the daemon's handlers see them.
+
+It joins a ``BlockStore`` (DRAM) and a ``DiskTier`` (disk) without either
+knowing the other:
+
+- ``on_evict`` is the store's eviction hook: blocks it evicts for room, while
+  their bytes are still in their chunks, are handed to the tier's write-behind
+  queue (``emsd.tier.disk.worth_demoting`` says which). With pool checksums on,
+  a block whose staged bytes no longer match its seal is not written.
+- ``exists`` and ``present`` count a key as held when it is in DRAM or on disk
+  (``exists``: the leading run of such keys, as the store counts READY ones).
+- ``promote`` is the asynchronous step before a PIN (``Service.remote_fetch``,
+  like a remote fetch): the keys of the PIN's leading run that are only on
+  disk get chunks in the pool (PENDING entries the stack owns), reader threads
+  read them straight into those chunks and check them, and the stack commits
+  each one that read right. What is not read by the deadline stays PENDING
+  until its read ends (then committed or aborted): the PIN, handled at the
+  deadline, counts it as a miss, and the load never waits longer than its
+  timeout. The event loop never waits for the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from emsd.pool.checksum import Checksums
+from emsd.pool.keys import KeyBatch
+from emsd.pool.store import BlockStore, Reservation
+from emsd.pool.store import Status as SlotStatus
+from emsd.tier.disk import DiskEntry, DiskTier, worth_demoting
+
+log = logging.getLogger("emsd.tier")
+
+_NEW = np.uint8(SlotStatus.NEW)
+
+
+def leading(ok: np.ndarray) -> int:
+    """How many leading entries of the bool array ``ok`` are True."""
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else int(ok.size)
+
+
+class TierStack:
+    """DRAM (``store`` over ``pool``) above ``disk``; ``ns_name`` maps the store's namespace ids
+    to the names the tier keys by (names survive a reboot, ids do not)."""
+
+    def __init__(self, store: BlockStore, disk: DiskTier, pool: memoryview,
+                 ns_name: Callable[[int], str], checksums: Checksums | None = None) -> None:
+        self.store = store
+        self.disk = disk
+        self.pool = pool
+        self.ns_name = ns_name
+        self.checksums = checksums
+        self.promoted = 0  # blocks read from disk into the pool
+        self.late = 0  # promotions whose read ended after their load's deadline
+        store.on_evict = self.on_evict
+
+    # -- demotion ------------------------------------------------------------------------------
+
+    def on_evict(self, ids: np.ndarray, reason: str) -> None:
+        """The store is about to evict entries ``ids``: queue the ones worth keeping for disk."""
+        if not worth_demoting(reason, cached=False) or self.disk.failed:
+            return
+        idx = self.store.index
+        ids = ids[idx.cached[ids] == 0]  # read-cache copies: their owner keeps the block
+        if ids.size == 0:
+            return
+        namespaces = idx.ns_of(ids)
+        for ns in np.unique(namespaces).tolist():
+            name = self.ns_name(ns)
+            if name.startswith("\0"):  # a dropped (retired) namespace: nothing finds it again
+                continue
+            sel = ids[namespaces == ns]
+            offsets = idx.offset[sel].astype(np.uint64) * np.uint64(self.store.slabs.align)
+            sums = self.store.sums[sel] if self.store.sums is not None else None
+            self.disk.demote(name, idx.keys_of(sel), self.pool, offsets,
+                             idx.length[sel].astype(np.uint64), sums)
+
+    # -- presence ------------------------------------------------------------------------------
+
+    def present(self, ns: int, keys: KeyBatch) -> np.ndarray:
+        """Per key: READY in DRAM or whole on disk."""
+        here = self.store.present(ns, keys)
+        if here.all():
+            return here
+        return here | self.disk.present(self.ns_name(ns), keys)
+
+    def exists(self, ns: int, keys: KeyBatch, count: int) -> int:
+        """The leading run of keys held in DRAM or on disk, given ``count`` leading in DRAM."""
+        if count == len(keys) or self.disk.failed:
+            return count
+        rest = keys.take(slice(count, None))
+        return count + leading(self.present(ns, rest))
+
+    # -- promotion -----------------------------------------------------------------------------
+
+    def wanted(self, ns: int, keys: KeyBatch, count: int) -> bool:
+        """Whether a PIN of ``keys`` (``count`` leading in DRAM) would find its next block on disk."""
+        if count >= len(keys) or self.disk.failed:
+            return False
+        return bool(self.disk.present(self.ns_name(ns), keys.take(slice(count, count + 1)))[0])
+
+    async def promote(self, ns: int, keys: KeyBatch, count: int, deadline: float) -> int:
+        """Read the disk-only blocks of the leading run after ``count`` into the pool, until
+        ``deadline`` (the loop's clock). Returns how many were committed in time."""
+        rest = keys.take(slice(count, None))
+        run = leading(self.present(ns, rest))
+        want = np.flatnonzero(~self.store.present(ns, rest.take(slice(0, run))))
+        if want.size == 0:
+            return 0
+        wanted = rest.take(want)
+        entries = self.disk.checkout(self.ns_name(ns), wanted)
+        got = next((i for i, e in enumerate(entries) if e is None), len(entries))
+        for e in entries[got:]:  # gone since ``present``: the run ends before them
+            if e is not None:
+                self.disk.checkin(e)
+        if got == 0:
+            return 0
+        held = [e for e in entries[:got] if e is not None]
+        res = self._reserve(ns, keys, count, wanted.take(slice(0, got)), held)
+        new = np.flatnonzero(res.status == _NEW)
+        for i in np.flatnonzero(res.status != _NEW).tolist():
+            self.disk.checkin(held[i])  # PRESENT (stored meanwhile) or FAILED (no room): no read
+        if new.size == 0:
+            return 0
+        loop = asyncio.get_running_loop()
+        reads: dict[asyncio.Future[object], int] = {}
+        for i in new.tolist():
+            off, e = int(res.offsets[i]), held[i]
+            fut = self.disk.engine.read(self.disk.read, e, self.pool[off : off + e.length], off)
+            reads[asyncio.wrap_future(fut)] = int(res.handles[i])
+        done, late = await asyncio.wait(reads, timeout=max(0.0, deadline - loop.time()))
+        ok = [reads[f] for f in done if f.exception() is None and f.result()]
+        self._settle(ok, [reads[f] for f in done if reads[f] not in ok])
+        for f in late:  # ends when its read does: committed for later loads, or aborted
+            self.late += 1
+            f.add_done_callback(functools.partial(self._settle_late, handle=reads[f]))
+        return len(ok)
+
+    def _settle_late(self, fut: asyncio.Future[object], handle: int) -> None:
+        right = fut.exception() is None and bool(fut.result())
+        self._settle([handle] if right else [], [] if right else [handle])
+
+    def _reserve(self, ns: int, keys: KeyBatch, count: int, wanted: KeyBatch,
+                 held: list[DiskEntry]) -> Reservation:
+        """Chunks for the blocks to promote; the load's leading DRAM blocks are pinned meanwhile,
+        so that the reservation's evictions do not take what the load is about to read."""
+        head = self.store.pin(ns, keys.take(slice(0, count))) if count else None
+        try:
+            sizes = np.array([e.length for e in held], dtype=np.uint64)
+            return self.store.reserve(ns, wanted, sizes)
+        finally:
+            if head is not None:
+                self.store.release(head.handles)
+
+    def _settle(self, ok: list[int], bad: list[int]) -> None:
+        """Commit the promoted blocks that read right, abort the rest."""
+        if ok:
+            h = np.array(ok, dtype=np.uint32)
+            if self.checksums is not None:
+                self.checksums.seal(h)
+            self.promoted += self.store.commit(h)
+        if bad:
+            self.store.abort(np.array(bad, dtype=np.uint32))
+
+    def summary(self) -> dict[str, object]:
+        """The tier's state for STATS (``emsctl status``)."""
+        st = self.disk.stats()
+        self.disk.check()
+        return {"dir": str(self.disk.directory), "capacity": st.capacity, "bytes_used": st.bytes_used,
+                "blocks": st.blocks, "queued": st.queued, "writes": st.writes, "reads": st.reads,
+                "promoted": self.promoted, "late": self.late, "corrupt": st.corrupt,
+                "evicted": st.evicted, "dropped": st.dropped, "direct": st.direct, "failed": self.disk.failed}
+
+    def drop(self, name: str) -> int:
+        """Remove namespace ``name``'s blocks from disk; returns how many."""
+        return self.disk.drop(name)

@@ -1,0 +1,73 @@
+"""The disk tier's slot allocator (emsd.tier.space): slots never overlap, bytes add up."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emsd.tier.space import SECTOR, DiskSpace, SpaceError, slot_for
+
+EXTENT = 16 * SECTOR
+
+
+def test_slots_are_sector_aligned_and_of_their_class() -> None:
+    space = DiskSpace(4 * EXTENT, EXTENT)
+    a = space.alloc(5000)
+    b = space.alloc(5000)
+    assert a is not None and b is not None
+    assert a % SECTOR == 0 and b % SECTOR == 0 and abs(a - b) >= slot_for(5000)
+    assert space.bytes_used == 2 * slot_for(5000)
+
+
+def test_full_space_says_none_and_a_freed_extent_serves_another_size() -> None:
+    space = DiskSpace(2 * EXTENT, EXTENT)
+    big = [space.alloc(EXTENT) for _ in range(2)]
+    assert None not in big and space.alloc(SECTOR) is None
+    space.free(big[0], EXTENT)  # type: ignore[arg-type]
+    assert space.alloc(SECTOR) is not None
+
+
+def test_geometry_and_bad_frees_are_refused() -> None:
+    with pytest.raises(SpaceError):
+        DiskSpace(EXTENT, EXTENT + 1)
+    with pytest.raises(SpaceError):
+        DiskSpace(EXTENT - SECTOR, EXTENT)
+    space = DiskSpace(EXTENT, EXTENT)
+    with pytest.raises(SpaceError):
+        space.free(0, SECTOR)
+    assert space.alloc(0) is None and space.alloc(EXTENT + 1) is None
+
+
+def test_restore_claims_exactly_the_slots_that_fit() -> None:
+    space = DiskSpace(2 * EXTENT, EXTENT)
+    assert space.restore(2 * SECTOR, SECTOR)
+    assert not space.restore(2 * SECTOR, SECTOR)  # claimed twice
+    assert not space.restore(3 * SECTOR, 2 * SECTOR)  # another class on the same extent
+    assert not space.restore(EXTENT + SECTOR, 2 * SECTOR)  # not on a slot boundary of its class
+    assert not space.restore(2 * EXTENT, SECTOR)  # outside the file
+    assert space.alloc(SECTOR) not in (None, 2 * SECTOR)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, EXTENT)), max_size=120))
+def test_slots_never_overlap_and_accounting_holds(ops: list[tuple[bool, int]]) -> None:
+    space = DiskSpace(6 * EXTENT, EXTENT)
+    held: dict[int, int] = {}
+    for alloc, n in ops:
+        if alloc or not held:
+            off = space.alloc(n)
+            if off is None:
+                assert not space.has_room(n)
+                continue
+            end = off + slot_for(n)
+            assert off % SECTOR == 0 and end <= space.size
+            assert all(end <= o or o + slot_for(m) <= off for o, m in held.items())
+            held[off] = n
+        else:
+            off = next(iter(held))
+            space.free(off, held.pop(off))
+        assert space.bytes_used == sum(slot_for(m) for m in held.values())
+    for off, n in list(held.items()):
+        space.free(off, n)
+    assert space.bytes_used == 0 and all(s == 0 for s in space.extent_slot)

@@ -1,0 +1,192 @@
+"""DiskTier (emsd.tier.disk) over real files in a real directory: demote, read back, restart,
+corruption, room, quotas, drops and failure. /tmp must be a file system with O_DIRECT (not tmpfs)
+for the direct path; elsewhere the tier falls back to buffered I/O and these still hold."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emsd.pool.keys import KeyBatch
+from emsd.tier.disk import DATA_FILE, DiskTier, worth_demoting
+from emsd.tier.engine import aligned
+
+EXTENT = 1 << 20
+BLOCK = 64 << 10
+
+
+@pytest.fixture
+def disk_dir() -> Iterator[Path]:
+    """A directory on a real file system (/var/tmp: tmpfs would refuse O_DIRECT)."""
+    base = os.environ.get("EMSD_TEST_DISK_DIR", "/var/tmp")
+    path = Path(tempfile.mkdtemp(prefix="emsd-disk-test-", dir=base))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _pool(blocks: list[bytes]) -> tuple[mmap.mmap, np.ndarray, np.ndarray]:
+    """A page-aligned 'pool' holding ``blocks`` back to back in 64 KiB chunks."""
+    mm = aligned(len(blocks) * BLOCK)
+    for i, b in enumerate(blocks):
+        mm[i * BLOCK : i * BLOCK + len(b)] = b
+    return (mm, np.arange(len(blocks), dtype=np.uint64) * BLOCK,
+            np.array([len(b) for b in blocks], dtype=np.uint64))
+
+
+def _bytes(i: int, n: int = BLOCK) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def _read(tier: DiskTier, name: str, keys: KeyBatch) -> list[bytes | None]:
+    out: list[bytes | None] = []
+    for e in tier.checkout(name, keys):
+        if e is None:
+            out.append(None)
+            continue
+        buf = aligned(max(e.length, 4096))
+        ok = tier.read(e, memoryview(buf)[: e.length], 0)
+        out.append(bytes(buf[: e.length]) if ok else None)
+        buf.close()
+    return out
+
+
+def test_demoted_blocks_read_back_identical_also_after_a_restart(disk_dir: Path) -> None:
+    blocks = [_bytes(i) for i in range(6)] + [_bytes(99, 5000)]  # one not a multiple of 4 KiB
+    keys = KeyBatch.from_user(list(range(7)))
+    tier = DiskTier(disk_dir, 8 * EXTENT, extent=EXTENT)
+    assert tier.outcome == "new"
+    pool, offs, lens = _pool(blocks)
+    assert tier.demote("ns", keys, memoryview(pool), offs, lens) == 7
+    assert tier.wait_idle(30)
+    assert tier.present("ns", keys).all() and not tier.present("other", keys).any()
+    assert _read(tier, "ns", keys) == blocks
+    tier.close()
+    tier = DiskTier(disk_dir, 8 * EXTENT, extent=EXTENT)
+    assert tier.outcome == "attached" and tier.restored == 7
+    assert _read(tier, "ns", keys) == blocks
+    tier.close()
+
+
+def test_bytes_changed_on_disk_are_a_miss_and_the_block_goes(disk_dir: Path) -> None:
+    tier = DiskTier(disk_dir, 4 * EXTENT, extent=EXTENT)
+    keys = KeyBatch.from_user([1, 2])
+    pool, offs, lens = _pool([_bytes(1), _bytes(2)])
+    tier.demote("ns", keys, memoryview(pool), offs, lens)
+    assert tier.wait_idle(30)
+    victim = tier.checkout("ns", keys.take(slice(0, 1)))[0]
+    assert victim is not None
+    tier.checkin(victim)
+    with open(disk_dir / DATA_FILE, "r+b") as f:  # a torn or stale slot, as after a power loss
+        f.seek(victim.offset + 100)
+        f.write(b"\xff" * 8)
+    assert _read(tier, "ns", keys) == [None, _bytes(2)]
+    assert tier.corrupt == 1 and tier.present("ns", keys).tolist() == [False, True]
+    tier.close()
+
+
+def test_a_full_queue_drops_demotions_and_never_waits(disk_dir: Path) -> None:
+    tier = DiskTier(disk_dir, 4 * EXTENT, queue_bytes=2 * BLOCK, writers=1, extent=EXTENT)
+    keys = KeyBatch.from_user(list(range(8)))
+    pool, offs, lens = _pool([_bytes(i) for i in range(8)])
+    queued = tier.demote("ns", keys, memoryview(pool), offs, lens)
+    assert queued < 8 and tier.dropped["queue"] == 8 - queued
+    assert tier.wait_idle(30)
+    tier.close()
+
+
+def test_a_full_tier_evicts_its_least_recent_blocks(disk_dir: Path) -> None:
+    tier = DiskTier(disk_dir, 2 * EXTENT, extent=EXTENT)  # room for 32 blocks of 64 KiB
+    for start in range(0, 48, 8):
+        keys = KeyBatch.from_user(list(range(start, start + 8)))
+        pool, offs, lens = _pool([_bytes(i) for i in range(start, start + 8)])
+        tier.demote("ns", keys, memoryview(pool), offs, lens)
+        assert tier.wait_idle(30)
+    present = tier.present("ns", KeyBatch.from_user(list(range(48))))
+    assert present.sum() == 32 and present[16:].all() and tier.evicted == 16
+    tier.close()
+
+
+def test_a_tenant_stays_within_its_quota_on_disk(disk_dir: Path) -> None:
+    tier = DiskTier(disk_dir, 4 * EXTENT, extent=EXTENT,
+                    quota=lambda name: 4 * BLOCK if name.startswith("a/") else None,
+                    tenant=lambda name: name.split("/")[0])
+    keys = KeyBatch.from_user(list(range(10)))
+    pool, offs, lens = _pool([_bytes(i) for i in range(10)])
+    tier.demote("a/x", keys, memoryview(pool), offs, lens)
+    tier.demote("b/x", keys, memoryview(pool), offs, lens)
+    assert tier.wait_idle(30)
+    assert tier.present("a/x", keys).sum() == 4 and tier.tenant_bytes("a") == 4 * BLOCK
+    assert tier.present("b/x", keys).all()
+    tier.close()
+
+
+def test_drop_removes_a_namespace_also_across_a_restart(disk_dir: Path) -> None:
+    tier = DiskTier(disk_dir, 4 * EXTENT, extent=EXTENT)
+    keys = KeyBatch.from_user([1, 2, 3])
+    pool, offs, lens = _pool([_bytes(i) for i in range(3)])
+    tier.demote("a", keys, memoryview(pool), offs, lens)
+    tier.demote("b", keys, memoryview(pool), offs, lens)
+    assert tier.wait_idle(30)
+    assert tier.drop("a") == 3 and not tier.present("a", keys).any()
+    tier.close()
+    tier = DiskTier(disk_dir, 4 * EXTENT, extent=EXTENT)
+    assert not tier.present("a", keys).any() and tier.present("b", keys).all()
+    tier.close()
+
+
+def test_an_io_error_fails_the_tier_and_it_serves_nothing(disk_dir: Path) -> None:
+    tier = DiskTier(disk_dir, 4 * EXTENT, extent=EXTENT)
+    keys = KeyBatch.from_user([1, 2])
+    pool, offs, lens = _pool([_bytes(1), _bytes(2)])
+    ro = os.open(disk_dir / DATA_FILE, os.O_RDONLY)
+    os.close(tier.data.fd)
+    tier.data.fd = ro  # writes now fail with EBADF, as a device gone read-only would
+    tier.demote("ns", keys.take(slice(0, 1)), memoryview(pool), offs[:1], lens[:1])
+    assert tier.wait_idle(30)
+    assert tier.failed and tier.check() == tier.failed
+    assert tier.demote("ns", keys, memoryview(pool), offs, lens) == 0
+    assert not tier.present("ns", keys).any() and tier.checkout("ns", keys) == [None, None]
+    tier.close()
+
+
+def test_direct_io_on_a_real_file_system_and_right_bytes_on_tmpfs(disk_dir: Path) -> None:
+    tier = DiskTier(disk_dir, 2 * EXTENT, extent=EXTENT)
+    assert tier.data.direct, tier.data.reason  # /var/tmp here is ext4
+    tier.close()
+    shm = Path(tempfile.mkdtemp(prefix="emsd-disk-test-", dir="/dev/shm"))
+    try:
+        tier = DiskTier(shm, 2 * EXTENT, extent=EXTENT)
+        # tmpfs takes O_DIRECT from Linux 6.6 on; before, the tier falls back to buffered I/O
+        assert tier.data.direct or "O_DIRECT" in tier.data.reason
+        keys = KeyBatch.from_user([7])
+        pool, offs, lens = _pool([_bytes(7)])
+        tier.demote("ns", keys, memoryview(pool), offs, lens)
+        assert tier.wait_idle(30) and _read(tier, "ns", keys) == [_bytes(7)]
+        tier.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_removed_data_file_is_noticed(disk_dir: Path) -> None:
+    tier = DiskTier(disk_dir, 2 * EXTENT, extent=EXTENT)
+    assert tier.check() == ""
+    (disk_dir / DATA_FILE).unlink()
+    assert "removed" in tier.check()
+    tier.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["lru", "page", "quota", "dropped", "corrupt", "moved"]),
+                          st.booleans())))
+def test_only_owned_blocks_evicted_for_room_are_demoted(cases: list[tuple[str, bool]]) -> None:
+    for reason, cached in cases:
+        assert worth_demoting(reason, cached) == (reason in ("lru", "page") and not cached)
