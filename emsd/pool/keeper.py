@@ -84,14 +84,8 @@ def spawn(path: Path, fd: int) -> None:
     """
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener = _listen(path)
     try:
-        umask = os.umask(0o177)
-        try:
-            listener.bind(str(path))
-        finally:
-            os.umask(umask)
-        listener.listen(16)
         # The child forks the keeper and exits at once: the keeper is nobody's child here (no
         # zombie when it exits, nothing to wait for), and it runs in a session of its own.
         subprocess.run(
@@ -102,6 +96,22 @@ def spawn(path: Path, fd: int) -> None:
         raise OSError(f"the keeper did not start: {exc}") from None
     finally:
         listener.close()
+
+
+def _listen(path: Path) -> socket.socket:
+    """A Unix socket listening at ``path``, mode 0600 from its creation (bound under umask 0177)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        umask = os.umask(0o177)
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(umask)
+        listener.listen(16)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
 
 
 def stop(path: Path) -> None:
@@ -199,13 +209,7 @@ def main(argv: list[str]) -> int:
         fd: int | None = int(argv[2])
     else:
         fd = _take_over(path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        umask = os.umask(0o177)
-        try:
-            listener.bind(str(path))
-        finally:
-            os.umask(umask)
-        listener.listen(16)
+        listener = _listen(path)
     serve(path, listener, fd)
     return 0
 
