@@ -95,6 +95,7 @@ class DaemonClient:
         self.pool: mmap.mmap | None = None
         self.pool_array: np.ndarray | None = None
         self.pool_addr = 0
+        self._populator: _Populator | None = None
         self.pool_size = 0
         self.info: dict[str, Any] = {}
         self.broken = True
@@ -134,7 +135,6 @@ class DaemonClient:
         try:
             size = int(answer["pool_size"])
             self.pool = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            _populate(self.pool)
         except (OSError, KeyError, ValueError) as exc:
             sock.close()
             raise EmsException(EmsErrorCode.EMS_IO_ERROR, f"cannot map the pool: {exc}") from None
@@ -143,6 +143,7 @@ class DaemonClient:
         self.pool_array = np.frombuffer(self.pool, dtype=np.uint8)
         self.pool_addr = int(self.pool_array.ctypes.data)
         self.pool_size = size
+        self._populator = _Populator(self.pool_addr, size)
         self.info = answer
         self.sock = sock
         self.broken = False
@@ -154,6 +155,9 @@ class DaemonClient:
     def close(self) -> None:
         """Close the socket and unmap the pool. Call only with no copy in progress."""
         self.close_socket()
+        if self._populator is not None:  # before the pool is unmapped under it
+            self._populator.stop()
+            self._populator = None
         if self.pool_addr:
             from ems.layout import unregister_pool_for_cuda
 
@@ -314,18 +318,42 @@ class DaemonClient:
                 pass
 
 
-def _populate(pool: mmap.mmap) -> None:
-    """Fill this process's page tables for the pool up front.
+class _Populator:
+    """Fills this process's page tables for the pool in the background, a chunk at a time.
 
-    The daemon has already allocated every page; without this each first
-    touch of a 4 KiB page here is a minor fault (about 30% of a 2 MiB block's
-    copy time). MADV_POPULATE_WRITE (Linux 5.14) maps them in one call;
-    older kernels just fault lazily.
+    Without it each first touch of a 4 KiB page here is a minor fault (about
+    30% of a 2 MiB block's copy time). ``MADV_POPULATE_WRITE`` (Linux 5.14;
+    older kernels just fault lazily) maps them; it runs on a thread of its own,
+    through ctypes (which lets go of the GIL), a chunk a call, so that the
+    first call does not wait for a large pool to be mapped, nor for pages
+    the daemon is still prefaulting (this allocates them as it goes).
+    ``stop`` ends it after the chunk in flight: call it before unmapping.
     """
-    try:
-        pool.madvise(_MADV_POPULATE_WRITE)
-    except (OSError, ValueError):
-        pass
+
+    CHUNK = 64 << 20
+
+    def __init__(self, address: int, size: int) -> None:
+        self._address, self._size = address, size
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ems-populate", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            import ctypes
+
+            madvise = ctypes.CDLL(None, use_errno=True).madvise
+            madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+        except (OSError, AttributeError):
+            return
+        for off in range(0, self._size, self.CHUNK):
+            if self._stop.is_set() or madvise(self._address + off, min(self.CHUNK, self._size - off),
+                                              _MADV_POPULATE_WRITE) != 0:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _recv_hello(sock: socket.socket) -> tuple[dict[str, Any], int | None]:

@@ -127,6 +127,7 @@ def show_status(st: dict[str, Any]) -> str:
         f"evictions   {', '.join(f'{k} {v}' for k, v in sorted(st['evictions'].items())) or 'none'}",
         f"restart     {st.get('restart', '?')} ({st.get('restored', 0)} blocks restored)",
         *_disk(st.get("disk")),
+        *_prefault(st.get("prefault")),
         f"membership  {st['membership']}{'  (draining)' if st.get('draining') else ''}"
         f"   transport {st.get('transport', '?')}",
         *_placement_differs(st),
@@ -137,6 +138,17 @@ def show_status(st: dict[str, Any]) -> str:
                for m in st.get("view", [])]),
     ]
     return "\n".join(lines)
+
+
+def _prefault(p: dict[str, Any] | None) -> list[str]:
+    """The background prefault's line (none when the pool was prefaulted before serving, or not)."""
+    if p is None:
+        return []
+    gib = 1 << 30
+    state = ("done" if p["done"] == p["total"] else f"stopped: {p['error']}") if p["finished"] else "running"
+    share = 100 * p["done"] / max(p["total"], 1)
+    return [f"prefault    {p['done'] / gib:.2f} of {p['total'] / gib:.2f} GiB ({share:.0f}%)"
+            f" in {p['seconds']:.1f} s, {state}"]
 
 
 def _disk(d: dict[str, Any] | None) -> list[str]:

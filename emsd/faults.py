@@ -11,7 +11,8 @@ Sites: ``peer.get`` and ``peer.put`` (this daemon asking a peer),
 ``peer.serve`` (this daemon answering a peer), ``pool.reserve`` (a save's
 reservation), ``zk.session`` (the ZooKeeper session, consulted about once a
 second by the membership worker while connected), ``disk.read`` (a block
-read from the disk tier, in its reader thread). Actions: ``error`` (the
+read from the disk tier, in its reader thread), ``pool.prefault`` (a chunk of
+the background prefault: ``delay`` only). Actions: ``error`` (the
 operation fails as if the peer or the pool had; at ``zk.session`` the
 session is expired by ZooKeeper itself), ``drop`` (the connection is cut; at
 ``zk.session`` the client reconnects with the same session), ``delay`` (it
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger("emsd.faults")
 
-SITES = ("peer.get", "peer.put", "peer.serve", "pool.reserve", "zk.session", "disk.read")
+SITES = ("peer.get", "peer.put", "peer.serve", "pool.reserve", "zk.session", "disk.read", "pool.prefault")
 ACTIONS = ("error", "drop", "delay")
 
 

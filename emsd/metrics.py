@@ -142,6 +142,11 @@ class Metrics:
                                    buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(DiskCollector(stats))
 
+    def watch_prefault(self, progress: Callable[[], tuple[int, int]]) -> None:
+        """Publish ``emsd_pool_prefault_bytes`` (done, total) of the background prefault, read
+        from ``progress()`` at each scrape."""
+        self.registry.register(PrefaultCollector(progress))
+
     def watch_peer_refusals(self, counts: Callable[[], dict[str, int]]) -> None:
         """Publish ``emsd_peer_connections_refused_total`` by reason, read from ``counts()`` at
         each scrape (``PeerServer.refusals``)."""
@@ -279,6 +284,25 @@ class ClusterCollector(Collector):
                                 "ZooKeeper membership state (1 = current)", labels=["state"])
         for name in self.STATES:
             fam.add_metric([name], 1.0 if name == state else 0.0)
+        yield fam
+
+
+class PrefaultCollector(Collector):
+    """The background prefault's progress, computed at scrape time."""
+
+    def __init__(self, progress: Callable[[], tuple[int, int]]) -> None:
+        self._progress = progress
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        done, total = self._progress()
+        fam = GaugeMetricFamily("emsd_pool_prefault_bytes",
+                                "Pool bytes faulted in by the background prefault, and in all",
+                                labels=["state"])
+        fam.add_metric(["done"], done)
+        fam.add_metric(["total"], total)
         yield fam
 
 

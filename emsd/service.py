@@ -52,7 +52,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +156,7 @@ class Service:
         self.started = time.time()
         self.cluster: Cluster | None = None  # set when the node runs in a cluster
         self.tiers: TierStack | None = None  # set when the disk tier is on ([disk])
+        self.prefault: Callable[[], dict[str, Any]] | None = None  # background prefault's progress
         self.info: dict[str, Any] = {}  # start-up facts STATS reports (restart outcome, metrics address)
         self.sessions = 0  # connections past HELLO
         self._pressure = Once(60.0)  # "evicting under pressure", at most once a minute
@@ -854,6 +855,7 @@ class Service:
             "members": [self.node_id] if self.cluster is None else [n.node_id for n in self.cluster.view],
             **self.info,
             **({"disk": self.tiers.summary()} if self.tiers is not None else {}),
+            **({"prefault": self.prefault()} if self.prefault is not None else {}),
             **self._cluster_stats(),
         }, []
 
