@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -147,6 +148,25 @@ class DaemonClient:
         self.info = answer
         self.sock = sock
         self.broken = False
+
+    def hung_up(self) -> bool:
+        """Whether emsd has closed this connection while it was idle (its lease ran out, or emsd
+        went away): ``poll`` says the peer hung up (``POLLRDHUP``, ``POLLHUP``), whatever
+        answers are still unread. One system call; marks the connection broken, so that the
+        SDK reconnects before the next call, not after it fails."""
+        sock = self.sock
+        if self.broken or sock is None:
+            return True
+        poller = select.poll()
+        poller.register(sock, select.POLLRDHUP)
+        try:
+            events = poller.poll(0)
+        except OSError:
+            return False
+        closed = any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in events)
+        if closed:
+            self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, "emsd closed the connection"))
+        return closed
 
     def close_socket(self) -> None:
         """Close the connection (pending calls fail) but keep the pool mapped."""

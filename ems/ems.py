@@ -143,7 +143,7 @@ class Ems:
         client = cls._client
         if client is None:
             raise EmsException(EmsErrorCode.EMS_IO_ERROR, "Ems.init() has not succeeded")
-        return client if not client.broken else cls._reconnect(client)
+        return client if not client.hung_up() else cls._reconnect(client)
 
     @classmethod
     def _reconnect(cls, broken: DaemonClient, timeout: float = RECONNECT_TIMEOUT) -> DaemonClient:

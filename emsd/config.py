@@ -42,6 +42,7 @@ class NodeConfig:
     socket_mode: int = 0o660  # who may connect (and so map the pool): owner and group
     allowed_uids: tuple[int, ...] = ()  # with allowed_gids: peers (SO_PEERCRED) let in; () both: anyone
     allowed_gids: tuple[int, ...] = ()
+    client_lease: float = 30.0  # seconds a connection may stay silent (no request in flight); 0: forever
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ def _only(table: dict[str, Any], prefix: str, allowed: set[str]) -> None:
 
 
 def _node(t: dict[str, Any]) -> NodeConfig:
-    _only(t, "node", {"id", "socket_dir", "socket_mode", "allowed_uids", "allowed_gids"})
+    _only(t, "node", {"id", "socket_dir", "socket_mode", "allowed_uids", "allowed_gids", "client_lease"})
     d = NodeConfig()
     node_id = t.get("id", d.id)
     if not isinstance(node_id, str) or not _NODE_ID.match(node_id):
@@ -268,9 +269,14 @@ def _node(t: dict[str, Any]) -> NodeConfig:
     mode = t.get("socket_mode", f"{d.socket_mode:04o}")
     if not isinstance(mode, str) or not re.fullmatch(r"0?[0-7]{3}", mode):
         raise ConfigError("node.socket_mode", f'must be an octal mode string like "0660" (got {mode!r})')
+    lease = t.get("client_lease", d.client_lease)
+    if isinstance(lease, bool) or not isinstance(lease, int | float) or not (
+            lease == 0 or 1 <= lease <= 86400):
+        raise ConfigError("node.client_lease", f"must be seconds in 1..86400, or 0 for none (got {lease!r})")
     return NodeConfig(id=node_id, socket_dir=Path(sock_dir), socket_mode=int(mode, 8),
                       allowed_uids=_ids("node.allowed_uids", t.get("allowed_uids", [])),
-                      allowed_gids=_ids("node.allowed_gids", t.get("allowed_gids", [])))
+                      allowed_gids=_ids("node.allowed_gids", t.get("allowed_gids", [])),
+                      client_lease=float(lease))
 
 
 def _pool(t: dict[str, Any]) -> PoolConfig:

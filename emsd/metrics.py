@@ -55,6 +55,9 @@ class Metrics:
                                    "Keys a reserve could not place (pool full of pinned blocks)",
                                    registry=r)
         self.clients = Gauge("emsd_clients_connected", "SDK connections open", registry=r)
+        self.clients_expired = Counter("emsd_clients_expired",
+                                       "SDK connections closed for silence past node.client_lease "
+                                       "(their pins, reservations and grants released)", registry=r)
         self.http_refused = Counter("emsd_http_connections_refused",
                                     "HTTP connections closed unanswered: too many open, in all or from "
                                     "one address", registry=r)

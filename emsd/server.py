@@ -76,6 +76,8 @@ class Daemon:
             service=lambda: self.service,
             allowed=(config.node.allowed_uids, config.node.allowed_gids),
             on_count=self.metrics.clients.set,
+            lease=config.node.client_lease,
+            on_expired=self.metrics.clients_expired.inc,
         )
         self.http = HttpEndpoint(self.metrics, readiness=self.readiness)
         self.cluster: Cluster | None = None

@@ -50,6 +50,7 @@ import asyncio
 import heapq
 import logging
 import os
+import select
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -152,6 +153,9 @@ class Service:
         self._ns_open: Counter[int] = Counter()  # namespace id -> sessions that opened it
         self._free_ids: list[int] = []  # freed namespace ids, a heap: the lowest is reused first
         self._may_free: set[str] = set()  # tenants with a session closed since _free_unused looked
+        # (pidfd, what it held) of connections closed for silence whose process lives on: their
+        # reservations and grants stay out of use until it exits (close, release_quarantined)
+        self._quarantined: list[tuple[int, Session]] = []
         self._unkept = Once(60.0)  # "namespace will not survive a restart", at most once a minute
         self.started = time.time()
         self.cluster: Cluster | None = None  # set when the node runs in a cluster
@@ -207,8 +211,18 @@ class Service:
         resp["id"] = header.get("id", 0)
         return resp, parts
 
-    def close(self, session: Session) -> None:
-        """Release everything a closed connection held."""
+    def close(self, session: Session, expired: bool = False) -> None:
+        """Release everything a closed connection held.
+
+        ``expired``: the connection was closed for silence (``node.client_lease``) while its
+        process may live on, stopped or hung. Its pins go now (a read it resumes fails at its
+        RELEASE, so it never uses what it copied), but the chunks it may still write into (its
+        reservations and granted chunks) stay out of use until that process has exited
+        (``release_quarantined``): a client that resumes must not write into a chunk that holds
+        another block by then.
+        """
+        if expired and (session.pending or session.granted):
+            self._quarantine(session)
         if session.authenticated:
             session.authenticated = False
             self.sessions -= 1
@@ -233,6 +247,32 @@ class Service:
             self._ns_open.subtract(session.namespaces)
             self._may_free.add(session.tenant)
             session.namespaces.clear()
+
+    def _quarantine(self, session: Session) -> None:
+        """Move ``session``'s reservations and grants aside until its process exits."""
+        try:
+            pidfd = os.pidfd_open(session.peer_pid)
+        except (OSError, ValueError):  # gone already (or no pid): nothing can write any more
+            return
+        kept = Session(peer_pid=session.peer_pid, tenant=session.tenant, pending=session.pending,
+                       granted=session.granted, granted_bytes=session.granted_bytes,
+                       pending_bytes=session.pending_bytes)
+        session.pending, session.granted = set(), {}
+        session.granted_bytes = session.pending_bytes = 0
+        self._quarantined.append((pidfd, kept))
+
+    def release_quarantined(self) -> int:
+        """Release what expired connections of processes that have exited since kept out of
+        use; returns how many connections' worth. Call now and then (the lease sweep does)."""
+        done = 0
+        for pidfd, kept in list(self._quarantined):
+            exited, _, _ = select.select([pidfd], [], [], 0)
+            if exited:
+                self._quarantined.remove((pidfd, kept))
+                os.close(pidfd)
+                self.close(kept)
+                done += 1
+        return done
 
     # -- cluster hooks (async work around a synchronous handler) ----------------
 

@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -72,9 +73,22 @@ class ControlProtocol(asyncio.Protocol):
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._stall: asyncio.TimerHandle | None = None
+        self.heard = time.monotonic()  # when the client last sent anything
+        self._expired = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
+
+    def silent(self, now: float) -> float:
+        """Seconds the client has been silent with no request of its in flight (0 while one is)."""
+        return 0.0 if self._tasks else now - self.heard
+
+    def expire(self) -> None:
+        """Hang up: the connection outlived its lease (``connection_lost`` releases its holds,
+        as ``Service.close(expired=True)`` says)."""
+        self._expired = True
+        if self.transport is not None and not self._closed:
+            self.transport.abort()
 
     def pause_writing(self) -> None:
         """The answers queued past the high-water mark: read no more requests until they drain,
@@ -99,6 +113,7 @@ class ControlProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
+        self.heard = time.monotonic()
         try:
             frames = self.decoder.feed(data)
         except FrameError as exc:
@@ -163,7 +178,7 @@ class ControlProtocol(asyncio.Protocol):
         self._closed = True
         if self._stall is not None:
             self._stall.cancel()
-        self.service.close(self.session)
+        self.service.close(self.session, expired=self._expired)
         self._on_close(self)
 
     def close(self) -> list[asyncio.Task[None]]:
@@ -180,7 +195,11 @@ class UnixControlServer:
 
     def __init__(self, path: Path, mode: int, pool_fd: Callable[[], int | None],
                  service: Callable[[], Service | None], on_count: Callable[[int], None],
-                 allowed: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> None:
+                 allowed: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), lease: float = 0.0,
+                 on_expired: Callable[[], None] = lambda: None) -> None:
+        """``lease``: seconds a connection may stay silent with no request in flight before it
+        is closed, releasing its pins, reservations and grants (``node.client_lease``; 0: never);
+        ``on_expired`` is called for each one."""
         self.path = path
         self.mode = mode
         self.allowed_uids, self.allowed_gids = allowed  # both empty: whoever can open the socket
@@ -190,6 +209,11 @@ class UnixControlServer:
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._accept_log = Once(60.0)
+        self.lease = lease
+        self._on_expired = on_expired
+        self._lease_task: asyncio.Task[None] | None = None
+        self._expired_log = Once(60.0)
+        self.expired = 0
         self._conns: set[ControlProtocol] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bind() made
@@ -226,6 +250,26 @@ class UnixControlServer:
 
     def start(self) -> None:
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        if self.lease > 0:
+            self._lease_task = asyncio.get_running_loop().create_task(self._lease_loop())
+
+    async def _lease_loop(self) -> None:
+        """Close connections silent past the lease, checking a few times a lease (at most every s)."""
+        while True:
+            await asyncio.sleep(min(self.lease / 4, 1.0))
+            service = self._service()
+            if service is not None:
+                service.release_quarantined()
+            now = time.monotonic()
+            for conn in [c for c in self._conns if c.silent(now) > self.lease]:
+                self.expired += 1
+                self._on_expired()
+                if self._expired_log.due():
+                    log.warning("closing client pid %s: silent for %.0f s, past node.client_lease (its pins "
+                                "are released; its reservations and grants once that process has exited; "
+                                "%d so closed; said once a minute at most)", conn.session.peer_pid,
+                                conn.silent(now), self.expired)
+                conn.expire()
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -314,6 +358,8 @@ class UnixControlServer:
         (a daemon refused because another serves there leaves that one's file alone)."""
         if self._accept_task is not None:
             self._accept_task.cancel()
+        if self._lease_task is not None:
+            self._lease_task.cancel()
         for task in list(self._handshakes):
             task.cancel()
         if self._listener is not None:
