@@ -34,11 +34,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import daemon_ready  # benchmarks/, on the path when run from there or imported by its siblings
 import numpy as np
 import psutil
 import torch
@@ -71,18 +71,8 @@ def start_daemon(work: Path, name: str, zk_hosts: str, secret: Path,
         f'[cluster]\nname = "bench"\nzookeeper = "{zk_hosts}"\npeer_listen = "127.0.0.1:{peer}"\n'
         f'secret_file = "{secret}"\nsession_timeout = 4\n{cluster}')
     proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(cfg)], cwd=ROOT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"emsd {name} exited with status {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
-                if r.status == 200:
-                    return proc, sock
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"emsd {name} did not become ready")
+    daemon_ready.wait(port, proc, f"emsd {name}")
+    return proc, sock
 
 
 def sdk(sock: Path) -> Any:

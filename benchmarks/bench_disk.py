@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import daemon_ready
+
 ROOT = Path(__file__).resolve().parents[1]
 SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None
 BATCH = 16  # blocks a load or save call
@@ -77,18 +79,8 @@ class Daemon:
         self.proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(self.dir / "emsd.toml")],
                                      cwd=ROOT, stdout=log, stderr=log)
         log.close()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log = (self.dir / "emsd.log").read_text()
-                raise RuntimeError(f"emsd exited {self.proc.returncode}: {log}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("emsd not ready after 120 s")
+        daemon_ready.wait(self.port, self.proc, f"emsd {self.dir.name}")
+        return self
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:

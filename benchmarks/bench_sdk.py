@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import daemon_ready  # benchmarks/, on the path when run from there or imported by its siblings
 import numpy as np
 import psutil
 import torch
@@ -52,18 +53,8 @@ def start_daemon(workdir: Path, pool: str, page: str) -> tuple[subprocess.Popen[
                    f'[pool]\nsize = "{pool}"\nhugepages = "auto"\npage_size = "{page}"\n'
                    f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n')
     proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(cfg)], cwd=ROOT)
-    import urllib.request
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
-                if r.status == 200:
-                    return proc, sock_dir
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("emsd did not become ready")
+    daemon_ready.wait(port, proc, "emsd")
+    return proc, sock_dir
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
