@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from test_warm_restart import stats  # a fresh connection's STATS
 
 from ems import CcConfig, Ems, EmsConfig
-from ems.client import DaemonClient
-from emsd.transport.frames import Op
 
 pytestmark = pytest.mark.usefixtures("reset_sdk")
 LEASE = 2
@@ -37,15 +36,6 @@ assert cc.load(list(range(64)), hashes=list(range(16)), offsets=[4] * 16).succes
 print("holding", flush=True)
 time.sleep(600)
 """
-
-
-def stats(d: Any) -> dict[str, Any]:
-    client = DaemonClient(d.socket_dir / "emsd.sock")
-    client.connect({})
-    try:
-        return client.call(Op.STATS, {}, timeout=5)[0]
-    finally:
-        client.close()
 
 
 def test_a_client_stopped_with_sigstop_loses_its_pins_and_grants_at_its_lease(emsd_factory: Any) -> None:
