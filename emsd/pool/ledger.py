@@ -42,14 +42,15 @@ from pathlib import Path
 import numpy as np
 
 from emsd.files import open_own
+from emsd.pool import nametable
 
 MAGIC = b"EMSDLEDG"
 FORMAT = 2  # 2: rows carry a checksum
 HEADER = 4096
 _HEAD = struct.Struct("<8sIIQQQQQQ")  # magic, format, unused, pool size, page, align, dev, ino, capacity
-NS_SLOTS = 4096
-NS_SLOT = 256
-_NAMES = NS_SLOTS * NS_SLOT
+NS_SLOTS = nametable.SLOTS
+NS_SLOT = nametable.SLOT
+_NAMES = nametable.SIZE
 RECORDS = HEADER + _NAMES
 ROW = np.dtype([("w0", "<u8"), ("rest", "<u4", (7,)), ("offset", "<u4"), ("length", "<u4"),
                 ("cached", "u1"), ("state", "u1"), ("pad", "u1", (2,)), ("sum", "<u8")])
@@ -114,26 +115,13 @@ class Ledger:
 
     def names(self) -> dict[int, str]:
         """Namespace id -> name, for the ids that have one."""
-        out: dict[int, str] = {}
-        for ns in range(NS_SLOTS):
-            at = HEADER + ns * NS_SLOT
-            (n,) = struct.unpack_from("<H", self.mm, at)
-            if 0 < n <= NS_SLOT - 2:
-                try:
-                    out[ns] = bytes(self.mm[at + 2 : at + 2 + n]).decode()
-                except UnicodeDecodeError:
-                    continue
-        return out
+        return nametable.read_names(self.mm, HEADER)
 
     def add_namespace(self, ns: int, name: str) -> bool:
-        """Remember ``name`` for id ``ns``; False when it cannot be kept (id or name too large)."""
+        """Remember ``name`` for id ``ns``; False when it cannot be kept (id or name too large).
+        A write torn by a crash reads as no name (``emsd.pool.nametable``)."""
         raw = name.encode()
-        if not 0 <= ns < NS_SLOTS or not 0 < len(raw) <= NS_SLOT - 2:
-            return False
-        at = HEADER + ns * NS_SLOT
-        self.mm[at + 2 : at + 2 + len(raw)] = raw
-        struct.pack_into("<H", self.mm, at, len(raw))  # the length last: a torn write reads as absent
-        return True
+        return bool(raw) and nametable.write_name(self.mm, HEADER, ns, raw)
 
     # -- records ------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ daemon started after a crash or a reboot serves the blocks on disk again:
 =========  =============================================================
 header     4 KiB: magic, format, the data file's size and extent size,
            the row capacity
-names      ``NS_SLOTS`` slots of ``NS_SLOT`` bytes: the tier's namespace
-           id -> name (u16 length + UTF-8). The pool's namespace ids do not
+names      ``emsd.pool.nametable``: 4,096 slots of 256 bytes, the tier's
+           namespace id -> name (u16 length + UTF-8). The pool's namespace ids do not
            survive a reboot (its ledger is in shared memory), so the tier
            keeps names of its own.
 rows       one 64-byte row per row id: the key (four u64 words and the
@@ -41,14 +41,14 @@ from pathlib import Path
 import numpy as np
 
 from emsd.files import open_own
+from emsd.pool import nametable
 
 MAGIC = b"EMSDDISK"
 FORMAT = 1
 HEADER = 4096
 _HEAD = struct.Struct("<8sIIQQQ")  # magic, format, unused, data size, extent, capacity
-NS_SLOTS = 4096
-NS_SLOT = 256
-RECORDS = HEADER + NS_SLOTS * NS_SLOT
+NS_SLOTS = nametable.SLOTS
+RECORDS = HEADER + nametable.SIZE
 ROW = np.dtype([("words", "<u8", (4,)), ("tag", "u1"), ("state", "u1"), ("ns", "<u2"),
                 ("length", "<u4"), ("offset", "<u8"), ("sum", "<u8"), ("pad", "u1", (8,))])
 COMMITTED = 1
@@ -113,26 +113,12 @@ class DiskLedger:
 
     def names(self) -> dict[int, str]:
         """The tier's namespace id -> name, for the ids that have one."""
-        out: dict[int, str] = {}
-        for ns in range(NS_SLOTS):
-            at = HEADER + ns * NS_SLOT
-            (n,) = struct.unpack_from("<H", self.mm, at)
-            if 0 < n <= NS_SLOT - 2:
-                try:
-                    out[ns] = bytes(self.mm[at + 2 : at + 2 + n]).decode()
-                except UnicodeDecodeError:
-                    continue
-        return out
+        return nametable.read_names(self.mm, HEADER)
 
     def set_name(self, ns: int, name: str) -> bool:
         """Name the tier's namespace id ``ns`` (empty: unused); False if it cannot be kept."""
-        raw = name.encode()
-        if not 0 <= ns < NS_SLOTS or len(raw) > NS_SLOT - 2:
+        if not nametable.write_name(self.mm, HEADER, ns, name.encode()):
             return False
-        at = HEADER + ns * NS_SLOT
-        struct.pack_into("<H", self.mm, at, 0)  # absent while the bytes change
-        self.mm[at + 2 : at + 2 + len(raw)] = raw
-        struct.pack_into("<H", self.mm, at, len(raw))
         self.dirty = True
         return True
 
