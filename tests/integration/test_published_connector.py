@@ -217,10 +217,9 @@ def test_daemon_killed_then_back_load_errors_then_health_loop_recovers(
     save_load_round_trip(adapter, caches, tag=3)
 
 
-def test_init_while_emsd_recovers_reinits_and_registers_from_the_health_loop(
-        emsd_factory: Any, adapters: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A clustered emsd whose ZooKeeper is not there waits 5 s for it before serving: the
-    # socket is up meanwhile and every HELLO is answered "recovering".
+def recovering_daemon(emsd_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A clustered emsd whose ZooKeeper is not there: it waits 5 s for it before serving, its
+    socket up meanwhile, every HELLO answered "recovering". The SDK is pointed at it, reset."""
     secret = tmp_path / "secret"
     secret.write_text("a-cluster-secret-of-some-length\n")
     os.chmod(secret, 0o600)
@@ -230,6 +229,12 @@ def test_init_while_emsd_recovers_reinits_and_registers_from_the_health_loop(
     d.start(wait=False)
     monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
     Ems._reset()
+    return d
+
+
+def test_init_while_emsd_recovers_reinits_and_registers_from_the_health_loop(
+        emsd_factory: Any, adapters: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = recovering_daemon(emsd_factory, tmp_path, monkeypatch)
     wait_until(lambda: (d.socket_dir / "emsd.sock").exists())
 
     adapter = make_adapter(adapters)
@@ -249,15 +254,7 @@ def test_recovering_daemon_raises_the_published_error_code(emsd_factory: Any, tm
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from ems import CcConfig_v1, EmsConfig, EmsException
 
-    secret = tmp_path / "secret"
-    secret.write_text("a-cluster-secret-of-some-length\n")
-    os.chmod(secret, 0o600)
-    d = emsd_factory(start=False, cluster={
-        "name": "t", "zookeeper": f"127.0.0.1:{free_port()}", "peer_listen": f"127.0.0.1:{free_port()}",
-        "secret_file": str(secret), "session_timeout": 4})
-    d.start(wait=False)
-    monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
-    Ems._reset()
+    d = recovering_daemon(emsd_factory, tmp_path, monkeypatch)
     try:
         wait_until(lambda: (d.socket_dir / "emsd.sock").exists())
         with pytest.raises(EmsException) as info:
