@@ -58,22 +58,27 @@ def test_the_control_socket_is_never_wider_than_its_mode(tmp_path: Path,
         asyncio.run(server.close())
 
 
+def hello(d: Any) -> tuple[socket.socket, dict[str, Any], list[int]]:
+    """A raw control connection that has sent HELLO: the socket, the answer's header and the
+    descriptors that came with it (the caller closes them)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(d.socket_dir / "emsd.sock"))
+    head = msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": int(Op.HELLO)})
+    sock.sendall(struct.pack("<II", len(head), 0) + head)
+    data, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+    return sock, msgpack.unpackb(data[8:]), list(fds)
+
+
 def test_a_peer_outside_the_allowed_uids_never_receives_the_pool_descriptor(emsd_factory: Any) -> None:
     """The SO_PEERCRED check runs before HELLO is answered: the refusal carries no descriptor."""
     d = emsd_factory(node={"allowed_uids": [os.getuid() + 4242], "allowed_gids": [os.getgid() + 4242]})
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    try:
-        sock.connect(str(next(Path(d.socket_dir).glob("*.sock"))))
-        head = msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": int(Op.HELLO)})
-        sock.sendall(struct.pack("<II", len(head), 0) + head)
-        data, fds, _, _ = socket.recv_fds(sock, 65536, 4)
-        for fd in fds:
-            os.close(fd)
-    finally:
-        sock.close()
+    sock, answer, fds = hello(d)
+    sock.close()
+    for fd in fds:
+        os.close(fd)
     assert fds == []
-    assert msgpack.unpackb(data[8:])["st"] == int(Status.INVALID_ARGUMENT)
+    assert answer["st"] == int(Status.INVALID_ARGUMENT)
     assert d.alive()
 
 
@@ -83,11 +88,8 @@ def test_a_client_that_never_reads_its_answers_is_cut_off_with_memory_bounded(em
 
     d = emsd_factory()
     before = private_rss(d.proc.pid)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(str(next(Path(d.socket_dir).glob("*.sock"))))
-    head = msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": int(Op.HELLO)})
-    sock.sendall(struct.pack("<II", len(head), 0) + head)
-    _, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+    sock, _, fds = hello(d)
+    sock.settimeout(None)
     for fd in fds:
         os.close(fd)
     stats = msgpack.packb({"v": PROTOCOL_VERSION, "id": 2, "op": int(Op.STATS)})
@@ -159,13 +161,8 @@ def test_a_directory_others_can_write_or_another_user_owns_is_refused(emsd_facto
 
 def pool_descriptor(d: Any) -> tuple[socket.socket, int]:
     """A control connection past HELLO and the pool descriptor it was handed, as any client gets."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect(str(d.socket_dir / "emsd.sock"))
-    head = msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": int(Op.HELLO)})
-    sock.sendall(struct.pack("<II", len(head), 0) + head)
-    data, fds, _, _ = socket.recv_fds(sock, 65536, 4)
-    assert msgpack.unpackb(data[8:])["st"] == 0 and len(fds) == 1
+    sock, answer, fds = hello(d)
+    assert answer["st"] == 0 and len(fds) == 1
     return sock, fds[0]
 
 
