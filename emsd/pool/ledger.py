@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from emsd.files import open_own
-from emsd.pool import nametable
+from emsd.pool import nametable, rowfile
 
 MAGIC = b"EMSDLEDG"
 FORMAT = 2  # 2: rows carry a checksum
@@ -164,14 +164,11 @@ class Ledger:
             return
         new = max(capacity, 2 * self.rows.size)
         self.rows = np.zeros(0, dtype=ROW)  # no view may be alive across the resize
-        os.ftruncate(self.fd, RECORDS + new * ROW.itemsize)
-        self.mm.resize(RECORDS + new * ROW.itemsize)
-        struct.pack_into("<Q", self.mm, _HEAD.size - 8, new)
+        rowfile.grow(self.fd, self.mm, ROW, RECORDS, _HEAD.size - 8, new)
         self.rows = self._view()
 
     def _view(self) -> np.ndarray:
-        (capacity,) = struct.unpack_from("<Q", self.mm, _HEAD.size - 8)
-        return np.frombuffer(self.mm, dtype=ROW, count=capacity, offset=RECORDS)
+        return rowfile.view(self.mm, ROW, RECORDS, _HEAD.size - 8)
 
 
 def _check(fd: int, size: int, geometry: Geometry) -> str:
