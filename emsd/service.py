@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 from emsd.pool.checksum import Checksums
 from emsd.pool.index import FIRST_ID, READY
 from emsd.pool.keys import KT_INT, KT_TAGGED, TAGGED_ITEMSIZE, KeyBatch, KeyError_
-from emsd.pool.store import BlockStore, Pinned, Reservation
+from emsd.pool.store import BlockStore, Pinned
 from emsd.pool.store import Status as SlotStatus
 from emsd.tenants import DEFAULT as DEFAULT_TENANT
 from emsd.tenants import PREFIX as TENANT_PREFIX
@@ -634,7 +634,7 @@ class Service:
         res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
                                  admit=True, prev=_prev_key(h))
         if fit < n:  # over the tenant's quota even after evicting its own blocks: the rest fail
-            res = _pad_failed(res, n)
+            res = res.padded(n)
         if self.store.evicted_total > evicted and self._pressure.due():
             st = self.store.stats()
             log.info("evicting under pressure: %s blocks evicted since start (%d MiB used of %d)",
@@ -708,7 +708,7 @@ class Service:
         res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
                                  admit=True, prev=_prev_key(h), at=at[:fit])
         if fit < n:
-            res = _pad_failed(res, n)
+            res = res.padded(n)
         new = np.flatnonzero(res.status == SlotStatus.NEW)
         handles = res.handles[new]
         s.forget_grants(at[new].tolist())
@@ -719,6 +719,14 @@ class Service:
         self.metrics.reserved(int(new.size), int(sizes[new].sum()),
                               int((res.status == SlotStatus.FAILED).sum()), "put")
         return {"n": n}, [np.asarray(res.status, dtype=np.uint8).tobytes()]
+
+    def fit_quota(self, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
+        """How many leading blocks of ``keys`` (``sizes`` bytes) this node may store for
+        namespace ``ns``'s tenant, after evicting that tenant's own LRU blocks: the
+        quota check of every path that stores bytes without a client session here
+        (a forwarded save or a replica from a peer, a read-cache copy of a remote
+        fetch, a promotion from the disk tier; see ``PoolAccess.reserve``)."""
+        return self._fit_quota(Tenants.tenant_of(self.namespace_name(ns)), ns, keys, sizes)
 
     def _fit_quota(self, tenant: str, ns: int, keys: KeyBatch, sizes: np.ndarray, counted: int = 0) -> int:
         """How many leading keys of a save fit the tenant's quota (all without one), after
@@ -1078,13 +1086,3 @@ def _prev_key(h: dict[str, Any]) -> KeyBatch | None:
         return KeyBatch.from_wire(KT_INT if len(pk) == 8 else KT_TAGGED, pk, 1)
     except KeyError_ as exc:
         raise RequestError(Status.INVALID_ARGUMENT, f"pk: {exc}") from None
-
-
-def _pad_failed(res: Reservation, n: int) -> Reservation:
-    """``res`` for the first keys of a batch of ``n``, the others FAILED."""
-    k = res.status.size
-    status = np.full(n, int(SlotStatus.FAILED), dtype=np.uint8)
-    handles = np.zeros(n, dtype=np.uint32)
-    offsets = np.zeros(n, dtype=np.uint64)
-    status[:k], handles[:k], offsets[:k] = res.status, res.handles, res.offsets
-    return Reservation(status, handles, offsets)

@@ -126,6 +126,17 @@ class Reservation:
     handles: np.ndarray  # (n,) uint32 entry id, meaningful where status == NEW
     offsets: np.ndarray  # (n,) uint64 byte offset in the region, meaningful where NEW
 
+    def padded(self, n: int) -> Reservation:
+        """This reservation of the first keys of a batch of ``n``, the others FAILED."""
+        k = self.status.size
+        if k == n:
+            return self
+        status = np.full(n, int(Status.FAILED), dtype=np.uint8)
+        handles = np.zeros(n, dtype=np.uint32)
+        offsets = np.zeros(n, dtype=np.uint64)
+        status[:k], handles[:k], offsets[:k] = self.status, self.handles, self.offsets
+        return Reservation(status, handles, offsets)
+
 
 @dataclass
 class Pinned:

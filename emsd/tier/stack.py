@@ -50,8 +50,10 @@ class TierStack:
     to the names the tier keys by (names survive a reboot, ids do not)."""
 
     def __init__(self, store: BlockStore, disk: DiskTier, pool: memoryview,
-                 ns_name: Callable[[int], str], checksums: Checksums | None = None) -> None:
+                 ns_name: Callable[[int], str], checksums: Checksums | None = None,
+                 quota: Callable[[int, KeyBatch, np.ndarray], int] | None = None) -> None:
         self.store = store
+        self.quota = quota  # Service.fit_quota: promoted blocks count against their tenant's quota
         self.disk = disk
         self.pool = pool
         self.ns_name = ns_name
@@ -153,7 +155,8 @@ class TierStack:
         head = self.store.pin(ns, keys.take(slice(0, count))) if count else None
         try:
             sizes = np.array([e.length for e in held], dtype=np.uint64)
-            return self.store.reserve(ns, wanted, sizes)
+            fit = len(wanted) if self.quota is None else self.quota(ns, wanted, sizes)
+            return self.store.reserve(ns, wanted.take(slice(0, fit)), sizes[:fit]).padded(len(wanted))
         finally:
             if head is not None:
                 self.store.release(head.handles)

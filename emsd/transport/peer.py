@@ -76,7 +76,7 @@ from emsd.faults import FAULTS
 from emsd.logs import Once
 from emsd.pool.checksum import Checksums
 from emsd.pool.keys import KeyBatch, KeyError_
-from emsd.pool.store import BlockStore, Pinned
+from emsd.pool.store import BlockStore, Pinned, Reservation
 from emsd.pool.store import Status as SlotStatus
 from emsd.transport.frames import (
     MAX_BATCH_KEYS,
@@ -175,6 +175,19 @@ class PoolAccess:
     checksums: Checksums | None = None  # pool.checksum: seal what arrives, check what leaves
     drop_namespace: Callable[[str], int] | None = None  # name -> blocks evicted (None: refused)
     tiers: TierStack | None = None  # the disk tier ([disk]): GET promotes, HAS counts what is on disk
+    quota: Callable[[int, KeyBatch, np.ndarray], int] | None = None  # Service.fit_quota (None: no quotas)
+
+    def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray) -> Reservation:
+        """``store.reserve`` for blocks that arrive from a peer (its forwarded save or
+        replica, or a copy this node fetched): within the tenant quota of ``ns``
+        (``quota``: the leading keys that fit, after evicting that tenant's own
+        blocks), the keys past it FAILED. Every path that stores a tenant's bytes
+        on this node goes through a quota check: a client's save in ``Service``,
+        the rest here."""
+        fit = len(keys) if self.quota is None else self.quota(ns, keys, sizes)
+        if fit == len(keys):
+            return self.store.reserve(ns, keys, sizes)
+        return self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit]).padded(len(keys))
 
     def pin(self, ns: int, keys: KeyBatch) -> Pinned:
         """``store.pin``, cut before the first block whose checksum fails."""
@@ -454,7 +467,7 @@ async def _receive_blocks(sock: socket.socket, access: PoolAccess,
     step. A failure mid-stream aborts what was reserved.
     """
     store = access.store
-    res = store.reserve(ns, keys, lengths)
+    res = access.reserve(ns, keys, lengths)
     new = np.flatnonzero(res.status == SlotStatus.NEW)
     views: list[memoryview] = []
     for i, size in enumerate(lengths.tolist()):

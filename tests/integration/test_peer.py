@@ -10,8 +10,11 @@ import msgpack
 import numpy as np
 import pytest
 
+from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
+from emsd.service import Service
+from emsd.tenants import Tenant, Tenants
 from emsd.transport.peer import PeerConnection, PeerError, PeerServer, PoolAccess
 
 POOL = 16 << 20
@@ -22,14 +25,18 @@ SECRET = b"cluster-secret-for-tests"
 class Node:
     """A pool, its store and namespace table: what a daemon gives the transport."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, tenants: Tenants | None = None) -> None:
         self.name = name
         self.mem = bytearray(POOL)
         self.store = BlockStore(POOL, PAGE)
         self.names: dict[str, int] = {}
-        self.access = PoolAccess(self.store, memoryview(self.mem), self.ns)
+        self.service = None if tenants is None else Service(self.store, name, "test", Metrics(), tenants)
+        quota = None if self.service is None else self.service.fit_quota
+        self.access = PoolAccess(self.store, memoryview(self.mem), self.ns, quota=quota)
 
     def ns(self, name: str) -> int:
+        if self.service is not None:  # the daemon's own namespace table, which knows tenants
+            return self.service.namespace_id(name)
         return self.names.setdefault(name, len(self.names))
 
     def put_local(self, ns: str, keys: list[int], blocks: list[bytes]) -> None:
@@ -115,6 +122,41 @@ async def test_put_stores_blocks_on_the_peer() -> None:
     finally:
         conn.close()
         await server.close()
+
+
+async def test_blocks_from_a_peer_count_against_their_tenants_quota_both_ways() -> None:
+    """A fetched copy (GET) and a forwarded save (PUT served) store a tenant's bytes on this
+    node: both fit the tenant's quota here, evicting only that tenant's own blocks."""
+    a = Node("a", Tenants([Tenant("team-b", "k" * 32, quota=1 << 20)]))
+    b = Node("b")
+    mine, theirs = "tenant:team-b/m", "tenant:team-a/m"
+    other = blocks(1, 512 << 10, seed=5)
+    a.put_local(theirs, [1], other)  # another tenant's block, on the node with the quota
+    data = blocks(8, 512 << 10, seed=6)
+    b.put_local(mine, list(range(10, 18)), data)
+    server_b, port_b = await serve(b)
+    server_a, port_a = await serve(a)
+    get, put = await link(a, port_b), await link(b, port_a)
+    try:
+        assert await get.get(mine, KeyBatch.from_user(list(range(10, 14)))) == 2  # 1 MiB: two fit
+        assert a.read(mine, [10, 11]) == data[:2]
+        pinned = b.store.pin(b.ns(mine), KeyBatch.from_user(list(range(14, 18))))
+        try:
+            stored = await put.put(mine, KeyBatch.from_user(list(range(14, 18))), pinned.offsets,
+                                   pinned.lengths)
+        finally:
+            b.store.release(pinned.handles)
+        assert stored == 2  # the two fetched copies made room: team-b's own, oldest first
+        assert a.read(mine, [14, 15]) == data[4:6]
+        assert a.store.exists(a.ns(mine), KeyBatch.from_user([10])) == 0
+        assert a.store.ns_bytes(a.ns(mine)) <= 1 << 20
+        assert a.read(theirs, [1]) == other  # never touched by team-b's quota
+        assert a.store.stats().pending == 0
+    finally:
+        get.close()
+        put.close()
+        await server_a.close()
+        await server_b.close()
 
 
 async def test_a_wrong_secret_is_refused_both_ways() -> None:
