@@ -115,6 +115,7 @@ class Session:
     granted_bytes: int = 0
     pending_bytes: int = 0  # block lengths of ``pending``
     put: np.ndarray | None = None  # entries the PUT being handled committed (for forward_commit)
+    copies: tuple[int, KeyBatch] | None = None  # keys the save being handled found here as copies
 
     @property
     def uncommitted(self) -> int:
@@ -330,11 +331,13 @@ class Service:
                   resp: dict[str, Any]) -> Awaitable[dict[str, Any]] | None:
         """Asynchronous work that completes a handled request before it is answered, or None.
 
-        COMMIT in a cluster: forward the blocks to their owners. EXISTS that
-        did not find every key here: ask the owners of the rest. DRAIN: leave
-        the ring and move a batch of owned blocks. DROP: the other members drop
-        the namespace too.
+        COMMIT or PUT in a cluster: forward the blocks to their owners. A RESERVE or
+        PUT that found keys here only as read-cache copies: check that their owners still
+        hold them (``_refresh_owners``). EXISTS that did not find every key here: ask the
+        owners of the rest. DRAIN: leave the ring and move a batch of owned blocks. DROP:
+        the other members drop the namespace too.
         """
+        copies, session.copies = session.copies, None
         if self.cluster is None or resp.get("st"):
             return None
         op = header.get("op")
@@ -346,7 +349,35 @@ class Service:
             return self._set_placement(header, resp)
         if op == Op.EXISTS and not header.get("lo") and resp.get("count", 0) < header.get("n", 0):
             return self._exists_remote(session, header, payload, resp)
-        return self.forward_commit(header, payload, resp, session)
+        forward = self.forward_commit(header, payload, resp, session)
+        if copies is None:
+            return forward
+        return self._refresh_owners(copies, _now() + _timeout(header), forward, resp)
+
+    async def _refresh_owners(self, copies: tuple[int, KeyBatch], deadline: float,
+                              forward: Awaitable[dict[str, Any]] | None,
+                              resp: dict[str, Any]) -> dict[str, Any]:
+        """A save (RESERVE or PUT) that found keys here only as read-cache copies: after its own
+        forward (``forward``), ask their owners whether they still hold them (no bytes move) and
+        push the copies from the first one they lack (an owner that restarted cold or evicted
+        them gets them back). Best effort within ``deadline``: the answer does not change."""
+        assert self.cluster is not None
+        if forward is not None:
+            resp = await forward
+        ns, keys = copies
+        name = self.namespace_name(ns)
+        held = await self.cluster.exists(name, keys, np.zeros(len(keys), dtype=bool), deadline)
+        if held == len(keys) or _now() >= deadline:
+            return resp
+        pinned = self.pin_checked(ns, keys.take(slice(held, None)))
+        try:
+            got = await self.cluster.push(name, keys.take(slice(held, held + pinned.count)),
+                                          pinned.offsets, pinned.lengths, deadline)
+        finally:
+            self.store.release(pinned.handles)
+        log.debug("a save found %d copies whose owners lacked %d: %d pushed", len(keys),
+                  len(keys) - held, int(np.count_nonzero(got)))
+        return resp
 
     async def _exists_remote(self, session: Session, header: dict[str, Any], payload: bytes,
                              resp: dict[str, Any]) -> dict[str, Any]:
@@ -649,6 +680,7 @@ class Service:
             nbytes = int(sizes[new].sum())
             self.metrics.reserved(int(new.sum()), nbytes, int((res.status == SlotStatus.FAILED).sum()))
         s.pending_bytes += nbytes
+        self._note_copies(s, ns, keys, res.status)
         return {"n": n}, [
             np.asarray(res.offsets, dtype="<u8").tobytes(),  # no copy when already so (x86)
             np.asarray(res.handles, dtype="<u4").tobytes(),
@@ -716,6 +748,7 @@ class Service:
             self.checksums.seal(handles)  # written before the PUT was sent: digest before READY
         self.store.commit_reserved(handles)
         s.put = handles
+        self._note_copies(s, ns, keys, res.status)
         self.metrics.reserved(int(new.size), int(sizes[new].sum()),
                               int((res.status == SlotStatus.FAILED).sum()), "put")
         return {"n": n}, [np.asarray(res.status, dtype=np.uint8).tobytes()]
@@ -760,6 +793,22 @@ class Service:
         if quota is None:
             return k
         return max(0, min(k, (quota - self._quota_held(tenant)) // chunk))
+
+    def _note_copies(self, s: Session, ns: int, keys: KeyBatch, status: np.ndarray) -> None:
+        """In a cluster, remember the keys of a save that are here only as read-cache copies
+        (PRESENT, READY and marked cached) for ``follow_up``: their owners may have lost them."""
+        s.copies = None
+        if self.cluster is None:
+            return
+        present = np.flatnonzero(status == SlotStatus.PRESENT)
+        if present.size == 0:  # the usual save: every key new
+            return
+        idx = self.store.index
+        ids = idx.find(ns, keys.take(present))
+        copy = ids >= FIRST_ID
+        copy[copy] = (idx.cached[ids[copy]] != 0) & (idx.state[ids[copy]] == READY)
+        if copy.any():
+            s.copies = (ns, keys.take(present[copy]))
 
     def _fit_connection(self, s: Session, sizes: np.ndarray) -> int:
         """How many leading blocks of ``sizes`` a RESERVE of ``s`` may hold pending: a connection

@@ -389,6 +389,35 @@ def test_single_block_saves_and_loads_succeed_wherever_the_owner_is(cluster: Any
     assert a.alive() and b.alive()
 
 
+def test_a_save_of_blocks_held_as_copies_gives_them_back_to_an_owner_that_lost_them(
+        cluster: Any, monkeypatch: Any) -> None:
+    a, b = cluster(2)
+    src = kv(21)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(src)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+    copies = stats(a)["cached"]
+    assert copies > 0  # a keeps what it forwarded to b as read-cache copies
+    b.terminate()  # b comes back cold (its pool and ledger removed): its share is gone
+    for f in Path(b.sections["pool"]["state_dir"]).iterdir():
+        f.unlink()
+    b.start()
+    wait_for(lambda: all(len(stats(d)["members"]) == 2 for d in (a, b)))
+    assert stats(b)["entries"] == 0
+    assert use(b, monkeypatch).exists(KEYS).success < BLOCKS
+
+    cc = use(a, monkeypatch)  # the same prompt saved again through a: the copies are PRESENT...
+    cc.register_kvcache(src)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+    assert stats(b)["entries"] == copies  # ...and a gave b back the blocks it had lost
+    load_equal(b, src, KEYS, monkeypatch)
+    cc = use(a, monkeypatch)  # once the owner has them, a save again moves no block
+    cc.register_kvcache(src)
+    sent = a.metric("emsd_peer_blocks_total", f'op="put",peer="{b.sections["node"]["id"]}"')
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+    assert a.metric("emsd_peer_blocks_total", f'op="put",peer="{b.sections["node"]["id"]}"') == sent
+
+
 def test_a_load_with_write_rcache_off_keeps_no_copy(cluster: Any, monkeypatch: Any) -> None:
     a, b, held_b = saved_at_owners(cluster, monkeypatch, 11)
     cc = use(b, monkeypatch)
