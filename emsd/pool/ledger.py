@@ -7,15 +7,23 @@ every committed block the row a restarted daemon needs to index it again:
 =========  =============================================================
 header     4 KiB: magic, format version, the pool's geometry (size, page
            size, alignment) and identity (device and inode of the pool
-           file), the record capacity
-names      ``NS_SLOTS`` slots of ``NS_SLOT`` bytes: namespace id -> name
-           (u16 length + UTF-8); longer names are not kept, and their
-           blocks are not restored
+           file), the record capacity, and (format 3) a random epoch
+names      format 2: ``NS_SLOTS`` slots of ``NS_SLOT`` bytes, namespace id ->
+           name (u16 length + UTF-8), for ids below 4,096 and names of at
+           most 254 bytes; format 3 leaves this area unused
 records    one 56-byte row per index entry id: the key (``w0`` and the
            ``rest`` row of ``emsd.pool.index``), chunk offset in ``align``
            units, length, the read-cache flag, ``state`` (1 = committed)
            and the block's checksum (0: none; ``emsd.pool.checksum``)
 =========  =============================================================
+
+Format 3 keeps the names in a log beside the ledger (``<ledger>.names``,
+``emsd.pool.namelog``) bound to the ledger by the epoch: any id, any name
+length. A format-2 ledger (an older emsd's) is upgraded in place when
+opened: its names are copied into a new log, then the epoch and the format
+are written, so an upgraded daemon keeps the cache it had (a crash midway
+leaves a format-2 ledger, upgraded again at the next start). An older emsd
+given a format-3 ledger starts empty and says why.
 
 Crash consistency without fsync (the files are in tmpfs or hugetlbfs, and
 only the daemon process dies, not the host): a row's body is written before
@@ -43,11 +51,15 @@ import numpy as np
 
 from emsd.files import open_own
 from emsd.pool import nametable, rowfile
+from emsd.pool.namelog import NameLog
 
 MAGIC = b"EMSDLEDG"
-FORMAT = 2  # 2: rows carry a checksum
+FORMAT = 3  # 2: rows carry a checksum; 3: names in a log beside the ledger, any id
+READS = (2, 3)  # formats this emsd attaches (a format-2 ledger is upgraded when opened)
 HEADER = 4096
 _HEAD = struct.Struct("<8sIIQQQQQQ")  # magic, format, unused, pool size, page, align, dev, ino, capacity
+_FORMAT = struct.Struct("<I")  # at offset 8
+_EPOCH = struct.Struct("<Q")  # at offset _HEAD.size (format 3): binds the names log to this ledger
 NS_SLOTS = nametable.SLOTS
 NS_SLOT = nametable.SLOT
 _NAMES = nametable.SIZE
@@ -74,11 +86,12 @@ class Geometry:
 
 
 class Ledger:
-    def __init__(self, path: Path, fd: int, mm: mmap.mmap, geometry: Geometry) -> None:
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, geometry: Geometry, names: NameLog) -> None:
         self.path = path
         self.fd = fd
         self.mm = mm
         self.geometry = geometry
+        self.namelog = names
         self.rows = self._view()
 
     # -- opening ------------------------------------------------------------------
@@ -101,10 +114,17 @@ class Ledger:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, mm, geometry), outcome
+        try:
+            names, outcome = _names(mm, names_path(path), outcome)
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            raise
+        return cls(path, fd, mm, geometry, names), outcome
 
     def close(self) -> None:
         self.rows = np.zeros(0, dtype=ROW)  # drop the view so that the map can close
+        self.namelog.close()
         if not self.mm.closed:
             self.mm.close()
         if self.fd >= 0:
@@ -115,13 +135,13 @@ class Ledger:
 
     def names(self) -> dict[int, str]:
         """Namespace id -> name, for the ids that have one."""
-        return nametable.read_names(self.mm, HEADER)
+        return dict(self.namelog.names)
 
     def add_namespace(self, ns: int, name: str) -> bool:
-        """Remember ``name`` for id ``ns``; False when it cannot be kept (id or name too large).
-        A write torn by a crash reads as no name (``emsd.pool.nametable``)."""
-        raw = name.encode()
-        return bool(raw) and nametable.write_name(self.mm, HEADER, ns, raw)
+        """Remember ``name`` for id ``ns`` (the latest name of an id wins); False when it cannot
+        be kept (an empty name, or one past ``namelog.MAX_NAME`` bytes). A write torn by a
+        crash reads as the id's previous name, or none (``emsd.pool.namelog``)."""
+        return bool(name) and self.namelog.add(ns, name)
 
     # -- records ------------------------------------------------------------------------
 
@@ -179,8 +199,8 @@ def _check(fd: int, size: int, geometry: Geometry) -> str:
     magic, fmt, _, pool, page, align, dev, ino, capacity = _HEAD.unpack(head)
     if magic != MAGIC:
         return "rebuilt: not an emsd ledger"
-    if fmt != FORMAT:
-        return f"rebuilt: ledger format {fmt}, this emsd writes format {FORMAT}"
+    if fmt not in READS:
+        return f"rebuilt: ledger format {fmt}, this emsd reads formats {READS[0]}-{READS[-1]}"
     if (pool, page, align) != (geometry.pool_size, geometry.page_size, geometry.align):
         return (f"rebuilt: the pool's geometry changed (size {pool} -> {geometry.pool_size}, "
                 f"page {page} -> {geometry.page_size})")
@@ -195,4 +215,41 @@ def _format(fd: int, geometry: Geometry) -> None:
     os.ftruncate(fd, 0)
     os.ftruncate(fd, RECORDS + _MIN_CAPACITY * ROW.itemsize)
     os.pwrite(fd, _HEAD.pack(MAGIC, FORMAT, 0, geometry.pool_size, geometry.page_size, geometry.align,
-                             geometry.dev, geometry.ino, _MIN_CAPACITY), 0)
+                             geometry.dev, geometry.ino, _MIN_CAPACITY) + _EPOCH.pack(_new_epoch()), 0)
+
+
+def names_path(path: Path) -> Path:
+    """Where the names log of the ledger at ``path`` is."""
+    return path.with_name(path.name + ".names")
+
+
+def _names(mm: mmap.mmap, path: Path, outcome: str) -> tuple[NameLog, str]:
+    """The names log of a ledger opened with ``outcome``, and the outcome as it now stands.
+
+    A ledger formatted anew gets an empty log; a format-2 ledger's names move into a new
+    log (``_upgrade``); a format-3 ledger whose log is missing or of another epoch is
+    "rebuilt" (its blocks have no names: the caller clears them), with an empty log.
+    """
+    epoch = _EPOCH.unpack_from(mm, _HEAD.size)[0]
+    if outcome != "attached":
+        return NameLog.open(path, epoch, fresh=True)[0], outcome
+    if _FORMAT.unpack_from(mm, 8)[0] == 2:
+        return _upgrade(mm, path), outcome
+    log, why = NameLog.open(path, epoch)
+    return log, outcome if why is None else f"rebuilt: {why}"
+
+
+def _upgrade(mm: mmap.mmap, path: Path) -> NameLog:
+    """Move a format-2 ledger's names into a new log, then make the ledger format 3: the log
+    first, then the epoch, then the format (a crash midway leaves a format-2 ledger)."""
+    epoch = _new_epoch()
+    log, _ = NameLog.open(path, epoch, fresh=True)
+    for ns, name in sorted(nametable.read_names(mm, HEADER).items()):
+        log.add(ns, name)
+    _EPOCH.pack_into(mm, _HEAD.size, epoch)
+    _FORMAT.pack_into(mm, 8, FORMAT)
+    return log
+
+
+def _new_epoch() -> int:
+    return int.from_bytes(os.urandom(8), "little") | 1  # never 0: a format-2 header's bytes there

@@ -191,3 +191,44 @@ def test_a_second_daemon_on_the_same_pool_files_is_refused_and_leaves_them_alone
         assert "another emsd" in twin.log()
     assert a.alive()
     assert batch_in_pool(cc, 7) == (BLOCKS, True)
+
+
+def test_a_namespace_past_the_4096th_and_a_long_name_survive_kill_9(emsd_factory: Any, sdk: Any) -> None:
+    """The ledger's names log (format 3) keeps any namespace id and name: before it, ids past
+    4,095 and names over 254 bytes lost their blocks at a restart."""
+    d = emsd_factory(tenants={"max_namespaces": 8192})
+    clients = [DaemonClient(d.socket_dir / "emsd.sock") for _ in range(5)]
+    for c in clients:
+        c.connect({})
+    for i in range(4100):  # 1,024 a connection at most
+        ans = clients[i // 1000].call(Op.NAMESPACE, {"name": f"filler-{i}"}, timeout=5)[0]
+        assert ans["st"] == 0
+    long_name = clients[4].call(Op.NAMESPACE, {"name": "L" * 3000}, timeout=5)[0]
+    assert long_name["st"] == 0
+    cc = sdk(d)  # the SDK's namespace gets an id past 4,096
+    kv = [[torch.full((BLOCKS, TOKENS, 16, 32), 5.0) for _ in range(2)] for _ in range(2)]
+    cc.register_kvcache(kv)
+    assert cc.save(list(range(BLOCKS * TOKENS)), hashes=[5000 + k for k in range(BLOCKS)],
+                   offsets=[TOKENS] * BLOCKS).success == BLOCKS
+    ns = long_name["ns"]
+    res = clients[4].call(Op.RESERVE, {"ns": ns, "n": 1, "kt": 0},
+                          [(7).to_bytes(8, "little") + (4096).to_bytes(8, "little")], timeout=5)
+    handle = int.from_bytes(res[1][8:12], "little")
+    committed = clients[4].call(Op.COMMIT, {"c": 1, "a": 0}, [handle.to_bytes(4, "little")], timeout=5)
+    assert committed[0]["st"] == 0
+    for c in clients:
+        c.close()
+    assert stats(d)["namespaces"] >= 4102
+
+    d.kill9()
+    d.start()
+    assert stats(d)["restored"] == BLOCKS + 1
+    assert batch_in_pool(sdk(d), 5) == (BLOCKS, True)
+    again = DaemonClient(d.socket_dir / "emsd.sock")
+    again.connect({})
+    try:
+        ns = again.call(Op.NAMESPACE, {"name": "L" * 3000}, timeout=5)[0]["ns"]
+        assert again.call(Op.EXISTS, {"ns": ns, "n": 1, "kt": 0, "lo": True},
+                          [(7).to_bytes(8, "little")], timeout=5)[0]["count"] == 1
+    finally:
+        again.close()

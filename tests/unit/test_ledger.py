@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from emsd.pool import nametable
 from emsd.pool.keys import KeyBatch
-from emsd.pool.ledger import FORMAT, Geometry, Ledger
+from emsd.pool.ledger import FORMAT, HEADER, Geometry, Ledger, names_path
 from emsd.pool.slab import SlabError
 from emsd.pool.store import BlockStore, Status
 
@@ -117,11 +118,71 @@ def test_rows_that_overlap_or_leave_the_pool_are_refused(tmp_path: Path) -> None
 
 def test_blocks_of_a_namespace_without_a_name_are_not_restored(tmp_path: Path) -> None:
     store, ledger, _ = fresh(tmp_path / "ledger")
-    assert not ledger.add_namespace(0, "n" * 300)  # too long to keep
+    assert not ledger.add_namespace(0, "")  # no name: nothing kept
     save(store, 0, [1], 4096)
     ledger.close()
     again, ledger2, _ = fresh(tmp_path / "ledger")
     assert len(again.index) == 0
+    ledger2.close()
+
+
+def test_namespace_ids_past_4096_and_long_names_survive_a_reopen(tmp_path: Path) -> None:
+    """Format 2 kept 4,096 ids of names up to 254 bytes; the names log keeps any."""
+    store, ledger, _ = fresh(tmp_path / "ledger")
+    names = {0: "m", 4095: "x" * 254, 4096: "past-the-table", 70_000: "n" * 5000, 12: "ü" * 200}
+    for ns, name in names.items():
+        assert ledger.add_namespace(ns, name)
+        save(store, ns, [ns, ns + 1], 4096)
+    assert ledger.add_namespace(12, "renamed")  # the latest name of an id wins
+    ledger.close()
+    again, ledger2, outcome = fresh(tmp_path / "ledger")
+    assert outcome == "attached"
+    assert ledger2.names() == {**names, 12: "renamed"}
+    for ns in names:
+        assert again.exists(ns, KeyBatch.from_user([ns, ns + 1])) == 2
+    ledger2.close()
+
+
+def test_a_format_2_ledger_is_upgraded_in_place_and_keeps_its_blocks(tmp_path: Path) -> None:
+    """What an older emsd left (names in the ledger's fixed table, no log) is attached, its
+    names moved into the log, and the ledger written as format 3."""
+    path = tmp_path / "ledger"
+    store, ledger, _ = fresh(path)
+    save(store, 3, [1, 2, 3], 4096)
+    save(store, 9, [4], 60_000)
+    ledger.close()
+    raw = bytearray(path.read_bytes())  # as format 2 wrote it: names in the table, no epoch
+    raw[8:12] = struct.pack("<I", 2)
+    raw[64:72] = bytes(8)
+    for ns, name in {3: "model-a", 9: "tenant:team-b/model-b"}.items():
+        assert nametable.write_name(raw, HEADER, ns, name.encode())
+    path.write_bytes(raw)
+    names_path(path).unlink()
+
+    again, ledger2, outcome = fresh(path)
+    assert outcome == "attached"
+    assert ledger2.names() == {3: "model-a", 9: "tenant:team-b/model-b"}
+    assert again.exists(3, KeyBatch.from_user([1, 2, 3])) == 3
+    assert again.exists(9, KeyBatch.from_user([4])) == 1
+    assert struct.unpack_from("<I", path.read_bytes(), 8)[0] == FORMAT == 3
+    ledger2.add_namespace(5000, "new")
+    ledger2.close()
+    _, ledger3, outcome = fresh(path)  # and as format 3 from now on
+    assert outcome == "attached"
+    assert ledger3.names() == {3: "model-a", 9: "tenant:team-b/model-b", 5000: "new"}
+    ledger3.close()
+
+
+def test_a_format_3_ledger_without_its_names_log_starts_empty_and_says_why(tmp_path: Path) -> None:
+    path = tmp_path / "ledger"
+    store, ledger, _ = fresh(path)
+    ledger.add_namespace(0, "m")
+    save(store, 0, [1], 4096)
+    ledger.close()
+    names_path(path).unlink()
+    again, ledger2, outcome = fresh(path)
+    assert outcome == "rebuilt: no namespace log"
+    assert ledger2.names() == {} and len(again.index) == 0
     ledger2.close()
 
 
