@@ -59,6 +59,7 @@ class PoolConfig:
     admit_after_namespaces: tuple[tuple[str, int], ...] = ()  # (namespace glob, N), first match wins
     grants: bool = True  # hand clients chunks for their next saves: one round trip a save (emsd.service)
     connection_uncommitted: int = 0  # bytes a connection may hold reserved + granted; 0: half of size
+    read_cache_share: float = 1 / 16  # of the pool, fetched copies may take from owned blocks (store)
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,7 @@ def _node(t: dict[str, Any]) -> NodeConfig:
 def _pool(t: dict[str, Any]) -> PoolConfig:
     _only(t, "pool", {"size", "hugepages", "page_size", "prefault", "warm_restart", "state_dir",
                       "checksum", "eviction", "admit_after", "admit_after_namespaces", "grants",
-                      "connection_uncommitted"})
+                      "connection_uncommitted", "read_cache_share"})
     d = PoolConfig()
     size = parse_size("pool.size", t.get("size", d.size))
     if size < MIN_POOL:
@@ -314,6 +315,9 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
         raise ConfigError("pool.grants", f"must be true or false (got {grants!r})")
     uncommitted = parse_size("pool.connection_uncommitted",
                              t.get("connection_uncommitted", d.connection_uncommitted))
+    share = t.get("read_cache_share", d.read_cache_share)
+    if type(share) not in (int, float) or not 0 <= share <= 0.5:
+        raise ConfigError("pool.read_cache_share", f"must be a number from 0 to 0.5 (got {share!r})")
     per_ns = t.get("admit_after_namespaces", {})
     if not isinstance(per_ns, dict):
         raise ConfigError("pool.admit_after_namespaces",
@@ -323,7 +327,8 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     return PoolConfig(size=size, hugepages=huge, page_size=min(page, size), prefault=prefault,
                       warm_restart=warm, state_dir=Path(state) if state else None,
                       eviction=eviction, admit_after=admit, admit_after_namespaces=patterns,
-                      checksum=checksum, grants=grants, connection_uncommitted=uncommitted)
+                      checksum=checksum, grants=grants, connection_uncommitted=uncommitted,
+                      read_cache_share=float(share))
 
 
 def _admit_count(key: str, value: Any) -> int:

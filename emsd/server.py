@@ -259,6 +259,7 @@ class Daemon:
         cfg = self.config.pool
         store = BlockStore(size, page, eviction=cfg.eviction,
                            admission=AdmissionRule(cfg.admit_after, cfg.admit_after_namespaces))
+        store.copy_floor = int(size * cfg.read_cache_share)
         if cfg.checksum:
             store.enable_checksums()  # before a warm restart's attach: it restores the digests
         return store

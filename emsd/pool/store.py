@@ -60,6 +60,15 @@ many evictions. Under ``prefix`` a call bounded by its predecessor can stamp
 below entries already queued; those wait for the next scan (the queue is
 the oldest 1/16, so the order is off by at most that much).
 
+A reservation for a copy fetched from another node (``reserve(copy=True)``)
+evicts only other copies (of its class, or a page holding no owned block),
+never a block this node owns, while copies hold at least ``copy_floor``
+bytes; below that it may evict owned blocks like any reservation, so that a
+node whose pool is full of its own blocks still has room to read through
+(``pool.read_cache_share``; 0: a copy never evicts an owned block, and such
+a read misses). Owned blocks keep the rest of the pool: what one node reads
+from others never costs the cluster more than that share of its blocks.
+
 Grants (``grant``, ``ungrant``, ``reserve(at=...)``): a save of one round
 trip. A client is handed chunks ahead of time, without entries; it writes
 its next blocks into them and then names them in the save, which makes the
@@ -88,7 +97,7 @@ from enum import IntEnum
 import numpy as np
 
 from emsd.pool.admission import AdmissionRule, SeenSketch, admitted, key_digest
-from emsd.pool.eviction import POLICIES, chain_stamps, copies_first, page_ages, steal_choice
+from emsd.pool.eviction import POLICIES, chain_stamps, copies_first, lru_victims, page_ages, steal_choice
 from emsd.pool.index import EMPTY, FIRST_ID, PENDING, READY, BlockIndex, first_occurrences
 from emsd.pool.keys import KeyBatch
 from emsd.pool.ledger import Ledger
@@ -102,6 +111,7 @@ except ImportError:  # pragma: no cover - extension not built
 CLOCK_LIMIT = (1 << 32) - 1
 RECHECK_FRACTION = 1024  # _older_page: after a look that finds nothing, wait for entries / 1024 evictions
 LRU_QUEUE_FRACTION = 16  # a scan queues the oldest 1/16 of the eligible entries
+COPY_FLOOR_SHARE = 16  # default copy_floor: copies may take 1/16 of the pool from owned blocks
 _READY = np.uint8(READY)  # numpy scalars: with them numpy skips a slow conversion
 _ONE = np.uint32(1)
 # Pins are u32 in the index: an entry pinned this many times is not pinned again (a miss), so
@@ -203,6 +213,7 @@ class BlockStore:
         self.max_block = min(self.page_size, 0xFFFFFFFF)  # lengths are 32-bit
         self.clock_limit = CLOCK_LIMIT
         self.lru_queue_fraction = LRU_QUEUE_FRACTION
+        self.copy_floor = capacity // COPY_FLOOR_SHARE  # bytes copies may take from owned blocks
         self._unit = np.uint64(self.slabs.align)
         self._units_per_page = self.page_size // self.slabs.align
         self._clock = 0
@@ -240,7 +251,8 @@ class BlockStore:
             self._seen = SeenSketch()
 
     def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray, admit: bool = False,
-                prev: KeyBatch | None = None, at: np.ndarray | None = None) -> Reservation:
+                prev: KeyBatch | None = None, at: np.ndarray | None = None,
+                copy: bool = False) -> Reservation:
         """Reserve places for blocks ``keys`` of ``sizes`` bytes, in order.
 
         Per key: present already (READY, or PENDING by anyone, including an
@@ -263,6 +275,9 @@ class BlockStore:
         the chunk for each key, of the class of its size (the caller checks
         both): a NEW key takes its chunk (no longer granted) and nothing is
         allocated or evicted; the chunks of the other keys stay granted.
+        ``copy``: the blocks are copies fetched from their owners, marked so
+        (``cached``) from the start, which evict owned blocks only while copies
+        hold less than ``copy_floor`` bytes (see the module docstring).
         """
         n = len(keys)
         if len(sizes) != n or (at is not None and len(at) != n):
@@ -295,12 +310,14 @@ class BlockStore:
         if present.size:
             np.add.at(self.index.pins, present, _ONE)  # keep them through this call's evictions
         try:
-            made, cut = self._reserve_runs(ns, keys, todo, sizes, stamp, handles, offsets, cut, at)
+            made, cut = self._reserve_runs(ns, keys, todo, sizes, stamp, handles, offsets, cut, at, copy)
         finally:
             if present.size:
                 np.subtract.at(self.index.pins, present, _ONE)
         status[:cut] = Status.PRESENT
         status[todo[:made]] = Status.NEW
+        if copy and made:  # copies from the start: concurrent fetches see them (``_copy_budget``)
+            self.index.cached[handles[todo[:made]]] = 1
         if self._chain:
             self._stamp_chain(chain_stamps(stamp, n, self._below(ns, prev)), ids, todo[:made],
                               handles, cut if present.size else 0)
@@ -659,7 +676,7 @@ class BlockStore:
 
     def _reserve_runs(self, ns: int, keys: KeyBatch, todo: np.ndarray, sizes: np.ndarray,
                       stamp: int, handles: np.ndarray, offsets: np.ndarray,
-                      cut: int, at: np.ndarray | None = None) -> tuple[int, int]:
+                      cut: int, at: np.ndarray | None = None, copy: bool = False) -> tuple[int, int]:
         """Places and PENDING entries for keys ``todo`` (ascending positions),
         run by run of one size class, in order; with ``at``, in the granted
         chunks it names (see ``reserve``).
@@ -677,7 +694,7 @@ class BlockStore:
             self._place(ns, keys, todo, sizes, stamp, handles, offsets, got)
             return todo.size, cut
         for a, b, cls in self._runs(sizes[todo]):
-            got = self._room(cls, b - a) if cls >= 0 else _NO_U8
+            got = self._room(cls, b - a, copy) if cls >= 0 else _NO_U8
             if got.size:
                 self._place(ns, keys, todo[a : a + got.size], sizes, stamp, handles, offsets, got)
             if got.size < b - a:
@@ -707,7 +724,7 @@ class BlockStore:
         bounds = [0, *(np.flatnonzero(np.diff(classes)) + 1).tolist(), want.size]
         return [(a, b, int(classes[a])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
-    def _room(self, cls: int, k: int) -> np.ndarray:
+    def _room(self, cls: int, k: int, copy: bool = False) -> np.ndarray:
         """Up to ``k`` chunks of class ``cls``, evicting or stealing pages as needed.
 
         The class's own least recently used blocks go first, unless another
@@ -715,10 +732,31 @@ class BlockStore:
         that page is taken back instead (``_older_page``), so that a class
         that came late (a new model, another block size) is not confined to
         the pages it got while blocks nobody uses fill the rest of the pool.
+        ``copy``: for fetched copies, which take from owned blocks (by plain LRU, or a
+        page steal) at most the bytes copies hold below ``copy_floor`` (``_copy_budget``)
+        and evict only copies beyond that; no older-page look.
         """
         parts = [self.slabs.alloc_many(cls, k)]
         have = parts[0].size
+        budget = self._copy_budget() if copy and have < k else 0
+        chunk = self.slabs.classes[cls].chunk_size
         while have < k:
+            if copy:
+                victims = self._copy_victims(cls, k - have, budget // chunk)
+                if victims.size:
+                    budget -= chunk * int(np.count_nonzero(self.index.cached[victims] == 0))
+                    self._evict(victims, "lru")
+                else:
+                    freed = self._steal_for_copies(cls, budget)
+                    if freed is None:
+                        break
+                    budget -= freed
+                more = self.slabs.alloc_many(cls, k - have)
+                if more.size == 0:
+                    break
+                parts.append(more)
+                have += more.size
+                continue
             if self._older_page(cls):
                 more = self.slabs.alloc_many(cls, k - have)
                 parts.append(more)
@@ -743,6 +781,32 @@ class BlockStore:
             parts.append(more)
             have += more.size
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _copy_budget(self) -> int:
+        """Bytes of owned blocks fetched copies may still take: what copies (READY, or
+        PENDING while they arrive) hold below ``copy_floor`` (one pass over the entries, made
+        only when a copy finds no free chunk)."""
+        idx = self.index
+        hw = idx.high_water
+        state = idx.state[:hw]
+        held = ((state == READY) | (state == PENDING)) & (idx.cached[:hw] != 0)
+        return max(0, self.copy_floor - int(idx.length[:hw][held].sum(dtype=np.int64)))
+
+    def _copy_victims(self, cls: int, k: int, budget: int) -> np.ndarray:
+        """Up to ``k`` victims for fetched copies of class ``cls``: the least recently used of
+        its READY unpinned blocks, copies or not, up to ``budget`` of them (plain LRU: the read
+        cache grows to its floor at the expense of the oldest blocks, where ``_lru`` would take
+        copies first and keep it at one block), then its least recently used copies only."""
+        idx = self.index
+        ids = self._eligible_of(cls)
+        first = lru_victims(idx.last_used, ids, min(k, budget)) if budget > 0 else _NO_U4
+        if first.size >= k:
+            return first
+        rest = ids[idx.cached[ids] != 0]
+        if first.size:
+            rest = rest[~np.isin(rest, first)]
+        more = lru_victims(idx.last_used, rest, k - first.size)
+        return more if first.size == 0 else np.concatenate([first, more])
 
     def _lru(self, cls: int, k: int) -> np.ndarray:
         """Up to ``k`` least recently used READY unpinned entries of ``cls``."""
@@ -807,6 +871,24 @@ class BlockStore:
         found = self._steal_page(cls, older_than=int(self.index.last_used[own].min()))
         self._recheck[cls] = 0 if found else later
         return found
+
+    def _steal_for_copies(self, cls: int, budget: int) -> int | None:
+        """Take back a page from another class for fetched copies of ``cls``: only one whose
+        owned blocks hold at most ``budget`` bytes. Returns those bytes (evicted with the
+        page), or None if no page can be taken."""
+        recent, blocked = self._page_ages()
+        idx = self.index
+        live = idx.live_ids()
+        owned = live[idx.cached[live] == 0]
+        held = np.bincount(self._pages_of(owned).astype(np.int64), weights=idx.length[owned],
+                           minlength=blocked.size)
+        blocked[held > budget] = 1
+        page = steal_choice(self.slabs.page_owner, recent, blocked, cls)
+        if page is None:
+            return None
+        self._evict(self._ids_on_page(page), "page")
+        self.slabs.release_page(page)
+        return int(held[page])
 
     def _steal_page(self, cls: int, older_than: int | None = None) -> bool:
         """Take back a page from another class for ``cls`` (with ``older_than``: only a page

@@ -177,17 +177,17 @@ class PoolAccess:
     tiers: TierStack | None = None  # the disk tier ([disk]): GET promotes, HAS counts what is on disk
     quota: Callable[[int, KeyBatch, np.ndarray], int] | None = None  # Service.fit_quota (None: no quotas)
 
-    def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray) -> Reservation:
-        """``store.reserve`` for blocks that arrive from a peer (its forwarded save or
-        replica, or a copy this node fetched): within the tenant quota of ``ns``
-        (``quota``: the leading keys that fit, after evicting that tenant's own
-        blocks), the keys past it FAILED. Every path that stores a tenant's bytes
-        on this node goes through a quota check: a client's save in ``Service``,
-        the rest here."""
+    def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray, copy: bool) -> Reservation:
+        """``store.reserve`` for blocks that arrive from a peer: its forwarded save or replica
+        (``copy`` false), or copies this node fetched (``copy``: they evict only other
+        copies, see ``BlockStore``). Within the tenant quota of ``ns`` (``quota``: the
+        leading keys that fit, after evicting that tenant's own blocks), the keys past it
+        FAILED. Every path that stores a tenant's bytes on this node goes through a quota
+        check: a client's save in ``Service``, the rest here."""
         fit = len(keys) if self.quota is None else self.quota(ns, keys, sizes)
         if fit == len(keys):
-            return self.store.reserve(ns, keys, sizes)
-        return self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit]).padded(len(keys))
+            return self.store.reserve(ns, keys, sizes, copy=copy)
+        return self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], copy=copy).padded(len(keys))
 
     def pin(self, ns: int, keys: KeyBatch) -> Pinned:
         """``store.pin``, cut before the first block whose checksum fails."""
@@ -458,16 +458,17 @@ def _lengths(raw: bytes, n: int) -> np.ndarray:
     return lengths
 
 
-async def _receive_blocks(sock: socket.socket, access: PoolAccess,
-                          ns: int, keys: KeyBatch, lengths: np.ndarray, scratch: memoryview) -> int:
+async def _receive_blocks(sock: socket.socket, access: PoolAccess, ns: int, keys: KeyBatch,
+                          lengths: np.ndarray, scratch: memoryview, copy: bool) -> int:
     """Reserve, receive into the pool, commit; returns how many leading keys are now present.
+    ``copy``: the blocks are copies this node fetched (``PoolAccess.reserve``).
 
     Blocks that are already present, or for which there is no space, are
     read off the socket into ``scratch`` and dropped, keeping the stream in
     step. A failure mid-stream aborts what was reserved.
     """
     store = access.store
-    res = access.reserve(ns, keys, lengths)
+    res = access.reserve(ns, keys, lengths, copy)
     new = np.flatnonzero(res.status == SlotStatus.NEW)
     views: list[memoryview] = []
     for i, size in enumerate(lengths.tolist()):
@@ -743,7 +744,7 @@ class PeerServer:
         if header.get("bulk") != int(lengths.sum()):
             raise FrameError("bulk does not match the lengths")
         ns = self.access.namespace_id(ns_name)
-        stored = await _receive_blocks(conn, self.access, ns, keys, lengths, scratch)
+        stored = await _receive_blocks(conn, self.access, ns, keys, lengths, scratch, copy=False)
         await _send(loop, conn, {"id": rid, "st": int(Status.OK), "stored": stored})
 
 
@@ -831,7 +832,7 @@ class PeerConnection:
                 ns = self.access.namespace_id(ns_name)
                 self.last_bytes = int(lengths.sum())
                 return await _receive_blocks(sock, self.access, ns, keys.take(slice(0, count)),
-                                             lengths, self._scratch)
+                                             lengths, self._scratch, copy=True)
 
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
         """Send local blocks (pool ``offsets``/``lengths``) to the peer; returns its leading stored count.

@@ -255,7 +255,7 @@ class RdmaServing:
         keys, rest = _keys_of(header, payload)
         lengths = _lengths(rest, len(keys))
         tok = self._next_token()
-        res = self.access.reserve(self._ns(header), keys, lengths)
+        res = self.access.reserve(self._ns(header), keys, lengths, copy=False)
         self._reserved[tok] = (res.status, res.handles)
         return {"tok": tok}, res.status.astype("u1").tobytes() + res.offsets.astype("<u8").tobytes()
 
@@ -418,7 +418,8 @@ class SelectingLink:
         offsets = np.frombuffer(body[: 8 * count], dtype="<u8").astype(np.uint64)
         lengths = np.frombuffer(body[8 * count :], dtype="<u8").astype(np.uint64)
         store = self.access.store
-        res = self.access.reserve(self.access.namespace_id(ns_name), keys.take(slice(0, count)), lengths)
+        res = self.access.reserve(self.access.namespace_id(ns_name), keys.take(slice(0, count)), lengths,
+                                  copy=True)
         new = np.flatnonzero(res.status == SlotStatus.NEW)
         try:
             await self._move(Opcode.READ, res.offsets[new], offsets[new], lengths[new])

@@ -31,8 +31,8 @@ def cluster(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) ->
     secret.write_text("a-cluster-secret-of-some-length\n")
     os.chmod(secret, 0o600)
 
-    def start(n: int, **extra: Any) -> list[Any]:
-        nodes = [emsd_factory(start=False, cluster={
+    def start(n: int, pool: dict[str, Any] | None = None, **extra: Any) -> list[Any]:
+        nodes = [emsd_factory(start=False, pool=pool or {}, cluster={
             "name": "t", "zookeeper": zookeeper.hosts, "peer_listen": f"127.0.0.1:{zk.free_port()}",
             "secret_file": str(secret), "session_timeout": 4, **extra}) for _ in range(n)]
         for d in nodes:
@@ -416,6 +416,45 @@ def test_a_save_of_blocks_held_as_copies_gives_them_back_to_an_owner_that_lost_t
     sent = a.metric("emsd_peer_blocks_total", f'op="put",peer="{b.sections["node"]["id"]}"')
     assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
     assert a.metric("emsd_peer_blocks_total", f'op="put",peer="{b.sections["node"]["id"]}"') == sent
+
+
+def test_reads_through_a_full_node_cost_its_own_blocks_at_most_its_read_cache_share(
+        cluster: Any, monkeypatch: Any) -> None:
+    """Loads through a node whose pool is full of blocks it owns fetch copies of the other
+    node's blocks; the copies take at most pool.read_cache_share of the pool (4 MiB of 64
+    here) from the node's own blocks, which the cluster finds only there, and beyond that
+    evict only other copies. Before, one large load with write_rcache off took as much as it
+    fetched."""
+    a, b = cluster(2, pool={"page_size": "1MiB"})
+    cc = use(b, monkeypatch)
+    cc.register_kvcache(kv(31))
+    batches = [[100_000 * (r + 1) + i for i in range(BLOCKS)] for r in range(100)]
+    for keys in batches:  # 150 MiB saved, each block only at its owner: both pools fill up
+        assert cc.save(SLOTS, hashes=keys, offsets=[BLOCK] * BLOCKS,
+                       option=CcKvOption(write_rcache=False)).success == BLOCKS
+    st = stats(b)
+    assert st["bytes_used"] > 0.9 * st["capacity"] and st["cached"] == 0
+    block, owned = st["bytes_used"] // st["entries"], st["entries"]
+
+    def lost() -> int:
+        """Bytes of b's own blocks gone since the saves."""
+        now = stats(b)
+        return (owned - (now["entries"] - now["cached"])) * block
+
+    big = [k for keys in batches[-10:] for k in keys]  # 15 MiB in one load, half of it a's
+    g = torch.Generator().manual_seed(3)
+    cc.register_kvcache([[torch.randn(len(big), BLOCK, 8, 64, generator=g) for _ in range(2)]
+                         for _ in range(2)])
+    res = cc.load(list(range(len(big) * BLOCK)), hashes=big, offsets=[BLOCK] * len(big),
+                  option=CcKvOption(write_rcache=False))
+    assert res.success > 0
+    assert lost() <= 4 << 20  # not the 7.5 MiB it fetched
+    cc.register_kvcache(kv(32))
+    for keys in batches[-25:]:  # 37 MiB of loads, copies kept
+        assert cc.load(SLOTS, hashes=keys, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+    assert stats(b)["cached"] > 0  # a read cache, in the room the first load left free...
+    assert lost() <= 4 << 20  # ...and no more of b's own blocks
+    assert a.alive() and b.alive()
 
 
 def test_a_load_with_write_rcache_off_keeps_no_copy(cluster: Any, monkeypatch: Any) -> None:

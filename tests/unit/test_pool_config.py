@@ -12,6 +12,12 @@ def test_eviction_defaults_to_prefix_and_admission_to_off() -> None:
     assert (pool.eviction, pool.admit_after, pool.admit_after_namespaces) == ("prefix", 1, ())
 
 
+def test_the_read_cache_share_defaults_to_a_sixteenth_and_is_read() -> None:
+    assert config_from_dict({}).pool.read_cache_share == 1 / 16
+    assert config_from_dict({"pool": {"read_cache_share": 0}}).pool.read_cache_share == 0.0
+    assert config_from_dict({"pool": {"read_cache_share": 0.25}}).pool.read_cache_share == 0.25
+
+
 def test_eviction_and_admission_are_read() -> None:
     pool = config_from_dict({"pool": {"eviction": "lru", "admit_after": 2,
                                       "admit_after_namespaces": {"*chat*": 3, "*": 1}}}).pool
@@ -25,6 +31,10 @@ def test_eviction_and_admission_are_read() -> None:
     ({"admit_after": True}, "pool.admit_after"),
     ({"admit_after_namespaces": {"x": 300}}, "pool.admit_after_namespaces.x"),
     ({"admit_after_namespaces": ["x"]}, "pool.admit_after_namespaces"),
+    ({"read_cache_share": 0.6}, "pool.read_cache_share"),
+    ({"read_cache_share": -0.1}, "pool.read_cache_share"),
+    ({"read_cache_share": True}, "pool.read_cache_share"),
+    ({"read_cache_share": "5%"}, "pool.read_cache_share"),
 ])
 def test_bad_values_name_the_key(pool: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError) as err:

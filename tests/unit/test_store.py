@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -632,6 +632,79 @@ def test_read_cache_copies_are_evicted_before_owned_blocks() -> None:
     assert all(store.exists(0, KeyBatch.from_user([c])) == 0 for c in copies)
     assert store.exists(0, KeyBatch.from_user(list(range(3)))) == 3  # the oldest owned blocks stayed
     assert store.mark_cached(0, KeyBatch.from_user([999])) == 0  # absent keys are not flagged
+
+
+def owned_and_copies(store: BlockStore, ns: int = 0) -> tuple[set[int], int]:
+    """(ids of READY owned entries, bytes of READY copies)."""
+    idx = store.index
+    live = idx.live_ids()
+    ready = live[idx.state[live] == READY]
+    copy = idx.cached[ready] != 0
+    return set(ready[~copy].tolist()), int(idx.length[ready[copy]].sum())
+
+
+def fetch(store: BlockStore, key: int, size: int) -> int:
+    """A copy fetched from another node: reserved as a copy, committed, marked cached."""
+    res = store.reserve(0, KeyBatch.from_user([key]), np.full(1, size, np.uint64), copy=True)
+    store.commit(res.handles[res.status == Status.NEW])
+    store.mark_cached(0, KeyBatch.from_user([key]))
+    return int(res.status[0])
+
+
+def test_a_fetched_copy_evicts_owned_blocks_only_while_copies_hold_less_than_the_floor() -> None:
+    store = BlockStore(4 << 20, 1 << 20)  # 16 blocks of 256 KiB
+    store.copy_floor = 512 << 10  # two blocks
+    size = 256 << 10
+    for k in range(16):
+        save(store, 0, [k], size)
+    for k in range(100, 113):  # fetches through a pool full of owned blocks
+        assert fetch(store, k, size) == NEW
+    owned, copied = owned_and_copies(store)
+    assert len(owned) == 14 and copied == 2 * size  # two owned blocks went, then only copies
+    assert present(store, 0, list(range(2, 16))) == [True] * 14  # the oldest two were the ones
+    save(store, 0, [200], size)  # a save takes a copy first, as before
+    assert len(owned_and_copies(store)[0]) == 15
+
+
+def test_with_no_floor_a_fetched_copy_never_evicts_an_owned_block() -> None:
+    store = BlockStore(4 << 20, 1 << 20)
+    store.copy_floor = 0
+    for k in range(12):  # three pages of owned 256 KiB blocks
+        save(store, 0, [k], 256 << 10)
+    for k in range(50, 66):  # a page of 64 KiB copies
+        assert fetch(store, k, 64 << 10) == NEW
+    assert fetch(store, 100, 256 << 10) == NEW  # took back the page of copies, not an owned block
+    assert present(store, 0, list(range(12))) == [True] * 12
+    assert fetch(store, 101, 256 << 10) == NEW  # a free chunk of that page
+    save(store, 0, [300, 301], 256 << 10)  # the pool is full: owned blocks and two copies
+    pinned = store.pin(0, KeyBatch.from_user([100, 101]))  # being read: not evictable
+    before = owned_and_copies(store)[0]
+    assert fetch(store, 102, 256 << 10) == FAILED  # no copy to evict: a miss, never an owned block
+    assert owned_and_copies(store)[0] == before
+    store.release(pinned.handles)
+    assert fetch(store, 102, 256 << 10) == NEW  # took the place of a copy
+    assert owned_and_copies(store)[0] == before
+    check_invariants(store)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 60),
+                          st.sampled_from([16 << 10, 64 << 10, 256 << 10])), max_size=80),
+       st.sampled_from([0, 256 << 10, 1 << 20]))
+def test_fetched_copies_evict_owned_blocks_only_below_the_floor(ops: list[tuple[bool, int, int]],
+                                                                  floor: int) -> None:
+    store = BlockStore(2 << 20, 256 << 10)
+    store.copy_floor = floor
+    for is_fetch, key, size in ops:
+        owned, copied = owned_and_copies(store)
+        if is_fetch:
+            lengths = {i: int(store.index.length[i]) for i in owned}
+            fetch(store, 1000 + key, size)
+            lost = sum(lengths[i] for i in owned - owned_and_copies(store)[0])
+            assert lost <= max(0, floor - copied), "a copy took more from owned blocks than the floor"
+        else:
+            save(store, 0, [key], size)
+        check_invariants(store)
 
 
 def test_discard_drops_unpinned_ready_blocks_only() -> None:
