@@ -43,6 +43,7 @@ class NodeConfig:
     allowed_uids: tuple[int, ...] = ()  # with allowed_gids: peers (SO_PEERCRED) let in; () both: anyone
     allowed_gids: tuple[int, ...] = ()
     client_lease: float = 30.0  # seconds a connection may stay silent (no request in flight); 0: forever
+    busy_poll: int = 50  # microseconds the loop polls answered clients before sleeping; 0: off
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,8 @@ def _only(table: dict[str, Any], prefix: str, allowed: set[str]) -> None:
 
 
 def _node(t: dict[str, Any]) -> NodeConfig:
-    _only(t, "node", {"id", "socket_dir", "socket_mode", "allowed_uids", "allowed_gids", "client_lease"})
+    _only(t, "node", {"id", "socket_dir", "socket_mode", "allowed_uids", "allowed_gids", "client_lease",
+                      "busy_poll"})
     d = NodeConfig()
     node_id = t.get("id", d.id)
     if not isinstance(node_id, str) or not _NODE_ID.match(node_id):
@@ -274,10 +276,13 @@ def _node(t: dict[str, Any]) -> NodeConfig:
     if isinstance(lease, bool) or not isinstance(lease, int | float) or not (
             lease == 0 or 1 <= lease <= 86400):
         raise ConfigError("node.client_lease", f"must be seconds in 1..86400, or 0 for none (got {lease!r})")
+    busy = t.get("busy_poll", d.busy_poll)
+    if type(busy) is not int or not 0 <= busy <= 10_000:
+        raise ConfigError("node.busy_poll", f"must be microseconds in 0..10000 (got {busy!r})")
     return NodeConfig(id=node_id, socket_dir=Path(sock_dir), socket_mode=int(mode, 8),
                       allowed_uids=_ids("node.allowed_uids", t.get("allowed_uids", [])),
                       allowed_gids=_ids("node.allowed_gids", t.get("allowed_gids", [])),
-                      client_lease=float(lease))
+                      client_lease=float(lease), busy_poll=busy)
 
 
 def _pool(t: dict[str, Any]) -> PoolConfig:

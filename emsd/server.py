@@ -78,6 +78,7 @@ class Daemon:
             on_count=self.metrics.clients.set,
             lease=config.node.client_lease,
             on_expired=self.metrics.clients_expired.inc,
+            busy_poll=config.node.busy_poll / 1e6,
         )
         self.http = HttpEndpoint(self.metrics, readiness=self.readiness)
         self.cluster: Cluster | None = None

@@ -33,6 +33,7 @@ from typing import Any
 from emsd.files import check_dir
 from emsd.logs import Once
 from emsd.service import RequestError, Service, Session
+from emsd.transport.busypoll import BusyPoll
 from emsd.transport.frames import (
     PREFIX,
     PROTOCOL_VERSION,
@@ -64,8 +65,11 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 class ControlProtocol(asyncio.Protocol):
     """One authenticated client connection."""
 
-    def __init__(self, service: Service, session: Session, on_close: Callable[[Any], None]) -> None:
+    def __init__(self, service: Service, session: Session, on_close: Callable[[Any], None],
+                 busy: BusyPoll | None = None) -> None:
         self.service = service
+        self.busy = busy  # keeps the loop awake a moment after answers (emsd.transport.busypoll)
+        self._fd = -1
         self.session = session
         self.decoder = FrameDecoder()
         self.transport: asyncio.Transport | None = None
@@ -78,6 +82,8 @@ class ControlProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
 
     def silent(self, now: float) -> float:
         """Seconds the client has been silent with no request of its in flight (0 while one is)."""
@@ -139,6 +145,8 @@ class ControlProtocol(asyncio.Protocol):
                 out += encode_parts(resp, *parts)
         if out:
             self.transport.writelines(out)
+        if self.busy is not None:
+            self.busy.after_answer(self._fd)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -166,6 +174,8 @@ class ControlProtocol(asyncio.Protocol):
     def _write(self, resp: dict[str, Any], parts: list[bytes]) -> None:
         if not self._closed and self.transport is not None:
             self.transport.writelines(encode_parts(resp, *parts))
+            if self.busy is not None:
+                self.busy.after_answer(self._fd)
 
     def _refuse(self, exc: FrameError) -> None:
         assert self.transport is not None
@@ -196,10 +206,12 @@ class UnixControlServer:
     def __init__(self, path: Path, mode: int, pool_fd: Callable[[], int | None],
                  service: Callable[[], Service | None], on_count: Callable[[int], None],
                  allowed: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), lease: float = 0.0,
-                 on_expired: Callable[[], None] = lambda: None) -> None:
+                 on_expired: Callable[[], None] = lambda: None, busy_poll: float = 0.0) -> None:
         """``lease``: seconds a connection may stay silent with no request in flight before it
         is closed, releasing its pins, reservations and grants (``node.client_lease``; 0: never);
-        ``on_expired`` is called for each one."""
+        ``on_expired`` is called for each one. ``busy_poll``: seconds the loop polls the
+        connections it has just answered before it sleeps (``node.busy_poll``; 0: never)."""
+        self.busy = BusyPoll(busy_poll) if busy_poll > 0 else None
         self.path = path
         self.mode = mode
         self.allowed_uids, self.allowed_gids = allowed  # both empty: whoever can open the socket
@@ -319,7 +331,7 @@ class UnixControlServer:
             conn.close()
             return
         transport, proto = await loop.connect_accepted_socket(
-            lambda: ControlProtocol(service, session, self._closed), conn)
+            lambda: ControlProtocol(service, session, self._closed, self.busy), conn)
         self._conns.add(proto)
         self._on_count(len(self._conns))
 

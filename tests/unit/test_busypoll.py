@@ -1,0 +1,70 @@
+"""Busy polling after answers (daemon) and while waiting for one (SDK): settings and behaviour."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+from ems.client import BUSY_POLL_DEFAULT_US, BUSY_POLL_ENV, busy_poll_budget
+from emsd.config import ConfigError, config_from_dict
+from emsd.transport.busypoll import BusyPoll
+
+
+async def test_the_poll_ends_when_an_answered_connection_has_a_request() -> None:
+    a, b = socket.socketpair()
+    try:
+        busy = BusyPoll(5.0)  # long: only the request can end it
+        threading.Timer(0.02, b.send, (b"next request",)).start()
+        busy.after_answer(a.fileno())
+        busy.after_answer(a.fileno())  # twice in one turn of the loop: one poll
+        await asyncio.sleep(0)  # the loop runs the poll
+        assert (busy.spins, busy.idle) == (1, 0)
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_the_poll_gives_up_after_its_budget_and_forgets_its_connections() -> None:
+    a, b = socket.socketpair()
+    try:
+        busy = BusyPoll(0.001)
+        busy.after_answer(a.fileno())
+        await asyncio.sleep(0)
+        assert (busy.spins, busy.idle) == (0, 1)
+        b.send(b"later")  # the connection is no longer polled: a new answer registers it again
+        busy.after_answer(a.fileno())
+        await asyncio.sleep(0)
+        assert (busy.spins, busy.idle) == (1, 1)
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_no_budget_no_poll() -> None:
+    busy = BusyPoll(0.0)
+    busy.after_answer(3)
+    await asyncio.sleep(0)
+    assert (busy.spins, busy.idle) == (0, 0)
+
+
+@pytest.mark.parametrize(("value", "us"), [(None, BUSY_POLL_DEFAULT_US), ("0", 0), ("200", 200),
+                                           ("10000", 10_000), ("10001", BUSY_POLL_DEFAULT_US),
+                                           ("-5", BUSY_POLL_DEFAULT_US), ("fast", BUSY_POLL_DEFAULT_US)])
+def test_the_sdk_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, value: str | None,
+                                                   us: int) -> None:
+    if value is None:
+        monkeypatch.delenv(BUSY_POLL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(BUSY_POLL_ENV, value)
+    assert busy_poll_budget() == us / 1e6
+
+
+def test_the_daemon_budget_is_read_and_checked() -> None:
+    assert config_from_dict({}).node.busy_poll == 50
+    assert config_from_dict({"node": {"busy_poll": 0}}).node.busy_poll == 0
+    for bad in (-1, 10_001, 1.5, True, "50"):
+        with pytest.raises(ConfigError, match="node.busy_poll"):
+            config_from_dict({"node": {"busy_poll": bad}})
