@@ -14,10 +14,17 @@ and exists:
 - after: from that answer to the return (a load's copy out and its
   RELEASE; a save's request for more granted chunks).
 
+The whole call is also measured with busy polling off on both sides
+(``node.busy_poll = 0``, ``EMS_BUSY_POLL_US=0``): both then sleep while they
+wait, as before 2026-11-25.
+
 And in the same run, the references:
 
-- a raw Unix-socket echo of 100 bytes with the server in another process:
-  the floor of any round trip here;
+- a raw Unix-socket echo of 100 bytes with the server in another process,
+  both sides sleeping in ``recv`` (what memcached or Redis clients pay), and
+  the same echo with both sides polling first for as long as emsd and the
+  SDK do (``node.busy_poll``, ``EMS_BUSY_POLL_US``): the floor of any round
+  trip here;
 - the daemon's handling of the same requests without sockets
   (``Service.handle`` in this process, on a store of the daemon's default
   eviction policy): back to back ("hot"), and each after an 8 MiB copy
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -48,6 +56,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sdk import SHM, connect, echo_p50_process, start_daemon, stop  # noqa: E402
+
+from ems.client import BUSY_POLL_ENV, busy_poll_budget  # noqa: E402
+from emsd.config import NodeConfig  # noqa: E402
+
+DAEMON_POLL_US = NodeConfig().busy_poll  # the daemon bench_sdk starts keeps the default
+
+
+def busy_poll_budget_us() -> int:
+    """The SDK's busy poll as this process was started (``EMS_BUSY_POLL_US``), in microseconds."""
+    return _SDK_POLL_US
+
+
+_SDK_POLL_US = round(busy_poll_budget() * 1e6)
 
 OPS = ("save", "load", "exists")
 PAGE = 64 << 20
@@ -94,14 +115,18 @@ def split(t0: float, t1: float, marks: list[tuple[str, float]]) -> tuple[float, 
     return t1 - t0, sends[0] - t0, answered - sends[0], t1 - answered
 
 
-def bench_sdk_calls(size: int, n: int) -> dict[str, dict[str, float]]:
-    """p50 microseconds of each op's whole call and its three parts, after a warm-up pass."""
+def bench_sdk_calls(size: int, n: int, poll: bool = True) -> dict[str, dict[str, float]]:
+    """p50 microseconds of each op's whole call and its three parts, after a warm-up pass;
+    ``poll`` false: with busy polling off on both sides (``node.busy_poll = 0``,
+    ``EMS_BUSY_POLL_US=0``)."""
     from ems import Ems
 
     buf = np.ones(2 * n * size, dtype=np.uint8)
     out: dict[str, dict[str, float]] = {}
+    os.environ[BUSY_POLL_ENV] = str(busy_poll_budget_us()) if poll else "0"
     with tempfile.TemporaryDirectory(dir=SHM) as tmp:  # tmpfs: the pool file lives here
-        proc, sock_dir = start_daemon(Path(tmp), f"{pool_bytes(size, n) >> 20}MiB", f"{PAGE >> 20}MiB")
+        proc, sock_dir = start_daemon(Path(tmp), f"{pool_bytes(size, n) >> 20}MiB", f"{PAGE >> 20}MiB",
+                                      node="" if poll else "busy_poll = 0\n")
         try:
             cc = connect(sock_dir)
             cc.register_kvcache([[buf.reshape(2 * n, 1, size)]])
@@ -192,21 +217,28 @@ def main() -> None:
     args = ap.parse_args()
     if not 4096 <= args.size <= 8 << 20 or not 10 <= args.n <= 100_000 or args.size * args.n > 4 << 30:
         ap.error("--size must be 4 KiB..8 MiB, --n 10..100000, and --size times --n at most 4 GiB")
+    print(f"[latency] {args.n} calls of each op through the SDK, busy polling off ...", file=sys.stderr)
+    sleeping = bench_sdk_calls(args.size, args.n, poll=False)
     print(f"[latency] {args.n} calls of each op through the SDK ...", file=sys.stderr)
     sdk = bench_sdk_calls(args.size, args.n)
     print("[latency] the same requests on Service.handle in this process ...", file=sys.stderr)
     handler = bench_handler(args.size, args.n)
     echo = echo_p50_process(args.n) * 1e6
+    polled = echo_p50_process(args.n, (DAEMON_POLL_US, busy_poll_budget_us())) * 1e6
     if args.json:
-        print(json.dumps({"size": args.size, "echo_us": echo, "sdk": sdk, "handler": handler}, indent=2))
+        print(json.dumps({"size": args.size, "echo_us": echo, "echo_polling_us": polled, "sdk": sdk,
+                          "sdk_no_busy_poll": sleeping, "handler": handler}, indent=2))
         return
-    print(f"single {args.size >> 10} KiB blocks, p50 us; raw Unix echo {echo:.0f} us")
-    print("| op | call | before send | round trip | after | round trip / echo | handler hot | handler cold |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"single {args.size >> 10} KiB blocks, p50 us; raw Unix echo {echo:.0f} us sleeping, "
+          f"{polled:.0f} us polling")
+    print("| op | call | before send | round trip | after | call / echo (sleeping, polling) "
+          "| call without busy polling | handler hot | handler cold |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for op in OPS:
         c, h = sdk[op], handler[op]
         print(f"| {op} | {c['call']:.0f} | {c['before']:.0f} | {c['trip']:.0f} | {c['after']:.0f} "
-              f"| {c['trip'] / echo:.1f}x | {h['hot']:.0f} | {h['cold']:.0f} |")
+              f"| {c['call'] / echo:.1f}x, {c['call'] / polled:.1f}x | {sleeping[op]['call']:.0f} "
+              f"| {h['hot']:.0f} | {h['cold']:.0f} |")
 
 
 if __name__ == "__main__":

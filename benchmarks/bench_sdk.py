@@ -22,6 +22,7 @@ import argparse
 import ctypes
 import json
 import os
+import select
 import signal
 import socket
 import statistics
@@ -43,13 +44,14 @@ NUM_BLOCKS, BATCH = 160, 64
 BLOCK_BYTES = LAYERS * 2 * BLOCK_TOKENS * HEADS * DIM * 2  # 2 MiB
 
 
-def start_daemon(workdir: Path, pool: str, page: str) -> tuple[subprocess.Popen[bytes], Path]:
+def start_daemon(workdir: Path, pool: str, page: str, node: str = "") -> tuple[subprocess.Popen[bytes], Path]:
+    """A standalone emsd in ``workdir``; ``node``: more lines of its ``[node]`` table."""
     sock_dir = workdir / "sock"
     cfg = workdir / "emsd.toml"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg.write_text(f'[node]\nid = "bench"\nsocket_dir = "{sock_dir}"\n'
+    cfg.write_text(f'[node]\nid = "bench"\nsocket_dir = "{sock_dir}"\n{node}'
                    f'[pool]\nsize = "{pool}"\nhugepages = "auto"\npage_size = "{page}"\n'
                    f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n')
     proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(cfg)], cwd=ROOT)
@@ -129,25 +131,38 @@ def bench_throughput(rounds: int) -> dict[str, float]:
             "ratio_vs_reference": gbps(t_sdk) / gbps(t_ref), "ratio_vs_memmove": gbps(t_sdk) / gbps(t_mm)}
 
 
-def echo_p50_process(n: int) -> float:
-    """Raw echo with the server in another process (no shared GIL)."""
+def echo_p50_process(n: int, poll_us: tuple[int, int] = (0, 0)) -> float:
+    """Raw echo with the server in another process (no shared GIL). ``poll_us``: (server,
+    client) microseconds each side polls its socket before it sleeps in ``recv``, as emsd's
+    loop and the SDK do (``node.busy_poll``, ``EMS_BUSY_POLL_US``); (0, 0): both sleep."""
     code = (
-        "import socket,sys\n"
+        "import socket,sys,select,time\n"
         "s=socket.socket(socket.AF_UNIX);s.bind(sys.argv[1]);s.listen(1);print('up',flush=True)\n"
-        "c,_=s.accept()\n"
-        "while (d:=c.recv(4096)): c.sendall(d)\n"
+        "c,_=s.accept();p=select.poll();p.register(c,select.POLLIN);budget=int(sys.argv[2])/1e6\n"
+        "while True:\n"
+        "    end=time.perf_counter()+budget\n"
+        "    while budget and not p.poll(0) and time.perf_counter()<end: pass\n"
+        "    d=c.recv(4096)\n"
+        "    if not d: break\n"
+        "    c.sendall(d)\n"
     )
     with tempfile.TemporaryDirectory(dir=SHM) as tmp:  # tmpfs: the pool file lives here
         path = str(Path(tmp) / "echo.sock")
-        proc = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([sys.executable, "-c", code, path, str(poll_us[0])], stdout=subprocess.PIPE,
+                                text=True)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
         c = socket.socket(socket.AF_UNIX)
         c.connect(path)
+        poller = select.poll()
+        poller.register(c, select.POLLIN)
         msg = b"x" * 100
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
             c.sendall(msg)
+            end = t0 + poll_us[1] / 1e6
+            while poll_us[1] and not poller.poll(0) and time.perf_counter() < end:
+                pass
             got = 0
             while got < 100:
                 got += len(c.recv(4096))
