@@ -180,7 +180,7 @@ class Daemon:
             raise StartupError(str(exc)) from None
         assert self._pool_view is not None
         access = PoolAccess(store, self._pool_view, service.namespace_id, service.checksums,
-                            service.drop_namespace, quota=service.fit_quota)
+                            service.drop_namespace, quota=service)
         rdma, why = await asyncio.get_running_loop().run_in_executor(None, self._open_rdma, self._pool_view)
         cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret, metrics=self.metrics,
                           rdma=rdma, rdma_reason=why, tls=tls)
@@ -324,7 +324,7 @@ class Daemon:
                  self.disk.outcome, self.disk.restored,
                  "O_DIRECT" if self.disk.data.direct else self.disk.data.reason)
         return TierStack(store, self.disk, self._pool_view, service.namespace_name, service.checksums,
-                         service.fit_quota)
+                         service)
 
     def _disk_stats(self) -> TierStats:
         if self.disk is None:

@@ -753,6 +753,12 @@ class Service:
                               int((res.status == SlotStatus.FAILED).sum()), "put")
         return {"n": n}, [np.asarray(res.status, dtype=np.uint8).tobytes()]
 
+    def hold_quota(self, ns: int, nbytes: int) -> None:
+        """Namespace ``ns``'s tenant holds ``nbytes`` more (or, negative, fewer) bytes reserved
+        without a session here: blocks a peer is sending or a promotion is reading
+        (``PoolAccess.reserve``), counted by its quota until committed or aborted."""
+        self._hold(Tenants.tenant_of(self.namespace_name(ns)), nbytes)
+
     def fit_quota(self, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
         """How many leading blocks of ``keys`` (``sizes`` bytes) this node may store for
         namespace ``ns``'s tenant, after evicting that tenant's own LRU blocks: the

@@ -25,14 +25,32 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from emsd.config import ConfigError, check_private, parse_size
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from emsd.pool.keys import KeyBatch
 
 _ID = re.compile(r"[0-9a-z._@-]{1,512}")
 _KEY = re.compile(r"[0-9A-Za-z+/=]{32,256}")
 DEFAULT = ""  # the default tenant's id
 PREFIX = "tenant:"  # daemon-side namespace names of a tenant: "tenant:<id>/<name as sent>"
+
+
+class Quota(Protocol):
+    """Tenants' quotas as the paths that store bytes without a client session need them (the
+    peer transport, the disk tier's promotions): ``emsd.service.Service`` is one."""
+
+    def fit_quota(self, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
+        """How many leading blocks fit namespace ``ns``'s tenant's quota (evicting its own)."""
+        ...
+
+    def hold_quota(self, ns: int, nbytes: int) -> None:
+        """``ns``'s tenant holds ``nbytes`` more (negative: fewer) bytes reserved, uncommitted."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from emsd.pool.checksum import Checksums
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore, Reservation
 from emsd.pool.store import Status as SlotStatus
+from emsd.tenants import Quota
 from emsd.tier.disk import DiskEntry, DiskTier, worth_demoting
 
 log = logging.getLogger("emsd.tier")
@@ -51,9 +52,9 @@ class TierStack:
 
     def __init__(self, store: BlockStore, disk: DiskTier, pool: memoryview,
                  ns_name: Callable[[int], str], checksums: Checksums | None = None,
-                 quota: Callable[[int, KeyBatch, np.ndarray], int] | None = None) -> None:
+                 quota: Quota | None = None) -> None:
         self.store = store
-        self.quota = quota  # Service.fit_quota: promoted blocks count against their tenant's quota
+        self.quota = quota  # the Service: promoted blocks count against their tenant's quota
         self.disk = disk
         self.pool = pool
         self.ns_name = ns_name
@@ -155,14 +156,26 @@ class TierStack:
         head = self.store.pin(ns, keys.take(slice(0, count))) if count else None
         try:
             sizes = np.array([e.length for e in held], dtype=np.uint64)
-            fit = len(wanted) if self.quota is None else self.quota(ns, wanted, sizes)
-            return self.store.reserve(ns, wanted.take(slice(0, fit)), sizes[:fit]).padded(len(wanted))
+            if self.quota is None:
+                return self.store.reserve(ns, wanted, sizes)
+            fit = self.quota.fit_quota(ns, wanted, sizes)
+            res = self.store.reserve(ns, wanted.take(slice(0, fit)), sizes[:fit]).padded(len(wanted))
+            reading = int(sizes[res.status == _NEW].sum())
+            if reading:  # until _settle: reads in flight count against the quota
+                self.quota.hold_quota(ns, reading)
+            return res
         finally:
             if head is not None:
                 self.store.release(head.handles)
 
     def _settle(self, ok: list[int], bad: list[int]) -> None:
-        """Commit the promoted blocks that read right, abort the rest."""
+        """Commit the promoted blocks that read right, abort the rest; their quota hold ends."""
+        if self.quota is not None and (ok or bad):
+            ended = np.array(ok + bad, dtype=np.uint32)
+            idx = self.store.index
+            for ns in np.unique(idx.ns_of(ended)).tolist():
+                mine = ended[idx.ns_of(ended) == ns]
+                self.quota.hold_quota(int(ns), -int(idx.length[mine].sum(dtype=np.int64)))
         if ok:
             h = np.array(ok, dtype=np.uint32)
             if self.checksums is not None:

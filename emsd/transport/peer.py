@@ -78,6 +78,7 @@ from emsd.pool.checksum import Checksums
 from emsd.pool.keys import KeyBatch, KeyError_
 from emsd.pool.store import BlockStore, Pinned, Reservation
 from emsd.pool.store import Status as SlotStatus
+from emsd.tenants import Quota
 from emsd.transport.frames import (
     MAX_BATCH_KEYS,
     PREFIX,
@@ -175,19 +176,33 @@ class PoolAccess:
     checksums: Checksums | None = None  # pool.checksum: seal what arrives, check what leaves
     drop_namespace: Callable[[str], int] | None = None  # name -> blocks evicted (None: refused)
     tiers: TierStack | None = None  # the disk tier ([disk]): GET promotes, HAS counts what is on disk
-    quota: Callable[[int, KeyBatch, np.ndarray], int] | None = None  # Service.fit_quota (None: no quotas)
+    quota: Quota | None = None  # the Service: tenants' quotas (None: none)
 
     def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray, copy: bool) -> Reservation:
         """``store.reserve`` for blocks that arrive from a peer: its forwarded save or replica
         (``copy`` false), or copies this node fetched (``copy``: they evict only other
-        copies, see ``BlockStore``). Within the tenant quota of ``ns`` (``quota``: the
-        leading keys that fit, after evicting that tenant's own blocks), the keys past it
-        FAILED. Every path that stores a tenant's bytes on this node goes through a quota
-        check: a client's save in ``Service``, the rest here."""
-        fit = len(keys) if self.quota is None else self.quota(ns, keys, sizes)
-        if fit == len(keys):
+        copies, see ``BlockStore``). Within the tenant quota of ``ns`` (``quota.fit_quota``:
+        the leading keys that fit, after evicting that tenant's own blocks), the keys past it
+        FAILED; the NEW blocks count against the quota from now on (``quota.hold_quota``),
+        so that parts of one transfer arriving side by side cannot each fill it. End them
+        with ``commit`` or ``abort``. Every path that stores a tenant's bytes on this node
+        goes through a quota check: a client's save in ``Service``, the rest here."""
+        if self.quota is None:
             return self.store.reserve(ns, keys, sizes, copy=copy)
-        return self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], copy=copy).padded(len(keys))
+        fit = self.quota.fit_quota(ns, keys, sizes)
+        if fit == len(keys):
+            res = self.store.reserve(ns, keys, sizes, copy=copy)
+        else:
+            res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], copy=copy).padded(len(keys))
+        held = int(sizes[res.status == SlotStatus.NEW].sum())
+        if held:
+            self.quota.hold_quota(ns, held)
+        return res
+
+    def abort(self, handles: np.ndarray) -> int:
+        """``store.abort`` of blocks reserved by ``reserve`` that did not arrive."""
+        self._unhold(handles)
+        return self.store.abort(handles)
 
     def pin(self, ns: int, keys: KeyBatch) -> Pinned:
         """``store.pin``, cut before the first block whose checksum fails."""
@@ -195,10 +210,19 @@ class PoolAccess:
         return pinned if self.checksums is None else self.checksums.verified(pinned)
 
     def commit(self, handles: np.ndarray) -> int:
-        """``store.commit`` of blocks written into the pool, sealed first (checksums on)."""
+        """``store.commit`` of blocks ``reserve`` placed and the peer wrote, sealed first
+        (checksums on); their quota hold ends (they count as committed bytes now)."""
         if self.checksums is not None:
             self.checksums.seal(handles)
+        self._unhold(handles)
         return self.store.commit(handles)
+
+    def _unhold(self, handles: np.ndarray) -> None:
+        """End the quota hold of PENDING blocks ``handles`` (all of one namespace: one reserve)."""
+        if self.quota is None or handles.size == 0:
+            return
+        idx = self.store.index
+        self.quota.hold_quota(int(idx.ns_of(handles[:1])[0]), -int(idx.length[handles].sum(dtype=np.int64)))
 
 
 # -- framing over a raw non-blocking socket ------------------------------------
@@ -467,7 +491,6 @@ async def _receive_blocks(sock: socket.socket, access: PoolAccess, ns: int, keys
     read off the socket into ``scratch`` and dropped, keeping the stream in
     step. A failure mid-stream aborts what was reserved.
     """
-    store = access.store
     res = access.reserve(ns, keys, lengths, copy)
     new = np.flatnonzero(res.status == SlotStatus.NEW)
     views: list[memoryview] = []
@@ -480,7 +503,7 @@ async def _receive_blocks(sock: socket.socket, access: PoolAccess, ns: int, keys
     try:
         await _bulk(sock, _recv_views, views)
     except BaseException:
-        store.abort(res.handles[new])
+        access.abort(res.handles[new])
         raise
     access.commit(res.handles[new])
     failed = np.flatnonzero(res.status == SlotStatus.FAILED)

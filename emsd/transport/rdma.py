@@ -263,7 +263,7 @@ class RdmaServing:
         status, handles = self._reserved.pop(self._token(header, self._reserved))
         new = handles[status == SlotStatus.NEW]
         if header.get("ok") is not True:
-            self.access.store.abort(new)
+            self.access.abort(new)
             return {"stored": 0}, b""
         self.access.commit(new)
         failed = np.flatnonzero(status == SlotStatus.FAILED)
@@ -277,7 +277,7 @@ class RdmaServing:
         for handles in self._pins.values():
             store.release(handles)
         for status, handles in self._reserved.values():
-            store.abort(handles[status == SlotStatus.NEW])
+            self.access.abort(handles[status == SlotStatus.NEW])
         self._pins.clear()
         self._reserved.clear()
 
@@ -417,7 +417,6 @@ class SelectingLink:
             raise PeerError(f"PIN answer from {self.peer_id} is malformed")
         offsets = np.frombuffer(body[: 8 * count], dtype="<u8").astype(np.uint64)
         lengths = np.frombuffer(body[8 * count :], dtype="<u8").astype(np.uint64)
-        store = self.access.store
         res = self.access.reserve(self.access.namespace_id(ns_name), keys.take(slice(0, count)), lengths,
                                   copy=True)
         new = np.flatnonzero(res.status == SlotStatus.NEW)
@@ -425,13 +424,13 @@ class SelectingLink:
             await self._move(Opcode.READ, res.offsets[new], offsets[new], lengths[new])
         except (RdmaError, ValueError) as exc:  # ValueError: a plan that does not fit the regions
             self._drop_qp()
-            store.abort(res.handles[new])
+            self.access.abort(res.handles[new])
             await self.tcp.call(OP_RDMA_UNPIN, {"tok": tok})
             self._fell_back(str(exc))
             return None
         except BaseException:
             self._drop_qp()
-            store.abort(res.handles[new])
+            self.access.abort(res.handles[new])
             self.tcp.close()  # the owner releases the pin with the connection
             raise
         self.access.commit(res.handles[new])

@@ -31,8 +31,7 @@ class Node:
         self.store = BlockStore(POOL, PAGE)
         self.names: dict[str, int] = {}
         self.service = None if tenants is None else Service(self.store, name, "test", Metrics(), tenants)
-        quota = None if self.service is None else self.service.fit_quota
-        self.access = PoolAccess(self.store, memoryview(self.mem), self.ns, quota=quota)
+        self.access = PoolAccess(self.store, memoryview(self.mem), self.ns, quota=self.service)
 
     def ns(self, name: str) -> int:
         if self.service is not None:  # the daemon's own namespace table, which knows tenants
@@ -152,6 +151,8 @@ async def test_blocks_from_a_peer_count_against_their_tenants_quota_both_ways() 
         assert a.store.ns_bytes(a.ns(mine)) <= 1 << 20
         assert a.read(theirs, [1]) == other  # never touched by team-b's quota
         assert a.store.stats().pending == 0
+        assert a.service is not None  # every hold on the quota ended with its transfer
+        assert a.service._quota_held("team-b") == a.store.ns_bytes(a.ns(mine))
     finally:
         get.close()
         put.close()

@@ -14,6 +14,10 @@ one. The run ends with a sweep over everything every tenant committed.
 Shown: 0 cross-tenant reads, 0 cross-tenant exists, 0 overwrites, every
 forgery refused, and each quota tenant never holding more than its quota.
 The counts are printed (pytest -s); the seed is printed on failure.
+
+The cluster case runs the same attack over two nodes joined through a real
+ZooKeeper, each tenant connected to both: saves are forwarded to their
+owners and loads fetch copies, and the quotas must hold on each node.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import hashlib
 import json
 import random
 import struct
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -32,6 +38,9 @@ import pytest
 from ems import EmsErrorCode, EmsException
 from ems.client import DaemonClient
 from emsd.transport.frames import Op
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import zk  # noqa: E402
 
 SEED = 20261123
 STEPS = 2500
@@ -60,12 +69,12 @@ def writer_of(data: bytes) -> tuple[str, str, int]:
 class Actor:
     """One tenant's connection, its namespace ids, and what it committed (per namespace name)."""
 
-    def __init__(self, sock: Path, tenant: str) -> None:
+    def __init__(self, sock: Path, tenant: str, committed: dict[str, set[int]]) -> None:
         self.tenant = tenant
         self.client = DaemonClient(sock)
         self.client.connect({} if tenant == DEFAULT else {"access_id": tenant, "access_key": KEYS[tenant]})
         self.ns: dict[str, int] = {}
-        self.committed: dict[str, set[int]] = {}
+        self.committed = committed  # the tenant's, shared by its connections to every node
 
     def open(self, name: str) -> int | None:
         """The namespace id of ``name``, or None if the daemon refused the name."""
@@ -82,15 +91,22 @@ class Actor:
 
 
 class Run:
-    def __init__(self, sock: Path, seed: int) -> None:
-        self.sock = sock
+    """The attack run over one daemon, or over the nodes of a cluster (``socks``: one each): every
+    tenant then has a connection to every node and each step goes through one of them."""
+
+    def __init__(self, socks: list[Path], seed: int) -> None:
+        self.socks = socks
         self.rng = random.Random(seed)
-        self.actors = {t: Actor(sock, t) for t in ACTORS}
+        committed: dict[str, dict[str, set[int]]] = {t: {} for t in ACTORS}
+        self.nodes = [{t: Actor(sock, t, committed[t]) for t in ACTORS} for sock in socks]
+        self.actors = self.nodes[0]
         self.counts: Counter[str] = Counter()
         self.held_max: dict[str, int] = {t: 0 for t in QUOTA}
 
     def step(self) -> None:
-        actor = self.actors[self.rng.choice(ACTORS)]
+        tenant = self.rng.choice(ACTORS)
+        node = self.rng.randrange(len(self.nodes)) if len(self.nodes) > 1 else 0
+        actor = self.nodes[node][tenant]
         kind = self.rng.choices(["save", "load", "exists", "hello", "ns_guess", "handle"],
                                 [6, 5, 4, 1, 1, 1])[0]
         self.counts[kind] += 1
@@ -190,7 +206,7 @@ class Run:
             {"access_id": victim, "access_key": None},
             {"access_id": victim, "access_key": list(KEYS[victim])},
         ])
-        intruder = DaemonClient(self.sock)
+        intruder = DaemonClient(self.rng.choice(self.socks))
         try:
             intruder.connect(forged, timeout=5)
         except EmsException as exc:
@@ -227,59 +243,82 @@ class Run:
             self.counts["forged_handles_accepted"] += 1
 
     def held(self, a: Actor) -> int:
-        """Bytes of ``a``'s blocks present now (each counted once, by EXISTS on one key)."""
+        """Bytes of ``a``'s tenant's blocks on ``a``'s node now (each counted once, by EXISTS on
+        one key of this node only): what the node's quota bounds."""
         present = 0
         for name, keys in a.committed.items():
-            ns = a.ns[name]
+            ns = a.open(name)
+            assert ns is not None
             for key in sorted(keys):
-                answer, _ = a.call(Op.EXISTS, {"ns": ns, "n": 1, "kt": 0}, struct.pack("<Q", key))
+                answer, _ = a.call(Op.EXISTS, {"ns": ns, "n": 1, "kt": 0, "lo": True}, struct.pack("<Q", key))
                 present += int(answer["count"])
         return present * BLOCK
 
     def check_quota(self, a: Actor) -> None:
-        held = self.held(a)
-        self.held_max[a.tenant] = max(self.held_max[a.tenant], held)
-        if held > QUOTA[a.tenant]:
-            self.counts["quota_breaches"] += 1
+        """The tenant's quota holds on every node (each counts what it holds for the tenant)."""
+        for node in self.nodes:
+            held = self.held(node[a.tenant])
+            self.held_max[a.tenant] = max(self.held_max[a.tenant], held)
+            if held > QUOTA[a.tenant]:
+                self.counts["quota_breaches"] += 1
 
     def close(self) -> None:
-        for a in self.actors.values():
-            a.client.close()
+        for node in self.nodes:
+            for a in node.values():
+                a.client.close()
 
     def sweep(self) -> None:
-        """Load back everything every tenant committed: what is present must be the tenant's own."""
-        for a in self.actors.values():
-            for name, keys in a.committed.items():
-                for key in sorted(keys):
-                    self.load(a, name, [key])
+        """Load back everything every tenant committed, through every node: what is present
+        must be the tenant's own."""
+        for node in self.nodes:
+            for a in node.values():
+                for name, keys in a.committed.items():
+                    for key in sorted(keys):
+                        self.load(a, name, [key])
 
 
 @pytest.fixture
-def daemon(emsd_factory: Any, tmp_path: Path) -> Any:
+def tenants_file(tmp_path: Path) -> Path:
     f = tmp_path / "tenants.toml"
     f.write_text("".join(f'[[tenant]]\naccess_id = "{t}"\naccess_key = "{k}"\n'
                          + (f"quota = {QUOTA[t]}\n" if t in QUOTA else "") + "\n" for t, k in KEYS.items()))
     f.chmod(0o600)
-    return emsd_factory(tenants={"file": str(f), "allow_default": True})
+    return f
 
 
-def test_a_randomized_attack_run_finds_no_cross_tenant_access_and_quotas_hold(daemon: Any) -> None:
-    run = Run(daemon.socket_dir / "emsd.sock", SEED)
+@pytest.fixture
+def daemon(emsd_factory: Any, tenants_file: Path) -> Any:
+    return emsd_factory(tenants={"file": str(tenants_file), "allow_default": True})
+
+
+def attack(socks: list[Path], steps: int) -> Run:
+    """``steps`` random steps and the sweep; the run (closed), its counts printed."""
+    run = Run(socks, SEED)
     try:
-        for _ in range(STEPS):
+        for _ in range(steps):
             run.step()
         run.sweep()
-        st = run.actors["team-a"].call(Op.STATS, {})[0]
+        for node in run.nodes:
+            st = node["team-a"].call(Op.STATS, {})[0]
+            assert st["pinned"] == 0 and st["pending"] == 0
     except BaseException:
         print(f"tenant attack run failed: seed {SEED}, counts {dict(run.counts)}")
         raise
     finally:
         run.close()
+    print(f"\ntenant attack run ({len(socks)} node(s), seed {SEED}, {steps} steps): "
+          f"{dict(sorted(run.counts.items()))}; largest holding of quota tenants: {run.held_max}")
+    return run
+
+
+BREACHES = ("cross_tenant_reads", "cross_tenant_exists", "wrong_bytes", "forged_hellos_accepted",
+            "ns_guesses_accepted", "forged_handles_accepted", "quota_breaches")
+
+
+def test_a_randomized_attack_run_finds_no_cross_tenant_access_and_quotas_hold(daemon: Any) -> None:
+    run = attack([daemon.socket_dir / "emsd.sock"], STEPS)
     c = run.counts
-    print(f"\ntenant attack run (seed {SEED}, {STEPS} steps): {dict(sorted(c.items()))}; "
-          f"largest holding of quota tenants: {run.held_max}")
-    for breach in ("cross_tenant_reads", "cross_tenant_exists", "wrong_bytes", "forged_hellos_accepted",
-                   "ns_guesses_accepted", "forged_handles_accepted", "quota_breaches"):
+    for breach in BREACHES:
         assert c[breach] == 0, f"{breach}: {c[breach]} (seed {SEED})"
     # The run did what it claims: many verified reads, collisions, refusals, and quotas under pressure.
     assert c["blocks_verified"] > 500 and c["exists_hits"] > 100
@@ -288,5 +327,42 @@ def test_a_randomized_attack_run_finds_no_cross_tenant_access_and_quotas_hold(da
     for tenant, quota in QUOTA.items():
         assert quota - BLOCK <= run.held_max[tenant] <= quota  # filled up to the quota, never past it
     assert daemon.metric("emsd_pool_evictions_total", 'reason="quota"') > 0
-    assert st["pinned"] == 0 and st["pending"] == 0
     assert daemon.alive()
+
+
+@pytest.mark.skipif(zk.available() is not None, reason=str(zk.available()))
+def test_the_attack_run_over_a_cluster_finds_no_cross_tenant_access_and_quotas_hold_on_every_node(
+        zookeeper: Any, emsd_factory: Any, tenants_file: Path, tmp_path: Path) -> None:
+    """The same run with every tenant connected to both nodes of a cluster: saves through one
+    node are forwarded to their owners, loads fetch copies, and each node keeps every quota."""
+    secret = tmp_path / "secret"
+    secret.write_text("a-cluster-secret-of-some-length\n")
+    secret.chmod(0o600)
+    nodes = [emsd_factory(start=False, tenants={"file": str(tenants_file), "allow_default": True}, cluster={
+        "name": "t", "zookeeper": zookeeper.hosts, "peer_listen": f"127.0.0.1:{zk.free_port()}",
+        "secret_file": str(secret), "session_timeout": 4}) for _ in range(2)]
+    for d in nodes:
+        d.start()
+    deadline = time.monotonic() + 30
+    while not all(len(stats(d)["members"]) == 2 for d in nodes):
+        assert time.monotonic() < deadline, "the cluster did not form"
+        time.sleep(0.05)
+    run = attack([d.socket_dir / "emsd.sock" for d in nodes], STEPS // 2)
+    c = run.counts
+    for breach in BREACHES:
+        assert c[breach] == 0, f"{breach}: {c[breach]} (seed {SEED})"
+    assert c["blocks_verified"] > 300 and c["exists_hits"] > 50
+    for tenant, quota in QUOTA.items():
+        assert quota - BLOCK <= run.held_max[tenant] <= quota
+    assert sum(d.metric("emsd_peer_blocks_total", f'op="put",peer="{o.sections["node"]["id"]}"')
+               for d, o in (nodes, nodes[::-1])) > 0  # saves crossed to their owners
+    assert all(d.alive() for d in nodes)
+
+
+def stats(d: Any) -> dict[str, Any]:
+    client = DaemonClient(d.socket_dir / "emsd.sock")
+    client.connect({"access_id": "team-a", "access_key": KEYS["team-a"]})
+    try:
+        return client.call(Op.STATS, {}, timeout=5)[0]
+    finally:
+        client.close()

@@ -104,7 +104,7 @@ class SimNode:
         self.store = BlockStore(capacity, PAGE)
         self.service = Service(self.store, node_id, "sim", Metrics())
         self.access = PoolAccess(self.store, memoryview(bytearray(capacity)), self.service.namespace_id,
-                                 quota=self.service.fit_quota)
+                                 quota=self.service)
         cfg = ClusterConfig(name="sim", zookeeper="sim", peer_listen=addr, replicas=params.replicas,
                             vnodes=32, peer_connections=params.peer_connections)
         me = NodeInfo(node_id, addr, capacity, PEER_PROTOCOL)
