@@ -333,7 +333,7 @@ class DaemonClient:
             poller.register(sock, select.POLLIN | select.POLLRDHUP)
         end = time.perf_counter() + self.busy_poll
         while not poller.poll(0) and time.perf_counter() < end:
-            pass
+            os.sched_yield()  # with more runnable threads than cores, the daemon's goes first
 
     def _dispatch(self, header: dict[str, Any], payload: bytes) -> None:
         rid = header.get("id", 0)

@@ -1,5 +1,5 @@
 """Busy polling after answers: the event loop's thread stays awake a few microseconds for the
-next request of the clients it has just answered.
+next request of its clients.
 
 A daemon idle in ``epoll_wait`` is woken by the kernel when a request arrives. On a
 virtual machine that wake-up (an interrupt to a halted virtual CPU) costs tens of
@@ -7,15 +7,17 @@ microseconds: on the 2-core development VM a Unix-socket echo between two proces
 takes 60 us when both sides sleep, 19 us when the server polls for up to 100 us
 before sleeping, and 4 us when both do. A call of the SDK is often followed at once
 by another (a load's RELEASE, a save's GRANT, the next layer's or request's call), so
-after answering, the loop polls the connections it has just answered (``poll`` with
-no timeout, which lets go of the GIL) until one has a request or ``budget`` has passed,
-and only then goes back to ``epoll_wait``. A request that arrives in the window is
-read without a wake-up. The cost is CPU: at most ``budget`` of one core after each
-burst of answers, none when the next request is already waiting. ``node.busy_poll``
-sets it (microseconds; 0 turns it off). The SDK polls its side the same way while
-it waits for an answer (``ems.client``).
+after answering, the loop polls its client connections (``poll`` with no timeout,
+which lets go of the GIL) until one has a request or ``budget`` has passed, and only
+then goes back to ``epoll_wait``. A request that arrives in the window is read
+without a wake-up. The cost is CPU: at most ``budget`` of one core after each burst
+of answers, none while requests keep arriving (the poll ends at the first). Every
+client connection is polled, not only the one answered, so a request of another
+client never waits for the window to close. ``node.busy_poll`` sets the budget
+(microseconds; 0 turns it off). The SDK polls its side the same way while it waits
+for an answer (``ems.client``).
 
-Timers and other sockets wait for at most ``budget`` meanwhile.
+Timers, peer connections and the HTTP endpoint wait for at most ``budget`` meanwhile.
 """
 
 from __future__ import annotations
@@ -36,15 +38,21 @@ class BusyPoll:
         self.spins = 0  # polls that ended with a request waiting
         self.idle = 0  # polls that ran their whole budget
 
-    def after_answer(self, fd: int) -> None:
-        """Connection ``fd`` has just been answered: poll it, with any others answered in the
-        same turn of the loop, once the loop has run its ready callbacks."""
-        if self.budget <= 0 or fd < 0:
-            return
-        if fd not in self._fds:
+    def add(self, fd: int) -> None:
+        """Poll client connection ``fd`` from now on (until ``remove``)."""
+        if fd >= 0 and fd not in self._fds:
             self._fds.add(fd)
             self._poller.register(fd, select.POLLIN | select.POLLRDHUP)
-        if not self._due:
+
+    def remove(self, fd: int) -> None:
+        """Connection ``fd`` is closing: poll it no more."""
+        if fd in self._fds:
+            self._fds.discard(fd)
+            self._poller.unregister(fd)
+
+    def after_answer(self) -> None:
+        """A connection has just been answered: poll once the loop has run its ready callbacks."""
+        if self.budget > 0 and self._fds and not self._due:
             self._due = True
             asyncio.get_running_loop().call_soon(self._spin)
 
@@ -52,15 +60,10 @@ class BusyPoll:
         self._due = False
         end = time.perf_counter() + self.budget
         poll = self._poller.poll
-        try:
-            while True:
-                if poll(0):
-                    self.spins += 1
-                    return
-                if time.perf_counter() >= end:
-                    self.idle += 1
-                    return
-        finally:
-            for fd in self._fds:
-                self._poller.unregister(fd)
-            self._fds.clear()
+        while True:
+            if poll(0):
+                self.spins += 1
+                return
+            if time.perf_counter() >= end:
+                self.idle += 1
+                return

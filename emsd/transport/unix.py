@@ -84,6 +84,8 @@ class ControlProtocol(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
+        if self.busy is not None:
+            self.busy.add(self._fd)
 
     def silent(self, now: float) -> float:
         """Seconds the client has been silent with no request of its in flight (0 while one is)."""
@@ -146,7 +148,7 @@ class ControlProtocol(asyncio.Protocol):
         if out:
             self.transport.writelines(out)
         if self.busy is not None:
-            self.busy.after_answer(self._fd)
+            self.busy.after_answer()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -175,7 +177,7 @@ class ControlProtocol(asyncio.Protocol):
         if not self._closed and self.transport is not None:
             self.transport.writelines(encode_parts(resp, *parts))
             if self.busy is not None:
-                self.busy.after_answer(self._fd)
+                self.busy.after_answer()
 
     def _refuse(self, exc: FrameError) -> None:
         assert self.transport is not None
@@ -186,6 +188,8 @@ class ControlProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        if self.busy is not None:
+            self.busy.remove(self._fd)
         if self._stall is not None:
             self._stall.cancel()
         self.service.close(self.session, expired=self._expired)

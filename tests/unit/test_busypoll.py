@@ -13,41 +13,57 @@ from emsd.config import ConfigError, config_from_dict
 from emsd.transport.busypoll import BusyPoll
 
 
-async def test_the_poll_ends_when_an_answered_connection_has_a_request() -> None:
+async def test_the_poll_ends_when_any_client_connection_has_a_request() -> None:
     a, b = socket.socketpair()
+    c, d = socket.socketpair()
     try:
-        busy = BusyPoll(5.0)  # long: only the request can end it
-        threading.Timer(0.02, b.send, (b"next request",)).start()
-        busy.after_answer(a.fileno())
-        busy.after_answer(a.fileno())  # twice in one turn of the loop: one poll
+        busy = BusyPoll(5.0)  # long: only a request can end it
+        busy.add(a.fileno())
+        busy.add(c.fileno())
+        threading.Timer(0.02, d.send, (b"another client's request",)).start()
+        busy.after_answer()  # a was answered; c's client sends next
+        busy.after_answer()  # twice in one turn of the loop: one poll
         await asyncio.sleep(0)  # the loop runs the poll
         assert (busy.spins, busy.idle) == (1, 0)
     finally:
-        a.close()
-        b.close()
+        for s in (a, b, c, d):
+            s.close()
 
 
-async def test_the_poll_gives_up_after_its_budget_and_forgets_its_connections() -> None:
+async def test_the_poll_gives_up_after_its_budget_and_a_removed_connection_is_not_polled() -> None:
     a, b = socket.socketpair()
+    c, d = socket.socketpair()
     try:
         busy = BusyPoll(0.001)
-        busy.after_answer(a.fileno())
+        busy.add(a.fileno())
+        busy.after_answer()
         await asyncio.sleep(0)
         assert (busy.spins, busy.idle) == (0, 1)
-        b.send(b"later")  # the connection is no longer polled: a new answer registers it again
-        busy.after_answer(a.fileno())
+        busy.add(c.fileno())
+        busy.remove(a.fileno())
+        b.send(b"from a connection that is closing")  # not polled any more
+        busy.after_answer()
         await asyncio.sleep(0)
-        assert (busy.spins, busy.idle) == (1, 1)
+        assert (busy.spins, busy.idle) == (0, 2)
+        d.send(b"request")
+        busy.after_answer()
+        await asyncio.sleep(0)
+        assert (busy.spins, busy.idle) == (1, 2)
     finally:
-        a.close()
-        b.close()
+        for s in (a, b, c, d):
+            s.close()
 
 
-async def test_no_budget_no_poll() -> None:
+async def test_no_budget_or_no_connection_no_poll() -> None:
     busy = BusyPoll(0.0)
-    busy.after_answer(3)
+    busy.add(0)
+    busy.after_answer()
     await asyncio.sleep(0)
     assert (busy.spins, busy.idle) == (0, 0)
+    empty = BusyPoll(1.0)
+    empty.after_answer()
+    await asyncio.sleep(0)
+    assert (empty.spins, empty.idle) == (0, 0)
 
 
 @pytest.mark.parametrize(("value", "us"), [(None, BUSY_POLL_DEFAULT_US), ("0", 0), ("200", 200),
