@@ -150,6 +150,9 @@ class Ledger:
         """Rows for committed entries ``ids`` (fields given per id): body first, then ``state``."""
         if ids.size == 0:
             return
+        if ids.size == 1:  # one block a call: one row, written field by field in the same order
+            self._record_one(int(ids[0]), w0, rest, offset, length, cached, sums)
+            return
         self._ensure(int(ids.max()) + 1)
         rows = self.rows
         rows["state"][ids] = 0
@@ -160,6 +163,20 @@ class Ledger:
         rows["cached"][ids] = cached
         rows["sum"][ids] = sums
         rows["state"][ids] = COMMITTED
+
+    def _record_one(self, i: int, w0: np.ndarray, rest: np.ndarray, offset: np.ndarray,
+                    length: np.ndarray, cached: np.ndarray, sums: np.ndarray | int) -> None:
+        """``record`` of the single entry ``i`` (fields given as one-element arrays)."""
+        self._ensure(i + 1)
+        row = self.rows[i]  # a view of the mapped row
+        row["state"] = 0
+        row["w0"] = w0[0]
+        row["rest"] = rest[0]
+        row["offset"] = offset[0]
+        row["length"] = length[0]
+        row["cached"] = cached[0]
+        row["sum"] = sums if isinstance(sums, int) else sums[0]
+        row["state"] = COMMITTED
 
     def set_cached(self, ids: np.ndarray, cached: np.ndarray) -> None:
         ids = ids[ids < self.rows.size]

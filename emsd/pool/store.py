@@ -1019,22 +1019,27 @@ class BlockStore:
         """Add (sign 1) or remove (sign -1) entries' lengths to their namespaces."""
         if ids.size == 0:
             return
-        nstag = self.index.rest[ids, 6]  # ns << 8 | tag: one namespace when min and max agree
-        if int(nstag.min()) >> 8 == int(nstag.max()) >> 8:
-            totals = {int(nstag[0]) >> 8: int(self.index.length[ids].sum(dtype=np.int64))}
-        else:
-            ns = self.index.ns_of(ids)
-            lengths = self.index.length[ids].astype(np.int64)
-            u, inv = np.unique(ns, return_inverse=True)
-            sums = np.zeros(u.size, dtype=np.int64)
-            np.add.at(sums, inv, lengths)
-            totals = dict(zip(u.tolist(), sums.tolist(), strict=True))
-        for key, total in totals.items():
+        for key, total in self._ns_totals(ids).items():
             left = self._ns_bytes.get(key, 0) + sign * total
             if left:
                 self._ns_bytes[key] = left
             else:
                 self._ns_bytes.pop(key, None)
+
+    def _ns_totals(self, ids: np.ndarray) -> dict[int, int]:
+        """Namespace id -> total length of the entries ``ids`` (at least one) in it."""
+        idx = self.index
+        if ids.size == 1:  # one block a call: scalars, not array reductions
+            i = int(ids[0])
+            return {int(idx.rest[i, 6]) >> 8: int(idx.length[i])}
+        nstag = idx.rest[ids, 6]  # ns << 8 | tag: one namespace when min and max agree
+        if int(nstag.min()) >> 8 == int(nstag.max()) >> 8:
+            return {int(nstag[0]) >> 8: int(idx.length[ids].sum(dtype=np.int64))}
+        ns = idx.ns_of(ids)
+        u, inv = np.unique(ns, return_inverse=True)
+        sums = np.zeros(u.size, dtype=np.int64)
+        np.add.at(sums, inv, idx.length[ids].astype(np.int64))
+        return dict(zip(u.tolist(), sums.tolist(), strict=True))
 
 
 def _leading(ok: np.ndarray) -> int:
