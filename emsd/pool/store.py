@@ -60,14 +60,14 @@ many evictions. Under ``prefix`` a call bounded by its predecessor can stamp
 below entries already queued; those wait for the next scan (the queue is
 the oldest 1/16, so the order is off by at most that much).
 
-A reservation for a copy fetched from another node (``reserve(copy=True)``)
-evicts only other copies (of its class, or a page holding no owned block),
-never a block this node owns, while copies hold at least ``copy_floor``
-bytes; below that it may evict owned blocks like any reservation, so that a
-node whose pool is full of its own blocks still has room to read through
-(``pool.read_cache_share``; 0: a copy never evicts an owned block, and such
-a read misses). Owned blocks keep the rest of the pool: what one node reads
-from others never costs the cluster more than that share of its blocks.
+A reservation for a copy fetched from another node (``reserve(copy=True)``,
+marked a copy from then on) takes from blocks this node owns, by plain LRU
+or a page steal, at most the bytes copies hold below ``copy_floor``, so that
+a node whose pool is full of its own blocks still has room to read through;
+beyond that it evicts only other copies (of its class, or a page whose owned
+blocks fit what is left), or fails: a miss (``pool.read_cache_share``; 0: a
+copy never evicts an owned block). What one node reads from others never
+costs the cluster more than that share of the blocks only it holds.
 
 Grants (``grant``, ``ungrant``, ``reserve(at=...)``): a save of one round
 trip. A client is handed chunks ahead of time, without entries; it writes

@@ -213,8 +213,8 @@ class UnixControlServer:
                  on_expired: Callable[[], None] = lambda: None, busy_poll: float = 0.0) -> None:
         """``lease``: seconds a connection may stay silent with no request in flight before it
         is closed, releasing its pins, reservations and grants (``node.client_lease``; 0: never);
-        ``on_expired`` is called for each one. ``busy_poll``: seconds the loop polls the
-        connections it has just answered before it sleeps (``node.busy_poll``; 0: never)."""
+        ``on_expired`` is called for each one. ``busy_poll``: seconds the loop polls its
+        client connections after answers before it sleeps (``node.busy_poll``; 0: never)."""
         self.busy = BusyPoll(busy_poll) if busy_poll > 0 else None
         self.path = path
         self.mode = mode
