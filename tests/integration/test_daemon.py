@@ -81,6 +81,35 @@ def ns_name() -> str:
     return namespace_name(None, CcConfig(rank_id=0, device_id=0, model_id="m"), "")
 
 
+@pytest.mark.parametrize(("daemon_us", "sdk_us"), [(0, "0"), (0, "200"), (1000, "0")])
+def test_busy_polling_on_either_side_or_neither_changes_no_answer(emsd_factory: Any, monkeypatch: Any,
+                                                                  daemon_us: int, sdk_us: str) -> None:
+    """``node.busy_poll`` and ``EMS_BUSY_POLL_US`` only decide who sleeps while waiting."""
+    d = emsd_factory(node={"busy_poll": daemon_us})
+    monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
+    monkeypatch.setenv("EMS_BUSY_POLL_US", sdk_us)
+    Ems._reset()
+    try:
+        Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+        cc = Ems.get_cc()
+        src = [[torch.randn(32, BLOCK, 16) for _ in range(2)]]
+        cc.register_kvcache(src)
+        def slots(b: int) -> list[int]:
+            return list(range(BLOCK * b, BLOCK * (b + 1)))
+
+        for b in range(32):  # one block a call, as the polls are for
+            assert cc.save(slots(b), hashes=[100 + b], offsets=[BLOCK]).success == 1
+        dst = [[torch.zeros_like(t) for t in layer] for layer in src]
+        cc.register_kvcache(dst)
+        for b in range(32):
+            assert cc.load(slots(b), hashes=[100 + b], offsets=[BLOCK]).success == 1
+            assert cc.exists([100 + b, 999]).success == 1
+        assert all(torch.equal(x, y) for x, y in zip(src[0], dst[0], strict=True))
+    finally:
+        Ems._reset()
+    assert d.alive()
+
+
 def test_healthz_and_metrics_after_a_workload(emsd: Any, monkeypatch: Any) -> None:
     monkeypatch.setenv("EMS_SOCKET_DIR", str(emsd.socket_dir))
     Ems._reset()
