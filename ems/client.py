@@ -50,6 +50,7 @@ BUSY_POLL_ENV = "EMS_BUSY_POLL_US"  # microseconds a call polls for its answer b
 BUSY_POLL_DEFAULT_US = 200
 CONNECT_TIMEOUT = 2.0
 _MADV_POPULATE_WRITE = 23
+_MAP_NORESERVE = 0x4000  # Linux: no swap or hugepage reservation for the mapping
 RECV_BUFFER = 64 * 1024
 
 Late = Callable[[dict[str, Any], bytes], None]
@@ -151,7 +152,10 @@ class DaemonClient:
             raise _error(answer.get("st", Status.INTERNAL), str(answer.get("msg", "HELLO refused")))
         try:
             size = int(answer["pool_size"])
-            self.pool = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_NORESERVE: a tenant's memfd (``sparse``) is as large as the pool but holds only
+            # its tenant's pages, which the daemon has faulted in; no hugepages to reserve here.
+            self.pool = mmap.mmap(fd, size, mmap.MAP_SHARED | _MAP_NORESERVE,
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, KeyError, ValueError) as exc:
             sock.close()
             raise EmsException(EmsErrorCode.EMS_IO_ERROR, f"cannot map the pool: {exc}") from None
@@ -160,7 +164,9 @@ class DaemonClient:
         self.pool_array = np.frombuffer(self.pool, dtype=np.uint8)
         self.pool_addr = int(self.pool_array.ctypes.data)
         self.pool_size = size
-        self._populator = _Populator(self.pool_addr, size)
+        # A sparse mapping is not populated: that would fill the tenant's file with zeroes
+        # where other tenants' blocks are (first touches fault lazily instead).
+        self._populator = None if answer.get("sparse") else _Populator(self.pool_addr, size)
         self.info = answer
         self.sock = sock
         self._poller = None

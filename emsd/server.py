@@ -43,7 +43,9 @@ from emsd.pool.ledger import Geometry, Ledger, LedgerBusy
 from emsd.pool.region import Region
 from emsd.pool.slab import SlabError
 from emsd.pool.store import BlockStore
-from emsd.service import Service
+from emsd.pool.tenancy import TenantMemory, stop_tenant_keeper
+from emsd.service import RETIRED, Service
+from emsd.tenants import DEFAULT as DEFAULT_TENANT
 from emsd.tenants import Tenants
 from emsd.tenants import load as load_tenants
 from emsd.tier.disk import DiskTier, TierStats
@@ -68,11 +70,12 @@ class Daemon:
         self.config = config
         self.metrics = Metrics()
         self.region: Region | None = None
+        self.memory: TenantMemory | None = None  # with tenants: each tenant's own memfd
         self.service: Service | None = None
         self.control = UnixControlServer(
             config.socket_path,
             config.node.socket_mode,
-            pool_fd=lambda: self.region.fd if self.region and self.service else None,
+            pool_fd=self._pool_fd,
             service=lambda: self.service,
             allowed=(config.node.allowed_uids, config.node.allowed_gids),
             on_count=self.metrics.clients.set,
@@ -122,9 +125,13 @@ class Daemon:
         loop = asyncio.get_running_loop()
         region = await loop.run_in_executor(None, self._make_region)
         self.region = region
-        store, names = await loop.run_in_executor(None, self._attach, region)
+        tenants = self._tenants()
+        store, names = await loop.run_in_executor(None, self._attach, region, tenants)
         self._pool_view = memoryview(region.mm)
-        service = Service(store, cfg.node.id, region.kind, self.metrics, self._tenants())
+        service = Service(store, cfg.node.id, region.kind, self.metrics, tenants)
+        if self.memory is not None:
+            service.tenant_group = self.memory.open
+            service.sparse = True
         if cfg.pool.checksum:
             service.checksums = Checksums(store, self._pool_view)
         service.grants = cfg.pool.grants
@@ -205,6 +212,13 @@ class Daemon:
         mode = self.config.cluster.transport
         if mode == "tcp":
             return None, 'cluster.transport is "tcp"'
+        if self.memory is not None:
+            why = ("tenants are configured: pages move between the tenants' memfds, which a "
+                   "registered RDMA memory region cannot follow")
+            if mode == "rdma":
+                raise StartupError(f'cluster.transport: "rdma" with {why} (use "auto" or "tcp")')
+            log.info("transport: TCP only (%s)", why)
+            return None, why
         from emsd.transport.rdma import open_endpoint
 
         c = self.config.cluster
@@ -256,24 +270,50 @@ class Daemon:
         return region
 
     def _store(self, size: int, page: int) -> BlockStore:
-        """An empty store with the configured eviction policy, admission rule and checksums."""
+        """An empty store with the configured eviction policy, admission rule and checksums,
+        its pages bound to tenants' memory (``self.memory``) as they change hands."""
         cfg = self.config.pool
         store = BlockStore(size, page, eviction=cfg.eviction,
                            admission=AdmissionRule(cfg.admit_after, cfg.admit_after_namespaces))
+        if self.memory is not None:
+            store.slabs.on_bind = self.memory.bind
         store.copy_floor = int(size * cfg.read_cache_share)
         if cfg.checksum:
             store.enable_checksums()  # before a warm restart's attach: it restores the digests
         return store
 
-    def _attach(self, region: Region) -> tuple[BlockStore, dict[int, str]]:
+    def _attach(self, region: Region, tenants: Tenants) -> tuple[BlockStore, dict[int, str]]:
         """The store over ``region``: with warm restart, re-indexing what the ledger holds.
 
-        Logs the outcome in one line. A ledger that does not match the pool,
-        or whose rows do not describe a consistent pool, is cleared: the
-        node starts empty rather than serve bytes it cannot vouch for.
+        With tenants, each tenant's memfd is made (or taken back from its
+        keeper) first (``emsd.pool.tenancy``). Logs the outcome in one line.
+        A ledger that does not match the pool, or whose rows do not describe
+        a consistent pool, is cleared: the node starts empty rather than
+        serve bytes it cannot vouch for.
         """
         page = min(self.config.pool.page_size, region.size)
-        store = self._store(region.size, page)
+        if tenants.enabled:
+            self.memory = self._tenant_memory(region, page, tenants)
+        store, names = self._restore(region, self._store(region.size, page), page)
+        if self.memory is not None:
+            self.memory.restore(store.slabs.page_group)
+        return store, names
+
+    def _tenant_memory(self, region: Region, page: int, tenants: Tenants) -> TenantMemory:
+        from emsd.pool.region import RegionError
+
+        persist = self._state_dir() if region.keeper is not None else None
+        try:
+            memory = TenantMemory(region, page, f"emsd-{self.config.node.id}", persist)
+            for tenant in sorted(tenants.by_id):
+                memory.open(tenant)
+        except RegionError as exc:
+            raise StartupError(str(exc)) from None
+        log.info("tenant memory: a memfd per tenant (%d), clients map their own; pages of %d KiB "
+                 "change hands", len(tenants.by_id), page >> 10)
+        return memory
+
+    def _restore(self, region: Region, store: BlockStore, page: int) -> tuple[BlockStore, dict[int, str]]:
         if region.keeper is None:
             if self.config.pool.warm_restart:
                 log.info("warm restart: off for this pool (%s)", region.reason)
@@ -291,7 +331,7 @@ class Daemon:
             outcome = "rebuilt: the pool was new"
         names = ledger.names() if outcome == "attached" else {}
         try:
-            restored = store.attach(ledger, set(names)) if names else 0
+            restored = store.attach(ledger, self._restorable(store, names)) if names else 0
         except SlabError as exc:
             outcome, restored, names = f"rebuilt: inconsistent ledger ({exc})", 0, {}
             store = self._store(region.size, page)
@@ -303,6 +343,33 @@ class Daemon:
         log.info("warm restart: %s; %d blocks restored (%s, ledger %s)", outcome, restored,
                  region.keeper, path)
         return store, names
+
+    def _restorable(self, store: BlockStore, names: dict[int, str]) -> set[int]:
+        """The namespaces of ``names`` whose blocks can come back, their slab groups set: the
+        default tenant's, and those of tenants whose memfd came back from its keeper. The
+        others are renamed ``RETIRED`` in ``names`` (their ids unreachable, as if dropped), and
+        the keepers of tenants no longer configured let their memory go."""
+        keep: set[int] = set()
+        lost: set[str] = set()
+        memory = self.memory
+        for ns, name in names.items():
+            tenant = Tenants.tenant_of(name)
+            if tenant == DEFAULT_TENANT:
+                if memory is None or name != RETIRED:  # a dropped id's blocks: nowhere to map them
+                    keep.add(ns)
+            elif memory is not None and memory.reused.get(tenant):
+                store.set_group(ns, memory.group(tenant))
+                keep.add(ns)
+            else:
+                lost.add(tenant)
+                names[ns] = RETIRED
+        for tenant in lost:
+            if memory is None or tenant not in memory.reused:
+                stop_tenant_keeper(self._state_dir(), f"emsd-{self.config.node.id}", tenant)
+        if lost:
+            log.warning("warm restart: the blocks of %d tenants are not restored (not configured, "
+                        "or their memory did not come back)", len(lost))
+        return keep
 
     def _open_disk(self, store: BlockStore, service: Service) -> TierStack | None:
         """The disk tier of ``[disk]`` under ``store``, or None (logged, said on /readyz and in
@@ -350,6 +417,12 @@ class Daemon:
                  ", and the default tenant" if cfg.allow_default else "")
         return tenants
 
+    def _pool_fd(self, tenant: str) -> int | None:
+        """The memfd a client of ``tenant`` maps, once the daemon serves (else None)."""
+        if self.region is None or self.service is None:
+            return None
+        return self.region.fd if self.memory is None else self.memory.fd(tenant)
+
     def readiness(self) -> str | None:
         """None when ready to serve (pool attached; standalone, or joined to the cluster), else why not."""
         if self.service is None:
@@ -389,6 +462,9 @@ class Daemon:
         if self.ledger is not None:
             self.ledger.close()
             self.ledger = None
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None
         if self.region is not None:
             try:
                 self.region.close()

@@ -143,6 +143,10 @@ class Service:
         self.tenants = tenants or Tenants([])
         self._tenant_ns: dict[str, set[int]] = {}  # namespaces of each tenant (for quotas)
         self._uncommitted: dict[str, int] = {}  # tenant -> its sessions' pending + granted bytes
+        # tenant -> the slab group whose pages hold its blocks (``emsd.pool.tenancy``; 0: the
+        # pool's own memory, everyone's without tenants)
+        self.tenant_group: Callable[[str], int] = lambda tenant: 0
+        self.sparse = False  # clients map a memfd holding their tenant's pages only (HELLO says so)
         self.connection_uncommitted = store.capacity // CONNECTION_UNCOMMITTED_SHARE  # pool.*
         self.node_id = node_id
         self.region_kind = region_kind
@@ -183,7 +187,8 @@ class Service:
         session.authenticated = True
         self.sessions += 1
         return {"node": self.node_id, "pool_size": self.store.stats().capacity,
-                "region": self.region_kind, "server_pid": os.getpid(), "grants": self.grants}
+                "region": self.region_kind, "server_pid": os.getpid(), "grants": self.grants,
+                "sparse": self.sparse}
 
     def handle(self, session: Session, header: dict[str, Any], payload: bytes) -> Response:
         """Answer one request; never raises for bad input (answers with a status)."""
@@ -520,8 +525,7 @@ class Service:
         live = {ns: name for ns, name in names.items() if name != RETIRED}
         self._ns_ids = {name: ns for ns, name in live.items()}
         for ns, name in live.items():
-            self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
-            self.store.name_namespace(ns, name)
+            self._name(ns, name)
         gone = self.store.drop_namespaces([ns for ns in names if ns not in live])
         if gone:
             log.info("warm restart: %d blocks of dropped namespaces evicted", gone)
@@ -544,9 +548,16 @@ class Service:
                 self._ns_names[ns] = name
             else:
                 self._ns_names.append(name)
-            self._tenant_ns.setdefault(Tenants.tenant_of(name), set()).add(ns)
-            self.store.name_namespace(ns, name)
+            self._name(ns, name)
         return ns
+
+    def _name(self, ns: int, name: str) -> None:
+        """Namespace ``ns`` is ``name``: its tenant's, on its tenant's pages, with the admission
+        threshold its name gives."""
+        tenant = Tenants.tenant_of(name)
+        self._tenant_ns.setdefault(tenant, set()).add(ns)
+        self.store.set_group(ns, self.tenant_group(tenant))
+        self.store.name_namespace(ns, name)
 
     def namespace_name(self, ns: int) -> str:
         return self._ns_names[ns]
@@ -709,7 +720,7 @@ class Service:
                    self.connection_uncommitted - s.uncommitted) // chunk
         if room >= need and k:
             room = self._fit_quota_grant(s.tenant, chunk, min(k, room))
-        got = self.store.grant(size, min(k, room) if room >= need else 0)
+        got = self.store.grant(size, min(k, room) if room >= need else 0, self.tenant_group(s.tenant))
         s.granted.update(dict.fromkeys(got.tolist(), chunk))
         s.granted_bytes += chunk * got.size
         return {"k": int(got.size)}, [np.asarray(got, dtype="<u8").tobytes()]

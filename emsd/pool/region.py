@@ -28,7 +28,7 @@ state directory) gets ``RegionBusy`` having touched nothing. A pool file
 ``<name>.pool`` left by an emsd from before the keeper is removed (its
 blocks are not carried over: the first start after the upgrade is cold).
 
-The decision (``_choose``) is apart from the mapping (``_new_memfd``,
+The decision (``_choose``) is apart from the mapping (``new_memfd``,
 ``_map``). ``reason`` says in one line why this kind was chosen, for the
 startup log. ``prefault`` makes the kernel allocate every page up front, so
 that the first save does not pay for page faults and a short host fails at
@@ -109,7 +109,7 @@ class Region:
             kept = region is not None
             if region is None:
                 region = cls._new(size, hugepages, name)
-                kept, why_not = _keep(keeper_path, region.fd)
+                kept, why_not = keep(keeper_path, region.fd)
                 why += why_not
             region.reason += why
             region.keeper = keeper_path if kept else None
@@ -125,7 +125,7 @@ class Region:
         huge_size, reason = _choose(size, hugepages, read_hugepage_info())
         if huge_size is not None:
             try:
-                fd = _new_memfd(name, huge_size, huge=True)
+                fd = new_memfd(name, huge_size, huge=True)
                 return cls("hugetlb", reason, huge_size, fd, _map(fd, huge_size))
             except OSError as exc:
                 if hugepages == "on":
@@ -139,7 +139,7 @@ class Region:
                 )
         shm_size = _round_up(size, mmap.PAGESIZE)
         try:
-            fd = _new_memfd(name, shm_size, huge=False)
+            fd = new_memfd(name, shm_size, huge=False)
             return cls("shm", reason, shm_size, fd, _map(fd, shm_size))
         except OSError as exc:
             raise RegionError(
@@ -159,7 +159,7 @@ class Region:
             pass
         import numpy as np
 
-        step = self._page_size()
+        step = self.page_unit()
         view = np.frombuffer(self.mm, dtype=np.uint8)
         try:
             view[::step] |= 0  # a write faults the page in; |= 0 keeps the data
@@ -186,7 +186,8 @@ class Region:
             os.close(self.lock_fd)
             self.lock_fd = -1
 
-    def _page_size(self) -> int:
+    def page_unit(self) -> int:
+        """The size of the pages backing the region (4 KiB, or the hugepage size)."""
         if self.kind == "hugetlb":
             info = read_hugepage_info()
             return info.page_size if info else mmap.PAGESIZE
@@ -241,7 +242,7 @@ def _choose(size: int, mode: str, info: HugepageInfo | None) -> tuple[int | None
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-def _new_memfd(name: str, size: int, huge: bool) -> int:
+def new_memfd(name: str, size: int, huge: bool) -> int:
     """A new memfd of ``size`` bytes, sealed against any change of size and any further seal;
     raises OSError."""
     flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if huge else 0)
@@ -296,14 +297,29 @@ def _remove_pool_file(path: Path) -> None:
 def _kept(path: Path, size: int, hugepages: str) -> tuple[Region | None, str]:
     """The region the keeper at ``path`` holds, mapped again, if it has one that suits ``size``
     and ``hugepages``; else (None, why not, for the log)."""
+    fd, kind, why = kept_memfd(path, size, hugepages)
+    if fd is None:
+        return None, why
+    st = os.fstat(fd)
+    try:
+        mm = _map(fd, st.st_size)
+    except OSError as exc:
+        return None, f"; the kept pool cannot be mapped ({exc.strerror or exc}): a new pool"
+    return Region(kind, f"kept by {path.name} since an earlier start", st.st_size, fd, mm,
+                  reused=True), ""
+
+
+def kept_memfd(path: Path, size: int, hugepages: str) -> tuple[int | None, str, str]:
+    """(the memfd the keeper at ``path`` holds, its kind, "") if it holds a sealed one that
+    suits ``size`` and ``hugepages``; else (None, "", why not for the log, "" if none is kept)."""
     try:
         fd = keeper.fetch(path)
     except (FileNotFoundError, ConnectionRefusedError):
-        return None, ""
+        return None, "", ""
     except (OSError, keeper.KeeperError) as exc:
-        return None, f"; the keeper did not answer ({exc}): a new pool"
+        return None, "", f"; the keeper did not answer ({exc}): a new pool"
     if fd is None:
-        return None, ""
+        return None, "", ""
     st = os.fstat(fd)
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     info = read_hugepage_info()
@@ -313,17 +329,12 @@ def _kept(path: Path, size: int, hugepages: str) -> tuple[Region | None, str]:
              and hugepages != ("off" if huge else "on"))
     if not suits:
         os.close(fd)
-        return None, (f"; the kept pool ({kind}, {st.st_size} bytes) does not suit pool.size and "
-                      f"pool.hugepages now: a new pool")
-    try:
-        mm = _map(fd, st.st_size)
-    except OSError as exc:
-        return None, f"; the kept pool cannot be mapped ({exc.strerror or exc}): a new pool"
-    return Region(kind, f"kept by {path.name} since an earlier start", st.st_size, fd, mm,
-                  reused=True), ""
+        return None, "", (f"; the kept pool ({kind}, {st.st_size} bytes) does not suit pool.size and "
+                          f"pool.hugepages now: a new pool")
+    return fd, kind, ""
 
 
-def _keep(path: Path, fd: int) -> tuple[bool, str]:
+def keep(path: Path, fd: int) -> tuple[bool, str]:
     """Hand ``fd`` to the keeper at ``path``, starting one if none listens; (whether it is
     kept, "" or why warm restart is off, for the log)."""
     try:

@@ -22,6 +22,14 @@ carried out by the store).
 - ``release_page`` returns an empty page (no chunk in use) from its class to
   the free pages, so another class can take it (page stealing, like
   memcached's slab rebalancer). The caller evicts the page's entries first.
+- Groups (``class_for(size, group)``): a class belongs to one group, and a
+  page, once taken by a class, belongs to that class's group until another
+  group's class takes it. Each page remembers its last group
+  (``page_group``); when a class takes a free page of another group,
+  ``on_bind(page, old, new)`` is called first (the daemon gives each tenant
+  its own memory this way: ``emsd.pool.tenancy``). A bind that fails
+  (``OSError``) leaves the page free and the allocation short, as a full
+  pool would. Group 0 is the default; without groups nothing is bound.
 
 Accounting, per class: ``pages * per_page == chunks_used + chunks_free``
 (free = on the stack + not yet carved). Over the region: ``bytes_used() +
@@ -31,6 +39,7 @@ owned page that no chunk covers, plus ``capacity % page_size``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +59,7 @@ class SlabClass:
 
     chunk_size: int
     per_page: int
+    group: int = 0
     pages: list[int] = field(default_factory=list)
     chunks_used: int = 0
     stack: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.uint64))
@@ -77,8 +87,10 @@ class SlabAllocator:
         self.pages = capacity // self.page_size
         self.page_owner = np.full(self.pages, -1, dtype=np.int32)  # class id or -1
         self.page_used = np.zeros(self.pages, dtype=np.int64)  # chunks in use per page
+        self.page_group = np.zeros(self.pages, dtype=np.int32)  # the group whose memory a page is
+        self.on_bind: Callable[[int, int, int], None] | None = None  # (page, old group, new group)
         self.classes: list[SlabClass] = []
-        self._by_chunk: dict[int, int] = {}
+        self._by_chunk: dict[tuple[int, int], int] = {}
         self._free_pages = list(range(self.pages - 1, -1, -1))  # a stack: page 0 first
 
     # -- size classes ---------------------------------------------------------
@@ -87,8 +99,8 @@ class SlabAllocator:
         """The chunk size that holds ``size`` bytes (rounded up to ``align``)."""
         return -(-size // self.align) * self.align
 
-    def class_for(self, size: int) -> int | None:
-        """Class id for blocks of ``size`` bytes, created on demand.
+    def class_for(self, size: int, group: int = 0) -> int | None:
+        """Class id for blocks of ``size`` bytes of ``group``, created on demand.
 
         None if ``size`` is not in 1..page_size, or ``MAX_CLASSES`` classes
         exist and none of them owns no page (so none can be recycled).
@@ -96,10 +108,10 @@ class SlabAllocator:
         if not 0 < size <= self.page_size:
             return None
         chunk = self.chunk_for(size)
-        cls = self._by_chunk.get(chunk)
+        cls = self._by_chunk.get((chunk, group))
         if cls is not None:
             return cls
-        new = SlabClass(chunk, self.page_size // chunk)
+        new = SlabClass(chunk, self.page_size // chunk, group)
         if len(self.classes) < MAX_CLASSES:
             self.classes.append(new)
             cls = len(self.classes) - 1
@@ -107,9 +119,10 @@ class SlabAllocator:
             cls = self._recyclable()
             if cls is None:
                 return None
-            del self._by_chunk[self.classes[cls].chunk_size]
+            old = self.classes[cls]
+            del self._by_chunk[(old.chunk_size, old.group)]
             self.classes[cls] = new
-        self._by_chunk[chunk] = cls
+        self._by_chunk[(chunk, group)] = cls
         return cls
 
     def _recyclable(self) -> int | None:
@@ -138,9 +151,9 @@ class SlabAllocator:
         need = k - take
         while need > 0:
             if c.carve_page < 0 or c.carve_next == c.per_page:
-                if not self._free_pages:
+                page = self._take_free_page(c.group)
+                if page is None:
                     break
-                page = self._free_pages.pop()
                 self.page_owner[page] = cls
                 c.pages.append(page)
                 c.carve_page, c.carve_next = page, 0
@@ -155,6 +168,26 @@ class SlabAllocator:
         c.chunks_used += out.size
         np.add.at(self.page_used, self.page_of(out), 1)
         return out
+
+    def _take_free_page(self, group: int) -> int | None:
+        """A free page for ``group``, or None: the last freed of the group's own, else the last
+        freed of all, bound to ``group`` first."""
+        free = self._free_pages
+        if not free:
+            return None
+        at = len(free) - 1
+        if self.on_bind is not None:
+            at = next((i for i in range(at, -1, -1) if self.page_group[free[i]] == group), at)
+        page = free[at]
+        old = int(self.page_group[page])
+        if old != group:
+            if self.on_bind is not None:
+                try:
+                    self.on_bind(page, old, group)
+                except OSError:
+                    return None
+            self.page_group[page] = group
+        return free.pop(at)
 
     def free(self, cls: int, offset: int) -> None:
         """Return one chunk to its class."""
@@ -175,20 +208,25 @@ class SlabAllocator:
         c.chunks_used -= k
         np.subtract.at(self.page_used, self.page_of(offsets), 1)
 
-    def restore(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
-        """Mark the chunks of blocks at byte ``offsets`` of ``sizes`` bytes in use (warm restart).
+    def restore(self, offsets: np.ndarray, sizes: np.ndarray, groups: np.ndarray | None = None) -> None:
+        """Mark the chunks of blocks at byte ``offsets`` of ``sizes`` bytes (of ``groups``,
+        default 0) in use (warm restart).
 
         Only on a fresh allocator. Each page that holds a block goes to the
         class of its blocks, wholly carved: its other chunks go on the
-        class's free stack. Raises ``SlabError`` (and changes nothing) if
-        the blocks do not fit this geometry: outside the region, not on a
-        chunk boundary of their class, two sizes of class on one page, two
-        blocks on one chunk, too many classes.
+        class's free stack; ``page_group`` says whose it is (``on_bind`` is
+        not called: the caller maps restored pages itself). Raises
+        ``SlabError`` (and changes nothing) if the blocks do not fit this
+        geometry: outside the region, not on a chunk boundary of their
+        class, two sizes of class or two groups on one page, two blocks on
+        one chunk, too many classes.
         """
         if self.classes or self.free_pages != self.pages:
             raise SlabError("restore needs a fresh allocator")
         offsets = np.asarray(offsets, dtype=np.uint64)
         sizes = np.asarray(sizes, dtype=np.uint64)
+        groups = (np.zeros(offsets.size, dtype=np.int64) if groups is None
+                  else np.asarray(groups, dtype=np.int64))
         if offsets.size == 0:
             return
         if int(sizes.min()) < 1 or int(sizes.max()) > self.page_size:
@@ -200,27 +238,30 @@ class SlabAllocator:
                 or bool((within + chunks > np.uint64(self.page_size)).any()):
             raise SlabError("a block is not on a chunk of its class inside the region")
         order = np.lexsort((offsets, pages))
-        p, c, o = pages[order], chunks[order], offsets[order]
+        p, c, o, g = pages[order], chunks[order], offsets[order], groups[order]
         if bool(((p[1:] == p[:-1]) & (c[1:] != c[:-1])).any()):
             raise SlabError("blocks of two size classes on one page")
+        if bool(((p[1:] == p[:-1]) & (g[1:] != g[:-1])).any()):
+            raise SlabError("blocks of two groups on one page")
         if bool((o[1:] == o[:-1]).any()):
             raise SlabError("two blocks on one chunk")
-        if np.unique(c).size > MAX_CLASSES:
+        if np.unique(np.stack([c, g.astype(np.uint64)]), axis=1).shape[1] > MAX_CLASSES:
             raise SlabError("more size classes than the allocator holds")
         starts = np.flatnonzero(np.r_[True, p[1:] != p[:-1]])
         ends = np.r_[starts[1:], p.size]
         for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-            self._restore_page(int(p[a]), int(c[a]), o[a:b])
+            self._restore_page(int(p[a]), int(c[a]), o[a:b], int(g[a]))
         self._free_pages = [pg for pg in range(self.pages - 1, -1, -1) if self.page_owner[pg] < 0]
 
-    def _restore_page(self, page: int, chunk: int, used: np.ndarray) -> None:
-        cls = self.class_for(chunk)
+    def _restore_page(self, page: int, chunk: int, used: np.ndarray, group: int) -> None:
+        cls = self.class_for(chunk, group)
         assert cls is not None  # chunk <= page_size and the class count was checked
         c = self.classes[cls]
         base = page * self.page_size
         every = base + np.arange(c.per_page, dtype=np.uint64) * np.uint64(chunk)
         free = np.setdiff1d(every, used, assume_unique=True)[::-1]  # LIFO: lowest offsets first
         self.page_owner[page] = cls
+        self.page_group[page] = group
         self.page_used[page] = used.size
         c.pages.append(page)
         c.chunks_used += used.size

@@ -205,6 +205,7 @@ class BlockStore:
         self._chain = eviction == "prefix"
         self.admission = admission or AdmissionRule()
         self._admit_after: dict[int, int] = {}  # namespace id -> threshold (absent: 1)
+        self._group: dict[int, int] = {}  # namespace id -> slab group (absent: 0; ``set_group``)
         self._seen: SeenSketch | None = None  # made on the first namespace with a threshold
         self.slabs = SlabAllocator(capacity, page_size)
         self.index = BlockIndex()
@@ -235,6 +236,19 @@ class BlockStore:
     def name_namespace(self, ns: int, name: str) -> None:
         """Take namespace ``ns``'s admission threshold from its ``name`` (``self.admission``)."""
         self.set_admit_after(ns, self.admission.threshold(name))
+
+    def set_group(self, ns: int, group: int) -> None:
+        """Namespace ``ns``'s blocks go on pages of slab group ``group`` (0 by default): the
+        daemon gives each tenant a group, whose pages are that tenant's memory alone
+        (``emsd.pool.tenancy``). Set before the namespace's first block."""
+        if group:
+            self._group[ns] = group
+        else:
+            self._group.pop(ns, None)
+
+    def group_of(self, ns: int) -> int:
+        """Namespace ``ns``'s slab group (``set_group``)."""
+        return self._group.get(ns, 0)
 
     def set_admit_after(self, ns: int, n: int) -> None:
         """Store namespace ``ns``'s blocks only from their ``n``-th save on (1: always).
@@ -437,10 +451,11 @@ class BlockStore:
         self._pending -= h.size
         return int(h.size)
 
-    def grant(self, size: int, k: int) -> np.ndarray:
-        """Up to ``k`` chunks for blocks of ``size`` bytes, handed to the caller without an
-        entry: their byte offsets (uint64). Room is found as ``reserve`` finds it (free
-        chunks, free pages, older pages of other classes, LRU eviction, page stealing).
+    def grant(self, size: int, k: int, group: int = 0) -> np.ndarray:
+        """Up to ``k`` chunks for blocks of ``size`` bytes, on pages of slab ``group``, handed
+        to the caller without an entry: their byte offsets (uint64). Room is found as
+        ``reserve`` finds it (free chunks, free pages, older pages of other classes, LRU
+        eviction, page stealing).
 
         A granted chunk belongs to the caller until it names it in ``reserve(at=...)``
         (it then holds that block) or gives it back with ``ungrant``. No eviction
@@ -450,7 +465,7 @@ class BlockStore:
         """
         if k < 1 or not 1 <= size <= self.max_block:
             return _NO_U8
-        cls = self.slabs.class_for(size)
+        cls = self.slabs.class_for(size, group)
         if cls is None:
             return _NO_U8
         got = self._room(cls, k)
@@ -593,10 +608,10 @@ class BlockStore:
     def attach(self, ledger: Ledger, namespaces: set[int]) -> int:
         """Index the blocks ``ledger`` holds (of ``namespaces``) and keep the ledger current.
 
-        On a fresh store only. Returns how many blocks were restored. Raises
-        ``SlabError`` if the rows do not describe a consistent pool (blocks
-        outside it, off their chunks, overlapping, a key twice): the caller
-        then clears the ledger and starts empty.
+        On a fresh store only, with the namespaces' groups set (``set_group``). Returns how
+        many blocks were restored. Raises ``SlabError`` if the rows do not describe a
+        consistent pool (blocks outside it, off their chunks, overlapping, a key twice, two
+        groups on a page): the caller then clears the ledger and starts empty.
         """
         if len(self.index) or self.slabs.free_pages != self.slabs.pages:
             raise SlabError("attach needs a fresh store")
@@ -608,7 +623,11 @@ class BlockStore:
         lengths = rows["length"].astype(np.uint64)
         if lengths.size and (int(lengths.min()) < 1 or int(lengths.max()) > self.max_block):
             raise SlabError("a block length is out of range")
-        self.slabs.restore(rows["offset"].astype(np.uint64) * self._unit, lengths)
+        groups = None
+        if self._group:
+            distinct, inverse = np.unique(ns_of, return_inverse=True)
+            groups = np.array([self._group.get(ns, 0) for ns in distinct.tolist()], dtype=np.int64)[inverse]
+        self.slabs.restore(rows["offset"].astype(np.uint64) * self._unit, lengths, groups)
         words = np.empty((rows.size, 4), dtype=np.uint64)
         words[:, 0] = rows["w0"]
         words[:, 1:] = np.ascontiguousarray(rows["rest"][:, :6]).view(np.uint64)
@@ -644,6 +663,7 @@ class BlockStore:
         that the id starts afresh when it is given to another name."""
         self._admit_after.pop(ns, None)
         self._ns_bytes.pop(ns, None)
+        self._group.pop(ns, None)
 
     def ns_bytes(self, ns: int) -> int:
         """Committed bytes of namespace ``ns``."""
@@ -693,7 +713,7 @@ class BlockStore:
             self._ungranted(got)
             self._place(ns, keys, todo, sizes, stamp, handles, offsets, got)
             return todo.size, cut
-        for a, b, cls in self._runs(sizes[todo]):
+        for a, b, cls in self._runs(sizes[todo], self._group.get(ns, 0)):
             got = self._room(cls, b - a, copy) if cls >= 0 else _NO_U8
             if got.size:
                 self._place(ns, keys, todo[a : a + got.size], sizes, stamp, handles, offsets, got)
@@ -712,14 +732,14 @@ class BlockStore:
         offsets[sel] = got
         self._pending += got.size
 
-    def _runs(self, want: np.ndarray) -> list[tuple[int, int, int]]:
-        """(start, end, class or -1) of each run of consecutive sizes of one class."""
+    def _runs(self, want: np.ndarray, group: int) -> list[tuple[int, int, int]]:
+        """(start, end, class or -1) of each run of consecutive sizes of one class of ``group``."""
         lo, hi = int(want.min()), int(want.max())
         if lo == hi:  # one size for the whole batch: the usual case
-            cls = self.slabs.class_for(lo)
+            cls = self.slabs.class_for(lo, group)
             return [(0, want.size, -1 if cls is None else cls)]
         distinct, inverse = np.unique(want, return_inverse=True)
-        per_size = [self.slabs.class_for(int(s)) for s in distinct.tolist()]
+        per_size = [self.slabs.class_for(int(s), group) for s in distinct.tolist()]
         classes = np.array([-1 if c is None else c for c in per_size], dtype=np.int64)[inverse]
         bounds = [0, *(np.flatnonzero(np.diff(classes)) + 1).tolist(), want.size]
         return [(a, b, int(classes[a])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

@@ -2,7 +2,8 @@
 
 Each connection starts with a handshake done on the raw socket: the client
 sends HELLO, the daemon answers with the pool's file descriptor attached
-(SCM_RIGHTS), so the client maps the very same memory. Only then is the
+(SCM_RIGHTS), so the client maps the very same memory (with tenants, the
+memfd of the client's tenant alone: ``emsd.pool.tenancy``). Only then is the
 socket handed to asyncio as a ``ControlProtocol``; from there on every frame
 is decoded with ``FrameDecoder`` and answered by ``Service.handle`` in
 arrival order. Requests are handled synchronously on the event loop (they
@@ -207,7 +208,7 @@ class ControlProtocol(asyncio.Protocol):
 class UnixControlServer:
     """Accepts SDK connections on ``path``; hands each to a ``ControlProtocol``."""
 
-    def __init__(self, path: Path, mode: int, pool_fd: Callable[[], int | None],
+    def __init__(self, path: Path, mode: int, pool_fd: Callable[[str], int | None],
                  service: Callable[[], Service | None], on_count: Callable[[int], None],
                  allowed: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), lease: float = 0.0,
                  on_expired: Callable[[], None] = lambda: None, busy_poll: float = 0.0) -> None:
@@ -316,13 +317,14 @@ class UnixControlServer:
                 log.warning("refused pid %d: uid %d / gid %d not in node.allowed_uids/gids", pid, uid, gid)
                 raise RequestError(Status.INVALID_ARGUMENT,
                                    f"uid {uid} / gid {gid} may not use this emsd (node.allowed_uids/gids)")
-            service, fd = self._service(), self._pool_fd()
-            if service is None or fd is None:
+            service = self._service()
+            if service is None:
                 self._send(conn, {"id": header["id"], "st": int(Status.RECOVERING),
                                   "msg": "emsd is starting; retry"})
                 conn.close()
                 return
             info = service.hello(session, header)
+            fd = self._pool_fd(session.tenant)  # the memory of the client's tenant alone
             info.update(v=PROTOCOL_VERSION, id=header["id"], st=int(Status.OK))
             self._send(conn, info, fd)
         except (FrameError, RequestError) as exc:

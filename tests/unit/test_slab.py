@@ -96,11 +96,19 @@ class SlabMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.slabs = SlabAllocator(PAGES * PAGE + 100, PAGE)
+        self.slabs.on_bind = self.bind
+        self.memory = [0] * PAGES  # whose memory each page is, as the binds left it
         self.live: dict[int, int] = {}  # offset -> class
 
-    @rule(size=st.sampled_from([1, 64, 100, 700, 1500, 4000]), k=st.integers(1, 20))
-    def alloc(self, size: int, k: int) -> None:
-        cls = self.slabs.class_for(size)
+    def bind(self, page: int, old: int, new: int) -> None:
+        assert self.slabs.page_owner[page] == -1 and self.slabs.page_used[page] == 0  # free pages only
+        assert self.memory[page] == old != new
+        self.memory[page] = new
+
+    @rule(size=st.sampled_from([1, 64, 100, 700, 1500, 4000]), k=st.integers(1, 20),
+          group=st.sampled_from([0, 0, 1, 2]))
+    def alloc(self, size: int, k: int, group: int) -> None:
+        cls = self.slabs.class_for(size, group)
         assert cls is not None
         before_free = self.slabs.free_pages
         got = self.slabs.alloc_many(cls, k)
@@ -149,6 +157,12 @@ class SlabMachine(RuleBasedStateMachine):
             assert off % 64 == 0
 
     @invariant()
+    def every_chunk_is_in_its_groups_memory(self) -> None:
+        assert self.slabs.page_group.tolist() == self.memory
+        for off, cls in self.live.items():
+            assert self.memory[off // PAGE] == self.slabs.classes[cls].group
+
+    @invariant()
     def accounting_adds_up(self) -> None:
         s = self.slabs
         assert s.bytes_used() + s.bytes_free() + s.bytes_slack() == s.capacity
@@ -160,6 +174,41 @@ class SlabMachine(RuleBasedStateMachine):
             assert sorted(c.pages) == np.flatnonzero(s.page_owner == cls).tolist()
         per_page = np.bincount([o // PAGE for o in self.live], minlength=s.pages)
         assert per_page.tolist() == s.page_used.tolist()
+
+
+def test_a_page_changes_group_only_through_on_bind_and_a_failed_bind_leaves_it_free() -> None:
+    s = SlabAllocator(2 * PAGE, PAGE)
+    binds: list[tuple[int, int, int]] = []
+    s.on_bind = lambda page, old, new: binds.append((page, old, new))
+    a, b = s.class_for(64, 1), s.class_for(64, 2)
+    assert a is not None and b is not None and a != b and s.class_for(64) not in (a, b)
+    s.alloc_many(a, PAGE // 64)  # page 0, for group 1
+    assert binds == [(0, 0, 1)]
+    off = s.alloc_many(b, 1)  # page 1, for group 2
+    assert binds[-1] == (1, 0, 2)
+    s.free_many(b, off)
+    s.release_page(1)
+    assert s.alloc_many(b, 1).size == 1 and len(binds) == 2  # its own page again: no bind
+    s.free_many(b, np.array([PAGE], dtype=np.uint64))
+    s.release_page(1)
+
+    def refuse(page: int, old: int, new: int) -> None:
+        raise OSError(12, "no memory")
+
+    s.on_bind = refuse
+    assert s.alloc_many(a, 1).size == 0  # as if the pool were full
+    assert s.free_pages == 1 and s.page_group[1] == 2
+
+
+def test_restore_puts_each_page_in_its_blocks_group_and_refuses_two_groups_on_a_page() -> None:
+    s = SlabAllocator(4 * PAGE, PAGE)
+    s.restore(np.array([0, 64, 2 * PAGE], dtype=np.uint64), np.array([64, 64, 64], dtype=np.uint64),
+              np.array([3, 3, 1]))
+    assert s.page_group.tolist() == [3, 0, 1, 0]
+    assert s.classes[int(s.page_owner[0])].group == 3 and s.classes[int(s.page_owner[2])].group == 1
+    with pytest.raises(SlabError, match="two groups"):
+        SlabAllocator(4 * PAGE, PAGE).restore(np.array([0, 64], dtype=np.uint64),
+                                              np.array([64, 64], dtype=np.uint64), np.array([1, 2]))
 
 
 SlabMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
