@@ -296,7 +296,9 @@ class Daemon:
             self.memory = self._tenant_memory(region, page, tenants)
         store, names = self._restore(region, self._store(region.size, page), page)
         if self.memory is not None:
-            self.memory.restore(store.slabs.page_group)
+            # free pages of a kept pool may hold blocks that did not come back; a new one holds none
+            free = store.slabs.page_owner < 0 if region.reused else store.slabs.page_owner < -1
+            self.memory.restore(store.slabs.page_group, free)
         return store, names
 
     def _tenant_memory(self, region: Region, page: int, tenants: Tenants) -> TenantMemory:

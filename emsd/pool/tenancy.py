@@ -31,7 +31,7 @@ other tenant, or of the default tenant.
 With warm restart each tenant's memfd is held by a keeper of its own
 (``<state_dir>/emsd-<node>-t<digest>.keeper``, the digest of the tenant id);
 ``restore`` maps restored pages from their tenant's memfd and punches every
-page a memfd does not own. RDMA cannot follow pages remapped under a
+page a memfd does not own, and every free page. RDMA cannot follow pages remapped under a
 registered memory region, so with tenants peers use TCP (``emsd.server``).
 """
 
@@ -126,14 +126,15 @@ class TenantMemory:
         except (OSError, ValueError):
             pass
 
-    def restore(self, page_group: np.ndarray) -> None:
+    def restore(self, page_group: np.ndarray, free: np.ndarray) -> None:
         """After a warm restart's re-index: map each page from the memfd of the group that
         owns it (``page_group[page]``), and punch from every memfd the pages it does not own
-        (bytes left there by blocks that did not come back)."""
+        and the ``free`` ones (bytes of blocks that did not come back, such as a tenant's
+        kept by an emsd from before tenant memory in the pool's own file)."""
         for page in np.flatnonzero(page_group != 0).tolist():
             self._map(page, int(page_group[page]))
         for group in range(len(self._fds)):
-            for start, count in _runs(np.flatnonzero(page_group != group)):
+            for start, count in _runs(np.flatnonzero((page_group != group) | free)):
                 self._punch(group, start, count)
 
     def close(self) -> None:

@@ -65,12 +65,17 @@ def test_restore_maps_each_page_from_its_owner_and_punches_the_rest(memory: Tena
     memory.region.mm[2 * PAGE : 4 * PAGE] = b"\xaa" * (2 * PAGE)
     memory._map(2, 0)  # as a restarted daemon's view starts: the pool's own file everywhere
     memory._map(3, 0)
+    memory.region.mm[5 * PAGE : 7 * PAGE] = b"\x55" * (2 * PAGE)  # the default tenant's
     owners = np.zeros(PAGES, dtype=np.int32)
     owners[2] = a  # page 3's block did not come back
-    memory.restore(owners)
+    free = np.ones(PAGES, dtype=bool)
+    free[[2, 5]] = False  # page 6's default block did not come back either
+    memory.restore(owners, free)
     assert memory.region.mm[2 * PAGE : 3 * PAGE] == b"\xaa" * PAGE
     assert file_bytes(memory.fd("a"), 3) == bytes(PAGE)
     assert memory.region.mm[3 * PAGE : 4 * PAGE] == bytes(PAGE)
+    assert memory.region.mm[5 * PAGE : 6 * PAGE] == b"\x55" * PAGE
+    assert memory.region.mm[6 * PAGE : 7 * PAGE] == bytes(PAGE)  # free: nothing left for anyone
 
 
 def test_a_slab_page_smaller_than_the_pools_pages_is_refused() -> None:
