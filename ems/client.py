@@ -112,6 +112,8 @@ class DaemonClient:
         self.pool_array: np.ndarray | None = None
         self.pool_addr = 0
         self._populator: _Populator | None = None
+        self._sparse_page = 0  # a sparse mapping's slab page (0: the mapping is not sparse)
+        self._mapped_pages: set[int] = set()  # slab pages of a sparse mapping populated here
         self.pool_size = 0
         self.info: dict[str, Any] = {}
         self.broken = True
@@ -164,9 +166,13 @@ class DaemonClient:
         self.pool_array = np.frombuffer(self.pool, dtype=np.uint8)
         self.pool_addr = int(self.pool_array.ctypes.data)
         self.pool_size = size
-        # A sparse mapping is not populated: that would fill the tenant's file with zeroes
-        # where other tenants' blocks are (first touches fault lazily instead).
-        self._populator = None if answer.get("sparse") else _Populator(self.pool_addr, size)
+        # A sparse mapping is not populated whole: that would fill the tenant's file with
+        # zeroes where other tenants' blocks are. Its pages are, one slab page at a time,
+        # when a call first uses one (``map_in``).
+        sparse = bool(answer.get("sparse"))
+        self._sparse_page = int(answer.get("page", 0)) if sparse else 0
+        self._mapped_pages = set()
+        self._populator = None if sparse else _Populator(self.pool_addr, size)
         self.info = answer
         self.sock = sock
         self._poller = None
@@ -194,6 +200,28 @@ class DaemonClient:
     def close_socket(self) -> None:
         """Close the connection (pending calls fail) but keep the pool mapped."""
         self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, "client closed"))
+
+    def map_in(self, offsets: np.ndarray) -> None:
+        """With a sparse mapping (a tenant's memfd), fill this process's page tables for the
+        slab pages holding ``offsets`` (byte offsets of blocks of this tenant, just reserved,
+        granted or pinned) the first time a call uses each: one ``MADV_POPULATE_WRITE`` a
+        page instead of a fault every 4 KiB. Those pages are this tenant's, allocated by the
+        daemon, so nothing new is allocated. A no-op otherwise, and where the kernel lacks it."""
+        page = self._sparse_page
+        if not page or not len(offsets):
+            return
+        first = int(offsets[0]) // page
+        if len(offsets) == 1 or first == int(offsets[-1]) // page:  # the usual call: one page
+            if first in self._mapped_pages:
+                return
+            wanted = [first]
+        else:
+            pages = np.unique(np.asarray(offsets) // page).tolist()
+            wanted = [p for p in pages if p not in self._mapped_pages]
+        for p in wanted:
+            self._mapped_pages.add(p)
+            start = p * page
+            _madvise(self.pool_addr + start, min(page, self.pool_size - start), _MADV_POPULATE_WRITE)
 
     def close(self) -> None:
         """Close the socket and unmap the pool. Call only with no copy in progress."""
@@ -372,6 +400,24 @@ class DaemonClient:
                 sock.close()
             except OSError:
                 pass
+
+
+def _madvise(address: int, length: int, advice: int) -> int:
+    """``madvise(2)`` through ctypes (which lets go of the GIL); -1 where it cannot be called."""
+    global _madvise_fn
+    if _madvise_fn is None:
+        import ctypes
+
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+        except (OSError, AttributeError):
+            return -1
+        fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+        _madvise_fn = fn
+    return int(_madvise_fn(address, length, advice))
+
+
+_madvise_fn: Any = None
 
 
 class _Populator:

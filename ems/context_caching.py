@@ -249,6 +249,7 @@ class ContextCaching:
         """Copy into the granted chunks ``at``, then one PUT; unused chunks go back to the grants."""
         layout, n, size = self.layout, len(req.keys), int(sizes[0])
         try:
+            client.map_in(at)
             segs = layout.place(layout.plan(req.slots, req.counts), client.pool_addr, at,
                                 pool_size=client.pool_size)
             layout.copy(segs, client.pool_addr, client.pool_size, to_pool=True)
@@ -295,6 +296,7 @@ class ContextCaching:
             offsets, mine = offsets[new], handles[new].astype("<u4").tobytes()
         if new.size:
             try:
+                client.map_in(offsets)
                 segs = layout.place(plan, client.pool_addr, offsets, keys, pool_size=client.pool_size)
                 layout.copy(segs, client.pool_addr, client.pool_size, to_pool=True)
             except BaseException:
@@ -334,6 +336,7 @@ class ContextCaching:
             hits = int(wrong[0]) if wrong.size else count
             if hits:
                 keys = None if hits == n else np.arange(hits)
+                client.map_in(offsets[:hits])
                 segs = layout.place(plan, client.pool_addr, offsets[:hits], keys, pool_size=client.pool_size)
                 layout.copy(segs, client.pool_addr, client.pool_size, to_pool=False)
         finally:

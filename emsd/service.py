@@ -188,7 +188,7 @@ class Service:
         self.sessions += 1
         return {"node": self.node_id, "pool_size": self.store.stats().capacity,
                 "region": self.region_kind, "server_pid": os.getpid(), "grants": self.grants,
-                "sparse": self.sparse}
+                "sparse": self.sparse, "page": self.store.page_size}
 
     def handle(self, session: Session, header: dict[str, Any], payload: bytes) -> Response:
         """Answer one request; never raises for bad input (answers with a status)."""
