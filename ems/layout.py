@@ -359,6 +359,7 @@ class KvLayout:
         self.signature = layout_signature(layers)
         prefix = np.concatenate(([0], np.cumsum(rows)[:-1])).astype(np.int64)
         self._groups = _group_by_geometry(tensors, prefix)
+        self._one = _one_block_columns(self._groups, self.block_size)
         self._cuda_views: list[Any] | None = None
 
     @classmethod
@@ -401,6 +402,10 @@ class KvLayout:
         """
         s = _int_array(slots, "slot_mapping")
         c = _int_array(counts, "counts")
+        if skip is None:
+            one = self._plan_one(s, c)
+            if one is not None:
+                return one
         if (c < 0).any():
             i = _first_bad(c < 0)
             raise invalid(f"counts[{i}] = {int(c[i])} must be >= 0")
@@ -424,6 +429,21 @@ class KvLayout:
             key, pos, s = key[keep], pos[keep], s[keep]
         block, within = np.divmod(s, self.block_size)
         return _joined_plan([_group_segments(g, c, key, pos, block, within) for g in self._groups], c)
+
+    def _plan_one(self, s: np.ndarray, c: np.ndarray) -> CopyPlan | None:
+        """``plan`` of one key that covers one whole block in order (the usual one-block
+        call), from columns computed at registration: the plan ``_plan_blocks`` makes, in
+        a few scalar steps. None for any other request (the general path checks it)."""
+        one, bs = self._one, self.block_size
+        if one is None or len(c) != 1 or int(c[0]) != bs or len(s) != bs:
+            return None
+        first = int(s[0])
+        if first < 0 or first % bs or first >= self.num_slots:
+            return None
+        if bs > 1 and (int(s[-1]) != first + bs - 1 or not bool((np.diff(s) == 1).all())):
+            return None
+        stride, base, off, length, tensor, key = one
+        return CopyPlan(stride * (first // bs) + base, off, length, tensor, key, c)
 
     def _whole_blocks(self, s: np.ndarray, c: np.ndarray) -> np.ndarray | None:
         """The block of each key when every key covers one whole block in order (the usual
@@ -470,6 +490,12 @@ class KvLayout:
         Raises INVALID_ARGUMENT before anything is computed on bad arguments.
         """
         _check_pool_addr(pool_addr)
+        if keys is None and len(plan.counts) == 1 and isinstance(offsets, np.ndarray) and len(offsets) == 1:
+            first = int(offsets[0])  # one key: the same checks in scalar steps
+            end = first + int(plan.counts[0]) * self.slot_bytes
+            if first >= 0 and (pool_size is None or end <= pool_size):
+                return Segments(plan.tensor_addr, (int(pool_addr) + first) + plan.block_off, plan.length,
+                                plan.tensor)
         o = _int_array(offsets, "offsets")
         counts = plan.counts if keys is None else plan.counts[keys]
         if len(o) != len(counts):
@@ -616,6 +642,24 @@ def _group_by_geometry(tensors: list[TensorInfo], prefix: np.ndarray) -> list[_G
         bases = np.array([tensors[i].base for i in idx], dtype=np.int64)
         out.append(_GeometryGroup(s0, s1, row, ids, bases, prefix[ids]))
     return out
+
+
+def _one_block_columns(groups: list[_GeometryGroup], bs: int) -> tuple[np.ndarray, ...] | None:
+    """The columns of the plan of one whole block, in ``_plan_blocks``' order (group, then
+    tensor): (stride0, base, block_off, length, tensor, key) per segment, so that a block's
+    tensor addresses are ``stride0 * block + base``; None when some group's rows are apart
+    (the general path's runs)."""
+    if bs > 1 and any(g.stride1 != g.row_bytes for g in groups):
+        return None
+    cols = [np.concatenate([np.full(g.tensor.size, g.stride0, dtype=np.int64) for g in groups]),
+            np.concatenate([g.base for g in groups]),
+            np.concatenate([g.prefix * bs for g in groups]),
+            np.concatenate([np.full(g.tensor.size, bs * g.row_bytes, dtype=np.int64) for g in groups]),
+            np.concatenate([g.tensor for g in groups])]
+    cols.append(np.zeros(cols[0].size, dtype=np.int64))
+    for col in cols:
+        col.setflags(write=False)  # shared by every one-block plan
+    return tuple(cols)
 
 
 def _positions(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

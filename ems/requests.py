@@ -49,7 +49,7 @@ import numpy as np
 
 from ems.common.exception import invalid
 from ems.tokens import chunk_keys
-from emsd.pool.keys import MAX_KEY_BYTES, KeyBatch, KeyError_
+from emsd.pool.keys import INT_TAG, MAX_KEY_BYTES, KeyBatch, KeyError_
 
 MAX_BATCH_KEYS = 65536
 _INT64_MAX = np.iinfo(np.int64).max
@@ -151,6 +151,9 @@ def _slots(slot_mapping: Any) -> np.ndarray:
     return slots
 
 
+_U64 = (1 << 64) - 1
+
+
 def _check_batch(n: int, what: str) -> None:
     if n > MAX_BATCH_KEYS:
         raise invalid(f"{what}: {n} keys in one call; at most {MAX_BATCH_KEYS}")
@@ -202,6 +205,9 @@ def hash_request(slot_mapping: Any, hashes: Any, offsets: Any) -> BatchRequest:
     ``offsets`` 1-D ints ``> 0``; ``len(hashes) == len(offsets)``;
     ``sum(offsets) == len(slot_mapping)``. ``total = len(hashes)``.
     """
+    one = _one_int_key(slot_mapping, hashes, offsets)
+    if one is not None:
+        return one
     keys = exists_keys(hashes)
     counts = as_int_array(offsets, "offsets")
     if counts.shape[0] != len(keys):
@@ -222,6 +228,30 @@ def hash_request(slot_mapping: Any, hashes: Any, offsets: Any) -> BatchRequest:
         raise invalid(f"sum(offsets) = {total_slots} must equal len(slot_mapping) = "
                       f"{slots.shape[0]}")
     return BatchRequest(keys, slots, counts, None, len(keys))
+
+
+def _one_int_key(slot_mapping: Any, hashes: Any, offsets: Any) -> BatchRequest | None:
+    """``hash_request`` of the usual one-block call (lists: one int hash, one int offset,
+    its slots) in scalar steps, the same request the general path builds; None for anything
+    else, valid or not (the general path then decides, and names what is wrong)."""
+    if not (type(hashes) is list and type(offsets) is list and type(slot_mapping) is list
+            and len(hashes) == 1 == len(offsets)):
+        return None
+    h, c = hashes[0], offsets[0]
+    if type(h) is not int or type(c) is not int or c <= 0 or c != len(slot_mapping) \
+            or not -(1 << 63) <= h <= _U64:
+        return None
+    try:
+        slots = np.frombuffer(array.array("q", slot_mapping), dtype=np.int64)
+    except (TypeError, OverflowError):
+        return None
+    if min(slot_mapping) < 0:
+        return None
+    slots.setflags(write=False)
+    word = h & _U64
+    keys = KeyBatch(np.array([[word, 0, 0, 0]], dtype=np.uint64), np.array([INT_TAG], dtype=np.uint8),
+                    word.to_bytes(8, "little"))  # KeyBatch.from_ints, in fewer steps
+    return BatchRequest(keys, slots, _readonly(np.array([c], dtype=np.int64)), None, 1)
 
 
 def _mask_zeros(mask: np.ndarray) -> int:

@@ -344,6 +344,34 @@ def test_whole_block_requests_plan_the_same_segments_as_the_general_path(bs: int
         assert getattr(fast, field).tolist() == getattr(slow, field).tolist(), field
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bs=st.sampled_from([1, 2, 4]), kinds=st.lists(st.sampled_from(NUMPY_KINDS), min_size=1, max_size=4),
+       block=st.integers(0, 7), shift=st.sampled_from([0, 0, 0, 1]), at=st.integers(0, 1 << 20))
+def test_one_block_plans_and_places_as_the_general_path(bs: int, kinds: list[str], block: int, shift: int,
+                                                        at: int) -> None:
+    """The one-block fast path (``_plan_one``, ``place`` of one key) gives the general path's
+    segments, and declines what is not one whole block in order (``shift``)."""
+    layout = KvLayout.from_kvcache([[make_numpy(k, 8, bs, (3,), "float16").obj for k in kinds]])
+    slots = block * bs + np.arange(bs) + shift
+    counts = np.array([bs])
+    if block * bs + bs - 1 + shift >= layout.num_slots:
+        return
+    fast = layout.plan(slots, counts)
+    whole = shift % bs == 0  # the slots are one block, in order
+    if layout._plan_one(slots, counts) is None:  # a layout whose rows are apart, or shifted slots
+        assert not whole or layout._one is None
+        return
+    assert whole
+    slow = layout._plan_blocks(np.array([int(slots[0]) // bs]), counts)
+    for field in ("tensor_addr", "block_off", "length", "tensor", "key"):
+        assert getattr(fast, field).tolist() == getattr(slow, field).tolist(), field
+    placed = layout.place(fast, 0x10000, np.array([at], dtype=np.uint64), pool_size=1 << 21)
+    general = layout.place(slow, 0x10000, [at], np.array([0]), pool_size=1 << 21)
+    assert _as_set(placed) == _as_set(general)
+    with pytest.raises(EmsException):
+        layout.place(fast, 0x10000, np.array([(1 << 21) - 1], dtype=np.uint64), pool_size=1 << 21)
+
+
 def test_requests_that_are_not_whole_blocks_take_the_general_path() -> None:
     layout = KvLayout.from_kvcache(kv_numpy(layers=1, nb=4, bs=4))
     s = np.arange(16)

@@ -299,3 +299,25 @@ def test_token_request_is_fast_for_a_forward_step() -> None:
     mask = [0] * (n // 2) + [1] * (n - n // 2)
     # measured ~1 ms (mostly hashing 512 chunks); bound generous for busy CI
     assert best_of(lambda: token_request(list(range(n)), tokens, mask, 16, False)) < 0.03
+
+
+@given(h=st.integers(-(1 << 63), (1 << 64) - 1), c=st.integers(1, 4), first=st.integers(0, 100))
+def test_a_one_block_request_is_the_same_through_the_scalar_path(h: int, c: int, first: int) -> None:
+    """Lists of one int hash and one offset take a scalar path (``_one_int_key``); tuples
+    take the general one: the requests are equal."""
+    slots = list(range(first, first + c))
+    fast, slow = hash_request(slots, [h], [c]), hash_request(tuple(slots), (h,), (c,))
+    assert fast.keys.to_wire() == slow.keys.to_wire()
+    assert fast.keys.words.tolist() == slow.keys.words.tolist()
+    assert fast.keys.tags.tolist() == slow.keys.tags.tolist()
+    assert fast.slots.tolist() == slow.slots.tolist() and fast.counts.tolist() == slow.counts.tolist()
+    assert (fast.total, fast.skip, fast.prev) == (slow.total, slow.skip, slow.prev)
+    assert not fast.slots.flags.writeable and not fast.counts.flags.writeable
+
+
+@pytest.mark.parametrize("args", [([-1], [5], [1]), ([0], [1 << 64], [1]), ([0, 1], [5], [1]),
+                                  ([0], [5], [0]), ([0.0], [5], [1]), ([0], [5.0], [1])])
+def test_a_bad_one_block_request_is_refused_as_before(args: tuple) -> None:
+    with pytest.raises(EmsException) as err:
+        hash_request(*args)
+    assert err.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT
