@@ -30,9 +30,12 @@ other tenant, or of the default tenant.
 
 With warm restart each tenant's memfd is held by a keeper of its own
 (``<state_dir>/emsd-<node>-t<digest>.keeper``, the digest of the tenant id);
-``restore`` maps restored pages from their tenant's memfd and punches every
-page a memfd does not own, and every free page. RDMA cannot follow pages remapped under a
-registered memory region, so with tenants peers use TCP (``emsd.server``).
+``restore`` maps restored pages from their tenant's memfd and punches, from
+every memfd, the pages it does not own and the free ones. RDMA cannot follow
+pages remapped under a registered memory region, so with tenants peers use
+TCP (``emsd.server``). A page bound to a tenant is faulted in on a thread of
+its own (the kernel zeroes it first), and a client maps its sparse file in a
+slab page at a time as its calls first use one (``ems.client``).
 """
 
 from __future__ import annotations
