@@ -292,16 +292,28 @@ class BlockIndex:
         k = len(keys)
         knt = nstag_of(ns, keys.tags)
         self._make_room(k)
-        ids = self._take_ids(k)
         words = np.ascontiguousarray(keys.words)
-        self.w0[ids] = words[:, 0]
-        self.rest[ids, :6] = words.view(np.uint32)[:, 2:]
-        self.rest[ids, 6] = knt
-        self.state[ids] = state  # pins are 0 already: never set, or cleared by remove
-        self.offset[ids] = offsets
-        self.length[ids] = lengths
-        self.last_used[ids] = stamp
-        self.cached[ids] = 0
+        if k == 1:  # one key (a one-block save): the same writes, scalar
+            i = self._take_one()
+            ids = np.array([i], dtype=np.uint32)
+            self.w0[i] = words[0, 0]
+            self.rest[i, :6] = words[0].view(np.uint32)[2:]
+            self.rest[i, 6] = knt[0]
+            self.state[i] = state
+            self.offset[i] = offsets[0]
+            self.length[i] = lengths[0]
+            self.last_used[i] = stamp
+            self.cached[i] = 0
+        else:
+            ids = self._take_ids(k)
+            self.w0[ids] = words[:, 0]
+            self.rest[ids, :6] = words.view(np.uint32)[:, 2:]
+            self.rest[ids, 6] = knt
+            self.state[ids] = state  # pins are 0 already: never set, or cleared by remove
+            self.offset[ids] = offsets
+            self.length[ids] = lengths
+            self.last_used[ids] = stamp
+            self.cached[ids] = 0
         self._count += k
         try:
             if self._c_probe():
@@ -346,6 +358,19 @@ class BlockIndex:
             new = _zeros((cap, *old.shape[1:]), old.dtype)
             new[: self.high_water] = old[: self.high_water]
             setattr(self, name, new)
+
+    def _take_one(self) -> int:
+        """``_take_ids(1)``'s id, as an int."""
+        if self._free:
+            last = self._free[-1]
+            i = int(last[-1])
+            if last.size == 1:
+                self._free.pop()
+            else:
+                self._free[-1] = last[:-1]
+            return i
+        self.high_water += 1
+        return self.high_water - 1
 
     def _take_ids(self, k: int) -> np.ndarray:
         """``k`` entry ids: removed ones first (most recent first), then new."""

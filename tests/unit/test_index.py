@@ -99,6 +99,28 @@ def test_remove_frees_the_entry_and_its_id_is_reused() -> None:
         idx.remove(ids[1:2] + 100)
 
 
+@settings(max_examples=50, deadline=None)
+@given(keys=st.lists(st.integers(0, 1 << 40), min_size=1, max_size=40, unique=True),
+       gone=st.data())
+def test_one_key_inserts_take_and_fill_ids_as_a_batch_insert_does(keys: list[int],
+                                                                   gone: st.DataObject) -> None:
+    """``insert_new`` of one key (a scalar path) takes the id a batch would (freed ids, most
+    recent first) and writes the same entry."""
+    one, many = BlockIndex(), BlockIndex()
+    first = insert(one, 1, keys)
+    assert insert(many, 1, keys).tolist() == first.tolist()
+    drop = gone.draw(st.lists(st.sampled_from(first.tolist()), unique=True))
+    for idx in (one, many):
+        idx.remove(np.array(drop, dtype=np.uint32))
+    new = [(1 << 41) + k for k in keys[: len(drop) + 2]]
+    singles = [int(one.insert_new(1, batch([k]), np.array([7]), np.array([64]), READY, 3)[0]) for k in new]
+    assert singles == [int(many._take_ids(1)[0]) for _ in new]  # the batch path's choice of ids
+    for k, i in zip(new, singles, strict=True):
+        assert one.lookup(1, batch([k])).tolist() == [i]
+        entry = (int(one.offset[i]), int(one.length[i]), int(one.state[i]), int(one.last_used[i]))
+        assert entry == (7, 64, READY, 3)
+
+
 def test_growth_keeps_every_entry() -> None:
     idx = BlockIndex()
     keys = list(range(5000))
