@@ -22,8 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402
+from tenant_sdk import as_tenant  # noqa: E402
 
-from ems import CcConfig, CcKvOption, Ems, EmsConfig  # noqa: E402
+from ems import CcKvOption  # noqa: E402
 from ems.client import DaemonClient  # noqa: E402
 from emsd.transport.frames import Op  # noqa: E402
 
@@ -71,14 +72,6 @@ def stats(d: Any) -> dict[str, Any]:
         return client.call(Op.STATS, {}, timeout=5)[0]
     finally:
         client.close()
-
-
-def as_tenant(d: Any, access_id: str, key: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
-    Ems._reset()
-    Ems.init(EmsConfig(access_id=access_id, access_key=key,
-                       cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
-    return Ems.get_cc()
 
 
 def kv(value: float, heads: int) -> list[list[torch.Tensor]]:

@@ -24,8 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402
+from tenant_sdk import as_tenant  # noqa: E402
 
-from ems import CcConfig, Ems, EmsConfig  # noqa: E402
+from ems import Ems  # noqa: E402
 
 KEY_A = "A" * 43 + "="
 KEY_B = "b" * 40 + "/+=="
@@ -88,14 +89,6 @@ def scanners() -> Iterator[list[Scanner]]:
             s.proc.kill()
         with contextlib.suppress(AssertionError):
             s.close()
-
-
-def as_tenant(d: Any, access_id: str, key: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
-    Ems._reset()
-    Ems.init(EmsConfig(access_id=access_id, access_key=key,
-                       cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
-    return Ems.get_cc()
 
 
 def marked_kv(marker: bytes, heads: int = 8) -> list[list[torch.Tensor]]:
