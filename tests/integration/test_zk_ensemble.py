@@ -38,6 +38,12 @@ def owners(client: KazooClient, path: str) -> dict[str, int]:
     return {child: client.exists(f"{path}/{child}").ephemeralOwner for child in client.get_children(path)}
 
 
+def prefaulted(d: Any) -> bool:
+    """Whether daemon ``d``'s background prefault is done."""
+    total = d.metric("emsd_pool_prefault_bytes", 'state="total"')
+    return total > 0 and d.metric("emsd_pool_prefault_bytes", 'state="done"') >= total
+
+
 @pytest.mark.timeout(240)
 def test_killing_the_zookeeper_leader_under_load_changes_nothing_but_speed(
         emsd_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,6 +63,10 @@ def test_killing_the_zookeeper_leader_under_load_changes_nothing_but_speed(
         for d in nodes:
             d.start()
         wait_for(lambda: all(len(stats(d)["members"]) == 3 for d in nodes))
+        # The background prefault of three 1 GiB pools runs at 0.15 GB/s on a slow 2-core
+        # machine, and calls made while it runs waited up to 2 s: this test is about ZooKeeper,
+        # so the load starts once every pool is faulted in (start-up has tests of its own).
+        wait_for(lambda: all(prefaulted(d) for d in nodes), 120)
         observer.start(timeout=30)
         path = "/emsd/quorum/nodes"
         before = owners(observer, path)
