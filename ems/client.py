@@ -441,16 +441,9 @@ class _Populator:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
-            import ctypes
-
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-            madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-        except (OSError, AttributeError):
-            return
         for off in range(0, self._size, self.CHUNK):
-            if self._stop.is_set() or madvise(self._address + off, min(self.CHUNK, self._size - off),
-                                              _MADV_POPULATE_WRITE) != 0:
+            if self._stop.is_set() or _madvise(self._address + off, min(self.CHUNK, self._size - off),
+                                               _MADV_POPULATE_WRITE) != 0:
                 return
 
     def stop(self) -> None:

@@ -297,7 +297,7 @@ class Daemon:
         store, names = self._restore(region, self._store(region.size, page), page)
         if self.memory is not None:
             # free pages of a kept pool may hold blocks that did not come back; a new one holds none
-            free = store.slabs.page_owner < 0 if region.reused else store.slabs.page_owner < -1
+            free = (store.slabs.page_owner < 0) & region.reused
             self.memory.restore(store.slabs.page_group, free)
         return store, names
 

@@ -246,10 +246,6 @@ class BlockStore:
         else:
             self._group.pop(ns, None)
 
-    def group_of(self, ns: int) -> int:
-        """Namespace ``ns``'s slab group (``set_group``)."""
-        return self._group.get(ns, 0)
-
     def set_admit_after(self, ns: int, n: int) -> None:
         """Store namespace ``ns``'s blocks only from their ``n``-th save on (1: always).
 

@@ -31,13 +31,17 @@ def cluster(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) ->
     secret.write_text("a-cluster-secret-of-some-length\n")
     os.chmod(secret, 0o600)
 
-    def start(n: int, pool: dict[str, Any] | None = None, **extra: Any) -> list[Any]:
+    def start(n: int, pool: dict[str, Any] | None = None, tenants: dict[str, Any] | None = None,
+              **extra: Any) -> list[Any]:
+        """``n`` joined daemons (``tenants``: their ``[tenants]`` table, none by default)."""
+        more = {"tenants": tenants} if tenants else {}
         nodes = [emsd_factory(start=False, pool=pool or {}, cluster={
             "name": "t", "zookeeper": zookeeper.hosts, "peer_listen": f"127.0.0.1:{zk.free_port()}",
-            "secret_file": str(secret), "session_timeout": 4, **extra}) for _ in range(n)]
+            "secret_file": str(secret), "session_timeout": 4, **extra}, **more) for _ in range(n)]
         for d in nodes:
             d.start()
-        wait_for(lambda: all(len(stats(d)["members"]) == n for d in nodes))
+        # the view on /metrics (STATS would need a tenant's credentials with a tenants file)
+        wait_for(lambda: all(d.metric("emsd_cluster_members") == n for d in nodes))
         return nodes
 
     return start

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402
 from tenant_sdk import as_tenant  # noqa: E402
+from test_cluster import cluster  # noqa: E402, F401 (the fixture: joined daemons)
 
 from ems import Ems  # noqa: E402
 
@@ -152,24 +152,11 @@ def test_memory_a_tenant_gave_up_is_never_seen_through_its_still_live_mapping(
 
 @pytest.mark.skipif(zk.available() is not None, reason=str(zk.available()))
 def test_in_a_cluster_no_node_maps_a_tenants_blocks_into_another_tenants_client(
-        zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch, scanners: list[Scanner]) -> None:
+        cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        scanners: list[Scanner]) -> None:
     """team-a saves through x (forwarded to their owners) and loads through y (read-cache
     copies): team-b's clients of either node find none of it; team-a's of y find it."""
-    secret = tmp_path / "secret"
-    secret.write_text("a-cluster-secret-of-some-length\n")
-    secret.chmod(0o600)
-    tenants = tenants_file(tmp_path)
-    nodes = [emsd_factory(start=False, tenants={"file": str(tenants)}, cluster={
-        "name": "t", "zookeeper": zookeeper.hosts, "peer_listen": f"127.0.0.1:{zk.free_port()}",
-        "secret_file": str(secret), "session_timeout": 4}) for _ in range(2)]
-    for n in nodes:
-        n.start()
-    x, y = nodes
-    deadline = time.monotonic() + 30
-    while not all(n.metric("emsd_cluster_members") == 2 for n in nodes):
-        assert time.monotonic() < deadline, "the nodes did not see each other"
-        time.sleep(0.05)
+    x, y = cluster(2, tenants={"file": str(tenants_file(tmp_path))})
     marker = os.urandom(32)
     save_marked(as_tenant(x, "team-a", KEY_A, monkeypatch), marker, 500)
     cc = as_tenant(y, "team-a", KEY_A, monkeypatch)
