@@ -20,9 +20,10 @@ from emsd.transport.frames import (
 )
 
 scalars = st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=20), st.booleans(), st.none())
-headers = st.dictionaries(st.text(min_size=1, max_size=8), scalars, max_size=6).map(
-    lambda d: {**d, "v": PROTOCOL_VERSION, "id": abs(hash(str(d))) % 1000}
-)
+# The id is drawn, not derived with hash(): str hashes differ from process to process, so
+# hypothesis could not replay a failing example (it reported the test flaky instead).
+headers = st.tuples(st.dictionaries(st.text(min_size=1, max_size=8), scalars, max_size=6),
+                    st.integers(0, 999)).map(lambda t: {**t[0], "v": PROTOCOL_VERSION, "id": t[1]})
 
 
 @given(st.lists(st.tuples(headers, st.binary(max_size=300)), max_size=8), st.integers(1, 64))
