@@ -7,13 +7,18 @@ boundary. A class takes a whole extent when it has no free slot and carves
 it into ``extent // slot`` slots; when the last used slot of an extent is
 freed, the extent goes back to the free extents for any class to take (KV
 blocks come in one or two sizes per model, so an extent rarely holds a few
-stragglers for long).
+stragglers for long). A class hands out its lowest free slot first, so that
+blocks demoted one after another (the blocks of a prefix, evicted in order)
+lie one after another in the file and are read back in one I/O a run.
 
 This module only counts: it never touches the file and never chooses a
 victim (``emsd.tier.disk`` evicts when ``alloc`` says there is no room).
 """
 
 from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
 
 SECTOR = 4096
 DEFAULT_EXTENT = 64 << 20
@@ -26,6 +31,47 @@ class SpaceError(ValueError):
 def slot_for(length: int) -> int:
     """The slot size that holds ``length`` bytes: rounded up to ``SECTOR``."""
     return -(-length // SECTOR) * SECTOR
+
+
+class FreeSlots:
+    """The free slot offsets of one class: a set, and a heap for the lowest first.
+
+    The heap may hold offsets no longer free (taken by ``discard``); ``pop``
+    skips them, and the heap is rebuilt when they outnumber the free ones.
+    """
+
+    def __init__(self) -> None:
+        self._set: set[int] = set()
+        self._heap: list[int] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._set)
+
+    def __contains__(self, offset: int) -> bool:
+        return offset in self._set
+
+    def update(self, offsets: Iterable[int]) -> None:
+        for offset in offsets:
+            if offset not in self._set:
+                self._set.add(offset)
+                heapq.heappush(self._heap, offset)
+
+    def discard(self, offset: int) -> None:
+        self._set.discard(offset)
+        if len(self._heap) > 2 * len(self._set) + 1024:
+            self._heap = sorted(self._set)
+
+    def difference_update(self, offsets: Iterable[int]) -> None:
+        for offset in offsets:
+            self.discard(offset)
+
+    def pop(self) -> int:
+        """The lowest free offset, taken. ``IndexError`` when there is none."""
+        while True:
+            offset = heapq.heappop(self._heap)
+            if offset in self._set:
+                self._set.remove(offset)
+                return offset
 
 
 class DiskSpace:
@@ -46,7 +92,7 @@ class DiskSpace:
         self._free_extents = list(range(self.extents - 1, -1, -1))  # a stack: low extents first
         self.extent_slot = [0] * self.extents  # slot size of each extent's class, 0 free
         self.extent_used = [0] * self.extents  # used slots on each extent
-        self._free: dict[int, set[int]] = {}  # slot size -> byte offsets of its free slots
+        self._free: dict[int, FreeSlots] = {}  # slot size -> byte offsets of its free slots
         self.bytes_used = 0  # bytes of used slots
 
     @property
@@ -62,7 +108,7 @@ class DiskSpace:
         if not 0 < length <= self.extent:
             return None
         slot = slot_for(length)
-        free = self._free.setdefault(slot, set())
+        free = self._free.setdefault(slot, FreeSlots())
         if not free:
             if not self._free_extents:
                 return None
@@ -83,7 +129,7 @@ class DiskSpace:
         self.extent_used[e] -= 1
         self.bytes_used -= slot
         free = self._free[slot]
-        free.add(offset)
+        free.update((offset,))
         if self.extent_used[e] == 0:  # the whole extent is free again: any class may take it
             base = e * self.extent
             free.difference_update(range(base, base + (self.extent // slot) * slot, slot))
@@ -107,7 +153,7 @@ class DiskSpace:
         if self.extent_slot[e] == 0:
             self._free_extents.remove(e)
             self.extent_slot[e] = slot
-            self._free.setdefault(slot, set()).update(
+            self._free.setdefault(slot, FreeSlots()).update(
                 range(base, base + (self.extent // slot) * slot, slot))
         elif self.extent_slot[e] != slot:
             return False

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from emsd.tier.space import SECTOR, DiskSpace, SpaceError, slot_for
+from emsd.tier.space import SECTOR, DiskSpace, FreeSlots, SpaceError, slot_for
 
 EXTENT = 16 * SECTOR
 
@@ -71,3 +71,29 @@ def test_slots_never_overlap_and_accounting_holds(ops: list[tuple[bool, int]]) -
     for off, n in list(held.items()):
         space.free(off, n)
     assert space.bytes_used == 0 and all(s == 0 for s in space.extent_slot)
+
+
+def test_a_class_hands_out_its_lowest_free_slot_first() -> None:
+    space = DiskSpace(4 * EXTENT, EXTENT)
+    first = [space.alloc(2 * SECTOR) for _ in range(8)]
+    assert first == [i * 2 * SECTOR for i in range(8)]  # one after another, as demoted
+    for off in (6 * SECTOR, 2 * SECTOR):
+        space.free(off, 2 * SECTOR)
+    assert [space.alloc(2 * SECTOR) for _ in range(3)] == [2 * SECTOR, 6 * SECTOR, 16 * SECTOR]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "discard", "pop"]), st.integers(0, 40)), max_size=200))
+def test_free_slots_pop_the_lowest_of_what_is_free(ops: list[tuple[str, int]]) -> None:
+    free, model = FreeSlots(), set[int]()
+    for op, n in ops:
+        if op == "add":
+            free.update([n])
+            model.add(n)
+        elif op == "discard":
+            free.discard(n)
+            model.discard(n)
+        elif model:
+            assert free.pop() == min(model)
+            model.remove(min(model))
+        assert bool(free) == bool(model) and all((i in free) == (i in model) for i in range(41))
