@@ -141,7 +141,8 @@ class Metrics:
     def watch_disk(self, stats: Callable[[], Any]) -> None:
         """Publish the disk tier's gauges and counters, read from ``stats()`` (``TierStats``) at
         each scrape; its read latency is observed by the reader threads (``disk_read``)."""
-        self.disk_read = Histogram("emsd_disk_read_seconds", "Time of one block read from the disk tier",
+        self.disk_read = Histogram("emsd_disk_read_seconds",
+                                   "Time of one disk tier read: a block, or a run of adjacent blocks",
                                    buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(DiskCollector(stats))
 

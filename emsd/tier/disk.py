@@ -486,19 +486,30 @@ class DiskTier:
         """Reader thread: the block's bytes into ``dest`` (``base``: its address); True when
         they match the block's digest. False on a mismatch (the block is dropped) or on an
         I/O error (the tier fails). Ends the READING state taken by ``checkout``."""
+        return self.read_run([entry], [dest], [base])[0]
+
+    def read_run(self, entries: list[DiskEntry], dests: list[memoryview], bases: list[int]) -> list[bool]:
+        """Reader thread: ``read`` of each block of a run (``emsd.tier.engine.runs``: one block,
+        or slots that follow one another, each movable with O_DIRECT), in one I/O. Per block,
+        whether it read right. ``on_read`` gets the I/O's time."""
         start = time.perf_counter()
-        ok = False
+        ok = [False] * len(entries)
         try:
             if FAULTS is not None:
                 _inject_read()
-            read_block(self.data, entry.offset, dest, base)
-            ok = digest(dest) == entry.digest
-            if not ok:
-                log.warning("disk tier: block at %d failed its checksum; a miss, dropped", entry.offset)
+            if len(entries) == 1:
+                read_block(self.data, entries[0].offset, dests[0], bases[0])
+            else:
+                self.data.readv(entries[0].offset, dests)
+            ok = [digest(d) == e.digest for e, d in zip(entries, dests, strict=True)]
+            for e, right in zip(entries, ok, strict=True):
+                if not right:
+                    log.warning("disk tier: block at %d failed its checksum; a miss, dropped", e.offset)
         except (OSError, ValueError) as exc:
             self._fail(f"reading {self.data.path}: {exc}")
         finally:
-            self.checkin(entry, ok)
+            for e, right in zip(entries, ok, strict=True):
+                self.checkin(e, right)
         if self.on_read is not None:
             self.on_read(time.perf_counter() - start)
         return ok

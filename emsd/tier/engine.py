@@ -15,6 +15,11 @@ reach its bandwidth) and the event loop never waits for the disk. Reads
 and writes have pools of their own, so that a backlog of demotions never
 delays a promotion that a load is waiting for.
 
+Blocks whose slots follow one another in the file (a prefix demoted in
+order: ``emsd.tier.space`` hands out slots lowest first) are read in one
+``preadv`` a run (``runs``, up to ``RUN_BYTES``) into their separate chunks:
+fewer, larger I/Os, and one trip through the reader pool a run, not a block.
+
 O_DIRECT needs the buffer address, file offset and length to be multiples
 of the logical block size; ``SECTOR`` (4 KiB) covers every device. A block
 whose place in the pool is not so aligned (a size that is not a multiple
@@ -34,6 +39,8 @@ from emsd.files import open_own
 from emsd.tier.space import SECTOR, slot_for
 
 log = logging.getLogger("emsd.tier")
+
+RUN_BYTES = 1 << 20  # at most this many bytes of adjacent blocks in one read
 
 
 class DataFile:
@@ -69,9 +76,15 @@ class DataFile:
 
     def read(self, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` (aligned) from ``offset``; ``OSError`` on failure or a short read."""
-        n = os.preadv(self.fd, [buf], offset)
-        if n != len(buf):
-            raise OSError(errno.EIO, f"short read at {offset}: {n} of {len(buf)} bytes")
+        self.readv(offset, [buf])
+
+    def readv(self, offset: int, bufs: list[memoryview]) -> None:
+        """Fill ``bufs`` (each aligned) in turn from ``offset`` on, in one system call;
+        ``OSError`` on failure or a short read."""
+        n = os.preadv(self.fd, bufs, offset)
+        want = sum(len(b) for b in bufs)
+        if n != want:
+            raise OSError(errno.EIO, f"short read at {offset}: {n} of {want} bytes")
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -105,6 +118,29 @@ def aligned(n: int) -> mmap.mmap:
 def direct_ok(address: int, length: int) -> bool:
     """Whether a block of ``length`` bytes at ``address`` can move with O_DIRECT as it is."""
     return address % SECTOR == 0 and length % SECTOR == 0
+
+
+def runs(offsets: list[int], lengths: list[int], bases: list[int], direct: bool,
+         limit: int = RUN_BYTES) -> list[list[int]]:
+    """The blocks to read (slot ``offsets[i]`` in the file, ``lengths[i]`` bytes, to memory at
+    ``bases[i]``) cut into runs, each read in one I/O: indices in file order, every one in
+    exactly one run. A run of more than one block holds slots that follow one another in the
+    file, each of them movable with O_DIRECT as it is (``direct_ok``, so that slot and length
+    agree), and at most ``limit`` bytes; anything else is a run of its own."""
+    out: list[list[int]] = []
+    end = size = -1
+    for i in sorted(range(len(offsets)), key=offsets.__getitem__):
+        joins = (direct and direct_ok(bases[i], lengths[i]) and offsets[i] == end
+                 and size + lengths[i] <= limit)
+        if joins:
+            out[-1].append(i)
+            size += lengths[i]
+        else:
+            out.append([i])
+            size = lengths[i]
+        movable = direct and direct_ok(bases[i], lengths[i])
+        end = offsets[i] + lengths[i] if movable else -1
+    return out
 
 
 def read_block(data: DataFile, offset: int, dest: memoryview, base: int) -> None:

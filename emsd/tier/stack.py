@@ -12,7 +12,8 @@ knowing the other:
 - ``promote`` is the asynchronous step before a PIN (``Service.remote_fetch``,
   like a remote fetch): the keys of the PIN's leading run that are only on
   disk get chunks in the pool (PENDING entries the stack owns), reader threads
-  read them straight into those chunks and check them, and the stack commits
+  read them straight into those chunks (one I/O a run of adjacent slots) and
+  check them, and the stack commits
   each one that read right. What is not read by the deadline stays PENDING
   until its read ends (then committed or aborted): the PIN, handled at the
   deadline, counts it as a miss, and the load never waits longer than its
@@ -34,6 +35,7 @@ from emsd.pool.store import BlockStore, Reservation
 from emsd.pool.store import Status as SlotStatus
 from emsd.tenants import Quota
 from emsd.tier.disk import DiskEntry, DiskTier, worth_demoting
+from emsd.tier.engine import runs
 
 log = logging.getLogger("emsd.tier")
 
@@ -44,6 +46,14 @@ def leading(ok: np.ndarray) -> int:
     """How many leading entries of the bool array ``ok`` are True."""
     bad = np.flatnonzero(~ok)
     return int(bad[0]) if bad.size else int(ok.size)
+
+
+def _sort(fut: asyncio.Future[object], handles: list[int], ok: list[int], bad: list[int]) -> None:
+    """The handles of one ended run read into ``ok`` (read right) and ``bad`` (the rest)."""
+    result = fut.result() if fut.exception() is None else None
+    for h, right in zip(handles, result if isinstance(result, list) else [False] * len(handles),
+                        strict=True):
+        (ok if right else bad).append(h)
 
 
 class TierStack:
@@ -132,22 +142,31 @@ class TierStack:
         if new.size == 0:
             return 0
         loop = asyncio.get_running_loop()
-        reads: dict[asyncio.Future[object], int] = {}
-        for i in new.tolist():
-            off, e = int(res.offsets[i]), held[i]
-            fut = self.disk.engine.read(self.disk.read, e, self.pool[off : off + e.length], off)
-            reads[asyncio.wrap_future(fut)] = int(res.handles[i])
+        reads: dict[asyncio.Future[object], list[int]] = {}
+        picked = [held[i] for i in new.tolist()]
+        at = res.offsets[new].tolist()
+        handles = res.handles[new].tolist()
+        for span in runs([e.offset for e in picked], [e.length for e in picked], at, self.disk.data.direct):
+            dests = [self.pool[at[j] : at[j] + picked[j].length] for j in span]
+            fut = self.disk.engine.read(self.disk.read_run, [picked[j] for j in span], dests,
+                                        [at[j] for j in span])
+            reads[asyncio.wrap_future(fut)] = [handles[j] for j in span]
         done, late = await asyncio.wait(reads, timeout=max(0.0, deadline - loop.time()))
-        ok = [reads[f] for f in done if f.exception() is None and f.result()]
-        self._settle(ok, [reads[f] for f in done if reads[f] not in ok])
+        ok: list[int] = []
+        bad: list[int] = []
+        for f in done:
+            _sort(f, reads[f], ok, bad)
+        self._settle(ok, bad)
         for f in late:  # ends when its read does: committed for later loads, or aborted
-            self.late += 1
-            f.add_done_callback(functools.partial(self._settle_late, handle=reads[f]))
+            self.late += len(reads[f])
+            f.add_done_callback(functools.partial(self._settle_late, handles=reads[f]))
         return len(ok)
 
-    def _settle_late(self, fut: asyncio.Future[object], handle: int) -> None:
-        right = fut.exception() is None and bool(fut.result())
-        self._settle([handle] if right else [], [] if right else [handle])
+    def _settle_late(self, fut: asyncio.Future[object], handles: list[int]) -> None:
+        ok: list[int] = []
+        bad: list[int] = []
+        _sort(fut, handles, ok, bad)
+        self._settle(ok, bad)
 
     def _reserve(self, ns: int, keys: KeyBatch, count: int, wanted: KeyBatch,
                  held: list[DiskEntry]) -> Reservation:

@@ -91,8 +91,8 @@ def test_blocks_evicted_from_dram_are_on_disk_and_load_back_identical(
     reads = d.metric("emsd_disk_reads_total")
     for b in (1, 2, 3):
         assert load(cc, b) == (BLOCKS, True), d.log()
-    assert d.metric("emsd_disk_reads_total") >= reads + 3 * BLOCKS
-    assert d.metric("emsd_disk_read_seconds_count") >= 3 * BLOCKS
+    assert d.metric("emsd_disk_reads_total") >= reads + 3 * BLOCKS  # blocks
+    assert 3 <= d.metric("emsd_disk_read_seconds_count") <= 3 * BLOCKS  # I/Os: a block or a run
     assert cc.exists(_keys(99)).success == 0
     out = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(d.socket_dir), "status"],
                          capture_output=True, text=True, timeout=60)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from emsd.pool.keys import KeyBatch
 from emsd.tier.disk import DATA_FILE, DiskTier, worth_demoting
-from emsd.tier.engine import aligned
+from emsd.tier.engine import aligned, runs
 
 EXTENT = 1 << 20
 BLOCK = 64 << 10
@@ -190,3 +190,36 @@ def test_a_removed_data_file_is_noticed(disk_dir: Path) -> None:
 def test_only_owned_blocks_evicted_for_room_are_demoted(cases: list[tuple[str, bool]]) -> None:
     for reason, cached in cases:
         assert worth_demoting(reason, cached) == (reason in ("lru", "page") and not cached)
+
+
+def test_adjacent_blocks_read_in_one_run_and_a_bad_one_is_a_miss_alone(disk_dir: Path) -> None:
+    tier = DiskTier(disk_dir, 4 * EXTENT, writers=1, extent=EXTENT)
+    blocks = [_bytes(i) for i in range(8)]
+    keys = KeyBatch.from_user(list(range(8)))
+    pool, offs, lens = _pool(blocks)
+    tier.demote("ns", keys, memoryview(pool), offs, lens)
+    assert tier.wait_idle(30)
+    entries = tier.checkout("ns", keys)
+    assert all(e is not None for e in entries)
+    at = [e.offset for e in entries if e is not None]
+    assert at == [at[0] + i * BLOCK for i in range(8)]  # demoted in order: slots in order
+    spans = runs(at, [BLOCK] * 8, [i * BLOCK for i in range(8)], tier.data.direct)
+    assert spans == ([list(range(8))] if tier.data.direct else [[i] for i in range(8)])
+    for e in entries:
+        assert e is not None
+        tier.checkin(e)
+    with open(disk_dir / DATA_FILE, "r+b") as f:  # block 5's bytes go bad on disk
+        f.seek(at[5] + 7)
+        f.write(b"\x00" * 8)
+    entries = tier.checkout("ns", keys)
+    dest = aligned(8 * BLOCK)
+    view = memoryview(dest)
+    ok = tier.read_run([e for e in entries if e is not None],
+                       [view[i * BLOCK : (i + 1) * BLOCK] for i in range(8)], [i * BLOCK for i in range(8)])
+    assert ok == [i != 5 for i in range(8)]
+    assert [bytes(view[i * BLOCK : (i + 1) * BLOCK]) for i in range(8) if i != 5] == blocks[:5] + blocks[6:]
+    assert tier.corrupt == 1 and tier.present("ns", keys).tolist() == [i != 5 for i in range(8)]
+    assert all(not e.busy for e in entries if e is not None)  # every READING ended
+    view.release()
+    dest.close()
+    tier.close()
