@@ -1,19 +1,28 @@
 """The disk tier against the disk: reads through the SDK beside fio, DRAM hits with the tier on
 and off, and what a reboot keeps.
 
-    python -m benchmarks.bench_disk [--dir /var/tmp] [--quick] [--rounds N] [--json FILE]
+    python -m benchmarks.bench_disk [--dir /var/tmp] [--quick] [--rounds N] [--read-rounds N] [--json FILE]
 
 (from the repository root; needs Debian's ``fio`` and a real file system at
 ``--dir``, not tmpfs). In one run:
 
-1. **Reads** (2 MiB and 64 KiB blocks): a daemon with a small pool (128 MiB)
-   and a disk tier saves ``--gib`` of blocks through the SDK; all but the
-   pool's worth are evicted and written to disk. Then loads of 16 blocks a
-   call, oldest first (blocks only on disk), read them back through the SDK:
-   GB/s over the whole pass. Then fio reads the tier's own data file (the
-   blocks this run wrote, read only) with the same block size and queue
-   depth (``O_DIRECT``; ``disk.readers`` threads as emsd's readers, and
-   ``libaio`` with as many in flight): the ratios are emsd / fio.
+1. **Reads** (2 MiB and 64 KiB blocks): a daemon with a small pool (4 loads'
+   worth) and a disk tier saves ``--gib`` of blocks through the SDK; all but
+   the pool's worth are evicted and written to disk. A first pass of loads
+   (``--batch`` blocks a call, oldest first: blocks only on disk) reads them
+   back through the SDK, checked byte for byte, and lets the demotions it
+   causes finish. Then ``--read-rounds`` rounds, each: the same pass, timed
+   (GB/s over the pass), the same with ``OVERLAP`` loads in flight (as an
+   engine loading for several requests at once: the disk is not idle while
+   a load's blocks are copied out and the next load is sent), then fio on
+   the region of the tier's data file that
+   holds those blocks (read only, the same block size and queue depth,
+   ``O_DIRECT``): random reads from ``disk.readers`` threads as emsd's
+   readers, and from ``libaio`` with as many in flight, and reads in file
+   order (``libaio``), the order in which the tier finds the blocks of a
+   prefix it demoted in order. The ratios are of the medians, emsd / fio: this
+   VM's disk moves by 2x from one minute to the next (its host caches what
+   was written lately), so only rounds side by side compare.
 2. **DRAM hits, tier on and off**: two daemons, the same pool, one with a disk
    tier; the same blocks saved in each (all fit in DRAM); loads of them
    timed in alternating rounds; the ratio of the medians (on / off).
@@ -38,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -54,6 +64,7 @@ SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None
 BATCH = 16  # blocks a load or save call
 TOKENS = 16  # tokens a block
 READERS = 8  # disk.readers, and fio's queue depth
+OVERLAP = 2  # loads in flight at once in the overlapped passes
 
 
 class Daemon:
@@ -145,8 +156,10 @@ def check(tensors: list[list[np.ndarray]], first: int, count: int) -> int:
     return int(good.sum())
 
 
-def call(cc: Any, op: str, first: int, count: int) -> int:
-    slots = list(range(count * TOKENS))
+def call(cc: Any, op: str, first: int, count: int, lane: int = 0) -> int:
+    """``op`` of blocks ``first`` .. ``first + count - 1``, into or from the tensors' blocks
+    ``lane * count`` on."""
+    slots = list(range(lane * count * TOKENS, (lane + 1) * count * TOKENS))
     hashes = [first + i for i in range(count)]
     return int(getattr(cc, op)(slots, hashes=hashes, offsets=[TOKENS] * count).success)
 
@@ -181,18 +194,66 @@ def read_pass(cc: Any, tensors: list[list[np.ndarray]], first: int, last: int,
     return took, loaded, right
 
 
+def overlapped_pass(cc: Any, first: int, last: int, batch: int, depth: int) -> tuple[float, int]:
+    """(seconds, blocks loaded) loading blocks first..last-1, ``batch`` a call, ``depth`` calls in
+    flight (a thread each, the calls dealt out in turn, each into its own tensor blocks). The
+    bytes are not checked here (the first pass checks them)."""
+    starts = list(range(first, last - batch + 1, batch))
+    loaded = [0] * depth
+
+    def lane(i: int) -> None:
+        loaded[i] = sum(call(cc, "load", b, batch, i) for b in starts[i::depth])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lane, args=(i,)) for i in range(depth)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, sum(loaded)
+
+
+FIO_REFS = ("psync", "libaio", "sequential")
+
+
 def fio(data: Path, block: int, size: int, engine: str) -> float:
     """fio's read bandwidth (bytes/s) on the tier's own data file (read only, its first ``size``
-    bytes, the blocks this run wrote): random reads of ``block`` bytes, ``O_DIRECT``, queue depth
-    ``READERS``, as ``engine``: ``psync`` (``READERS`` jobs: threads, as emsd's readers) or
-    ``libaio`` (one job, ``READERS`` in flight)."""
-    jobs = ["--ioengine=psync", f"--numjobs={READERS}"] if engine == "psync" else [
-        "--ioengine=libaio", f"--iodepth={READERS}", "--numjobs=1"]
+    bytes: the slots of the blocks the timed loads read, which the tier fills lowest first):
+    ``size`` bytes of reads of ``block`` bytes, ``O_DIRECT``, queue depth ``READERS``, as
+    ``engine`` (``FIO_REFS``): ``psync`` (random, ``READERS`` jobs: threads, as emsd's readers),
+    ``libaio`` (random, one job, ``READERS`` in flight) or ``sequential`` (libaio, in file order,
+    ``READERS`` in flight: the order in which the tier reads a prefix demoted in order)."""
+    jobs = {"psync": ["--ioengine=psync", f"--numjobs={READERS}", "--rw=randread"],
+            "libaio": ["--ioengine=libaio", f"--iodepth={READERS}", "--numjobs=1", "--rw=randread"],
+            "sequential": ["--ioengine=libaio", f"--iodepth={READERS}", "--numjobs=1", "--rw=read"]}[engine]
     out = subprocess.run(
-        ["fio", "--name=disk", f"--filename={data}", "--readonly", f"--size={size}", "--rw=randread",
+        ["fio", "--name=disk", f"--filename={data}", "--readonly", f"--size={size}",
          f"--bs={block}", "--direct=1", *jobs, f"--io_size={size // (READERS if engine == 'psync' else 1)}",
          "--group_reporting", "--output-format=json"], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout)["jobs"][0]["read"]["bw_bytes"])
+
+
+def reads_side_by_side(cc: Any, tensors: list[list[np.ndarray]], data: Path, block: int, cold: int,
+                       batch: int, rounds: int) -> dict[str, Any]:
+    """``rounds`` rounds of timed passes of loads over blocks 0..``cold``-1 (on disk only), one
+    call at a time and ``OVERLAP`` in flight, each round followed by fio on their region of
+    ``data``: the medians (bytes/s) and every round's."""
+    passes: dict[str, list[float]] = {"emsd": [], "emsd_overlap": []}
+    refs: dict[str, list[float]] = {e: [] for e in FIO_REFS}
+    want = cold // batch * batch
+    for _ in range(rounds):
+        took, loaded, right = read_pass(cc, tensors, 0, cold, batch)
+        if right != want:
+            raise RuntimeError(f"{block >> 10} KiB blocks: {right} of {want} loaded right")
+        passes["emsd"].append(loaded * block / took)
+        took, loaded = overlapped_pass(cc, 0, cold, batch, OVERLAP)
+        if loaded != want:
+            raise RuntimeError(f"{block >> 10} KiB blocks, {OVERLAP} loads in flight: {loaded} of {want}")
+        passes["emsd_overlap"].append(loaded * block / took)
+        for engine, got in refs.items():
+            got.append(fio(data, block, want * block, engine))
+    every = {**passes, **refs}
+    return {"median": {k: statistics.median(v) for k, v in every.items()}, "rounds": every}
 
 
 def drop_page_cache() -> bool:
@@ -203,7 +264,8 @@ def drop_page_cache() -> bool:
         return False
 
 
-def reads_and_reboot(work: Path, disk_root: Path, block: int, total: int, batch: int) -> dict[str, Any]:
+def reads_and_reboot(work: Path, disk_root: Path, block: int, total: int, batch: int,
+                     rounds: int) -> dict[str, Any]:
     """Steps 1 and 3 for one block size, loads of ``batch`` blocks a call."""
     blocks = total // block // BATCH * BATCH
     pool = 4 * batch * block  # room for the loads' promotions and what they evict
@@ -214,25 +276,30 @@ def reads_and_reboot(work: Path, disk_root: Path, block: int, total: int, batch:
     disk_dir = Path(tempfile.mkdtemp(prefix="emsd-bench-disk-", dir=disk_root))
     d = Daemon(work, f"disk-{block}", pool, disk_dir, total + (256 << 20)).start()
     try:
-        tensors = kv(block, max(batch, BATCH))
+        tensors = kv(block, max(batch, BATCH) * OVERLAP)
         with sdk(d, f"m{block}") as cc:
             save_all(cc, tensors, blocks)
             wait_written(d)
             on_disk = int(d.metric("emsd_disk_blocks"))
             dropped = int(sum(d.metric(f'emsd_disk_dropped_demotions_total{{reason="{r}"}}')
                               for r in ("queue", "room", "quota", "failed", "corrupt")))
-            took, loaded, right = read_pass(cc, tensors, 0, cold, batch)
+            _, loaded, right = read_pass(cc, tensors, 0, cold, batch)  # and its demotions
+            wait_written(d)
+            data = next(disk_dir.glob("*.data"))
+            side = reads_side_by_side(cc, tensors, data, block, cold, batch, rounds)
             wait_written(d)
             kept = int(d.metric("emsd_disk_blocks"))  # what the reboot may find
         d.stop(signal.SIGKILL)
-        data = next(disk_dir.glob("*.data"))
-        fio_bps = {e: fio(data, block, total, e) for e in ("psync", "libaio")}
-        emsd_bps = loaded * block / took
+        med = side["median"]
         print(f"  {block >> 10:>5} KiB blocks: {blocks} saved, {on_disk} on disk "
-              f"({dropped} demotions dropped); loads of {batch} from disk {emsd_bps / 1e9:.2f} GB/s "
-              f"({loaded} blocks, {right} right); fio on the same file, {READERS} threads "
-              f"{fio_bps['psync'] / 1e9:.2f} GB/s: {emsd_bps / fio_bps['psync']:.2f}x, libaio "
-              f"{fio_bps['libaio'] / 1e9:.2f} GB/s: {emsd_bps / fio_bps['libaio']:.2f}x", flush=True)
+              f"({dropped} demotions dropped); first pass {right} of {loaded} loaded right; "
+              f"median of {rounds} rounds, GB/s: fio on their region, random {READERS} threads "
+              f"{med['psync'] / 1e9:.2f}, random libaio {med['libaio'] / 1e9:.2f}, sequential libaio "
+              f"{med['sequential'] / 1e9:.2f}", flush=True)
+        for name, what in (("emsd", "one at a time"), ("emsd_overlap", f"{OVERLAP} in flight")):
+            ratios = " / ".join(f"{med[name] / med[e]:.2f}x" for e in FIO_REFS)
+            print(f"        loads of {batch} from disk, {what}: {med[name] / 1e9:.2f} GB/s, "
+                  f"{ratios} those", flush=True)
         dropped_cache = drop_page_cache()
         d.forget_memory()
         d.start()
@@ -243,9 +310,10 @@ def reads_and_reboot(work: Path, disk_root: Path, block: int, total: int, batch:
               f"{back_right} of the {kept} blocks on disk load identical ({back_right / max(kept, 1):.3f})",
               flush=True)
         return {"block": block, "batch": batch, "saved": blocks, "on_disk": on_disk, "dropped": dropped,
-                "emsd_gbps": emsd_bps / 1e9, "fio_psync_gbps": fio_bps["psync"] / 1e9,
-                "fio_libaio_gbps": fio_bps["libaio"] / 1e9, "ratio_psync": emsd_bps / fio_bps["psync"],
-                "ratio_libaio": emsd_bps / fio_bps["libaio"],
+                "median_gbps": {k: v / 1e9 for k, v in med.items()},
+                "ratio": {e: med["emsd"] / med[e] for e in FIO_REFS}, "overlap": OVERLAP,
+                "overlap_ratio": {e: med["emsd_overlap"] / med[e] for e in FIO_REFS},
+                "rounds_gbps": {k: [b / 1e9 for b in v] for k, v in side["rounds"].items()},
                 "loaded": loaded, "right": right, "page_cache_dropped": dropped_cache,
                 "on_disk_at_kill": kept,
                 "after_reboot_loaded": back, "after_reboot_right": back_right,
@@ -295,7 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--batch", type=int, default=32,
                    help="2 MiB blocks a load call (64 KiB blocks: 4x as many)")
-    p.add_argument("--quick", action="store_true", help="3 rounds of DRAM hits")
+    p.add_argument("--read-rounds", type=int, default=5, help="rounds of reads beside fio")
+    p.add_argument("--quick", action="store_true", help="3 rounds of DRAM hits, 2 of reads")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if shutil.which("fio") is None:
@@ -307,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         print(f"disk tier in {args.dir}, {total >> 20} MiB per block size, queue depth {READERS}:",
               flush=True)
-        out["reads"] = [reads_and_reboot(work, args.dir, b, total, batch)
+        read_rounds = 2 if args.quick else args.read_rounds
+        out["reads"] = [reads_and_reboot(work, args.dir, b, total, batch, read_rounds)
                         for b, batch in ((2 << 20, args.batch), (64 << 10, args.batch * 4))]
         out["dram_hits"] = [dram_hits(work, args.dir, b, rounds) for b in (2 << 20, 64 << 10)]
     if args.json:
