@@ -6,8 +6,11 @@ process-wide state), with the .venv-vllm interpreter::
     python benchmarks/engines/engine.py --model DIR --requests FILE --out FILE
         [--connector none|emsd|lmcache|offload] [--max-model-len N] [--engine-blocks N]
 
-``--requests`` is a JSON list of ``{"id", "prompt_token_ids", "max_tokens"}``.
-Each request is added to the engine alone and stepped until it finishes:
+``--requests`` is a JSON list of ``{"id", "parent", "prompt_token_ids",
+"max_tokens"}``; a request with a ``parent`` (an earlier request of the same
+file) is sent as the parent's prompt, the tokens the engine generated for it,
+then its own ``prompt_token_ids``: a chat's next turn after the engine's own
+answer. Each request is added to the engine alone and stepped until it finishes:
 its time to first token is the wall time from ``add_request`` to the first
 step that returns one of its tokens (prefill, with any KV loaded by the
 connector, and the first sampled token), its end-to-end time until it
@@ -15,7 +18,8 @@ finishes. Decoding is greedy (temperature 0, ``ignore_eos``), so outputs can
 be compared token for token between engines.
 
 The output file holds ``{"init_seconds", "requests": [{"id", "ttft", "e2e",
-"prompt_tokens", "cached_tokens", "token_ids"}]}``; ``cached_tokens`` is
+"prompt_tokens", "cached_tokens", "token_ids", "prompt_token_ids"}]}`` (the
+prompt as sent, the tokens generated); ``cached_tokens`` is
 vLLM's ``num_cached_tokens`` (tokens not computed: its own prefix cache plus
 what a connector loaded).
 
@@ -72,7 +76,18 @@ def serve(engine: Any, rid: str, prompt_ids: list[int], params: Any) -> dict[str
         raise RuntimeError(f"request {rid} did not finish")
     return {"id": rid, "ttft": ttft if ttft is not None else e2e, "e2e": e2e,
             "prompt_tokens": len(prompt_ids), "cached_tokens": int(final.num_cached_tokens or 0),
-            "token_ids": list(final.outputs[0].token_ids)}
+            "token_ids": list(final.outputs[0].token_ids), "prompt_token_ids": prompt_ids}
+
+
+def prompt_of(request: dict[str, Any], served: dict[str, dict[str, Any]]) -> list[int]:
+    """The token ids to send for ``request``: its parent's prompt and answer (from ``served``,
+    id -> result), then its own tokens. ``KeyError`` for a parent not served before it."""
+    own = [int(t) for t in request["prompt_token_ids"]]
+    parent = request.get("parent")
+    if parent is None:
+        return own
+    done = served[str(parent)]
+    return list(done["prompt_token_ids"]) + list(done["token_ids"]) + own
 
 
 def main() -> int:
@@ -105,13 +120,13 @@ def main() -> int:
     engine = llm.llm_engine
     init_seconds = time.perf_counter() - start
     requests = json.loads(Path(args.requests).read_text())
-    done = []
+    done: dict[str, dict[str, Any]] = {}
     for r in requests:
         params = SamplingParams(temperature=0.0, max_tokens=int(r["max_tokens"]), ignore_eos=True)
-        done.append(serve(engine, str(r["id"]), [int(t) for t in r["prompt_token_ids"]], params))
-        print(f"engine.py: {r['id']}: {len(r['prompt_token_ids'])} tokens, ttft {done[-1]['ttft']:.3f} s, "
-              f"cached {done[-1]['cached_tokens']}", file=sys.stderr, flush=True)
-    Path(args.out).write_text(json.dumps({"init_seconds": init_seconds, "requests": done}))
+        got = done[str(r["id"])] = serve(engine, str(r["id"]), prompt_of(r, done), params)
+        print(f"engine.py: {r['id']}: {got['prompt_tokens']} tokens, ttft {got['ttft']:.3f} s, "
+              f"cached {got['cached_tokens']}", file=sys.stderr, flush=True)
+    Path(args.out).write_text(json.dumps({"init_seconds": init_seconds, "requests": list(done.values())}))
     del llm
     return 0
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.engines.run import connector_totals, percentile, quick_trace, summarise
+from benchmarks.engines.engine import prompt_of
+from benchmarks.engines.run import connector_totals, percentile, quick_trace, resolve, summarise
 from benchmarks.engines.trace import SPECIAL, VOCAB, EngineRequest, distinct_blocks, engine_trace, to_vocab
 
 
@@ -75,3 +77,35 @@ def test_connector_totals_reads_the_last_totals_line_and_nothing_else() -> None:
            'INFO EmsStoreConnector worker totals: {"loaded_blocks": 31, "saved_blocks": 2}\n')
     assert connector_totals(log) == {"loaded_blocks": 31, "saved_blocks": 2}
     assert connector_totals("no connector here\n") == {}
+
+
+def test_a_returning_request_is_its_parents_prompt_and_answer_then_new_tokens() -> None:
+    trace = engine_trace(10, seed=1)
+    by_id = {r.id: r for r in trace}
+    order = [r.id for r in trace]
+    for r in trace:
+        assert (r.parent is not None) == r.returning
+        if r.parent is None:
+            assert r.new is None
+            continue
+        p = by_id[r.parent]
+        assert p.session == r.session and order.index(p.id) < order.index(r.id)
+        assert r.prompt[: len(p.prompt)] == p.prompt  # then the drawn answer, then the new tokens
+        assert r.new is not None and len(r.prompt) == len(p.prompt) + p.answer + len(r.new)
+        assert r.prompt[len(r.prompt) - len(r.new):] == r.new
+        assert r.as_json(64)["prompt_token_ids"] == r.new and r.as_json(64)["parent"] == p.id
+    assert all(0 < r.as_json(64)["max_tokens"] <= 64 for r in trace)  # type: ignore[operator]
+
+
+def test_a_parent_from_an_earlier_engine_is_spelled_out_with_its_generated_answer() -> None:
+    served = {"a0": {"prompt_token_ids": [5, 6, 7], "token_ids": [9, 9]}}
+    reqs = [{"id": "b0", "parent": "a0", "prompt_token_ids": [4], "max_tokens": 2},
+            {"id": "b1", "parent": "b0", "prompt_token_ids": [3], "max_tokens": 2},
+            {"id": "b2", "parent": None, "prompt_token_ids": [8], "max_tokens": 2}]
+    out = resolve(reqs, served)
+    assert out[0] == {"id": "b0", "parent": None, "prompt_token_ids": [5, 6, 7, 9, 9, 4], "max_tokens": 2}
+    assert out[1:] == reqs[1:]  # b1's parent is served by the same engine, which spells it out
+    engine_side = {"b0": {"prompt_token_ids": [5, 6, 7, 9, 9, 4], "token_ids": [1]}}
+    assert prompt_of(out[1], engine_side) == [5, 6, 7, 9, 9, 4, 1, 3]
+    with pytest.raises(KeyError):
+        prompt_of(out[1], {})
