@@ -39,8 +39,10 @@ Systems:
 - ``offload``: vLLM's own ``OffloadingConnector`` (KV blocks offloaded to CPU
   memory in the engine process), where it runs.
 
-Reported per system: time to first token (p50, p90) of all requests and of
-returning sessions, throughput (prompt and generated tokens a second of
+Reported per system: time to first token (p50, p90) of all requests, of
+returning sessions, and of the returning turns taken over (the session's
+last turn was served by the other engine: only an external cache has its
+KV), throughput (prompt and generated tokens a second of
 serving, the two engines' serving time added), the share of prompt tokens
 not computed (``cached``: vLLM's prefix cache plus what the connector
 loaded), for emsd its daemons' load hit rate, and whether every output
@@ -223,11 +225,21 @@ def connector_totals(log: str) -> dict[str, int]:
     return {}
 
 
+def taken_over(trace: list[EngineRequest]) -> list[EngineRequest]:
+    """The requests whose session's last request the other engine served: the returning
+    turns that only an external cache can serve from memory (the rest of the returning turns
+    continue a session in the engine that served its last turn, whose own prefix cache holds
+    it in every system)."""
+    engine = {r.id: r.engine for r in trace}
+    return [r for r in trace if r.parent is not None and engine[r.parent] != r.engine]
+
+
 def summarise(trace: list[EngineRequest], served: dict[str, dict[str, Any]],
               baseline: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
     """TTFT percentiles, throughput, cached share and output equality of one system's run."""
     rows = [served[r.id] for r in trace]
     returning = [served[r.id]["ttft"] for r in trace if r.returning]
+    taken = [served[r.id]["ttft"] for r in taken_over(trace)]
     tokens = sum(x["prompt_tokens"] + len(x["token_ids"]) for x in rows)
     seconds = sum(x["e2e"] for x in rows)
     equal = None if baseline is None else all(served[k]["token_ids"] == baseline[k]["token_ids"]
@@ -236,6 +248,9 @@ def summarise(trace: list[EngineRequest], served: dict[str, dict[str, Any]],
             "ttft_p90": percentile([x["ttft"] for x in rows], 0.9),
             "returning_ttft_p50": percentile(returning, 0.5),
             "returning_ttft_p90": percentile(returning, 0.9),
+            "taken_over_ttft_p50": percentile(taken, 0.5),
+            "taken_over_ttft_p90": percentile(taken, 0.9), "taken_over": len(taken),
+            "prompt_tokens": sum(x["prompt_tokens"] for x in rows),
             "throughput_tok_s": tokens / seconds if seconds else float("nan"),
             "cached_share": sum(x["cached_tokens"] for x in rows) / sum(x["prompt_tokens"] for x in rows),
             "outputs_equal": equal, "requests": len(rows)}
@@ -340,15 +355,17 @@ def fmt(x: float | None) -> str:
 
 def report(results: dict[str, Any]) -> str:
     """Markdown tables of a run."""
-    lines = ["| system | TTFT p50 s | TTFT p90 s | returning p50 s | returning p90 s | tokens/s | cached | "
-             "from emsd | outputs equal | CPU s outside the engines |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| system | TTFT p50 s | TTFT p90 s | returning p50 s | returning p90 s | taken over p50 s "
+             "| taken over p90 s | tokens/s | cached | from emsd | outputs equal "
+             "| CPU s outside the engines |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in results["systems"].items():
         if "error" in s:
-            lines.append(f"| {name} | error: {s['error'].splitlines()[0][:160]} | | | | | | | | |")
+            lines.append(f"| {name} | error: {s['error'].splitlines()[0][:160]} | | | | | | | | | | |")
             continue
         lines.append(f"| {name} | {fmt(s['ttft_p50'])} | {fmt(s['ttft_p90'])} "
                      f"| {fmt(s['returning_ttft_p50'])} | {fmt(s['returning_ttft_p90'])} "
+                     f"| {fmt(s['taken_over_ttft_p50'])} | {fmt(s['taken_over_ttft_p90'])} "
                      f"| {s['throughput_tok_s']:.0f} | {s['cached_share']:.2f} "
                      f"| {fmt(s.get('emsd_hit_rate'))} | {s['outputs_equal']} "
                      f"| {s['other_cpu_seconds']:.0f} |")
@@ -357,7 +374,8 @@ def report(results: dict[str, Any]) -> str:
         for name, s in results["systems"].items():
             if name != "cold" and "error" not in s:
                 lines.append(f"\n{name} against cold: returning TTFT p50 "
-                             f"{s['returning_ttft_p50'] / cold['returning_ttft_p50']:.3f}x, throughput "
+                             f"{s['returning_ttft_p50'] / cold['returning_ttft_p50']:.3f}x, taken over "
+                             f"{s['taken_over_ttft_p50'] / cold['taken_over_ttft_p50']:.3f}x, throughput "
                              f"{s['throughput_tok_s'] / cold['throughput_tok_s']:.2f}x")
     if "cost" in results:
         c = results["cost"]
@@ -394,9 +412,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     cap = results.get("capacities", {})
     ax = axes[1]
     if cap:
-        ax.plot([100 * f for f in cap["fractions"]], cap["returning_ttft_p50"], "s-",
-                label="emsd, returning p50")
+        pct = [100 * f for f in cap["fractions"]]
+        ax.plot(pct, cap["returning_ttft_p50"], "s-", label="emsd, returning p50")
+        ax.plot(pct, cap["taken_over_ttft_p50"], "^-", label="emsd, taken over p50")
         ax.axhline(cap["cold_returning_ttft_p50"], color="gray", ls="--", label="cold, returning p50")
+        ax.axhline(cap["cold_taken_over_ttft_p50"], color="gray", ls=":", label="cold, taken over p50")
         ax.set_xlabel("emsd pool, % of the trace's distinct KV blocks")
         ax.set_ylabel("time to first token, s")
         ax.set_title("TTFT against cache capacity")
@@ -460,9 +480,13 @@ def main() -> None:
         rows = []
         for f in fracs:
             served, _ = serve_trace(work / f"cap-{f}", bench, trace, "emsd", max(32 << 20, int(f * kv_bytes)))
-            rows.append(summarise(trace, served, baseline)["returning_ttft_p50"])
-        results["capacities"] = {"fractions": fracs, "returning_ttft_p50": rows,
-                                 "cold_returning_ttft_p50": results["systems"]["cold"]["returning_ttft_p50"]}
+            rows.append(summarise(trace, served, baseline))
+        cold = results["systems"]["cold"]
+        kinds = ("returning_ttft_p50", "taken_over_ttft_p50")
+        results["capacities"] = {
+            "fractions": fracs, **{k: [r[k] for r in rows] for k in kinds},
+            "cold_returning_ttft_p50": cold["returning_ttft_p50"],
+            "cold_taken_over_ttft_p50": cold["taken_over_ttft_p50"]}
     (work / "engines.json").write_text(json.dumps(results, indent=1))
     print(report(results))
     if args.plot:

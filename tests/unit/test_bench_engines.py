@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from benchmarks.engines.engine import prompt_of
-from benchmarks.engines.run import connector_totals, percentile, quick_trace, resolve, summarise
+from benchmarks.engines.run import connector_totals, percentile, quick_trace, resolve, summarise, taken_over
 from benchmarks.engines.trace import SPECIAL, VOCAB, EngineRequest, distinct_blocks, engine_trace, to_vocab
 
 
@@ -109,3 +109,13 @@ def test_a_parent_from_an_earlier_engine_is_spelled_out_with_its_generated_answe
     assert prompt_of(out[1], engine_side) == [5, 6, 7, 9, 9, 4, 1, 3]
     with pytest.raises(KeyError):
         prompt_of(out[1], {})
+
+
+def test_taken_over_turns_are_those_whose_last_turn_the_other_engine_served() -> None:
+    trace = engine_trace(10, seed=1)
+    engine = {r.id: r.engine for r in trace}
+    taken = taken_over(trace)
+    assert taken and all(r.engine == "B" and engine[r.parent] == "A" for r in taken)  # type: ignore[index]
+    kept = [r for r in trace if r.returning and r not in taken]
+    assert kept and all(engine[r.parent] == r.engine for r in kept)  # type: ignore[index]
+    assert [r.id for r in taken_over(quick_trace())] == ["q1-s0"]
