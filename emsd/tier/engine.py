@@ -130,15 +130,13 @@ def runs(offsets: list[int], lengths: list[int], bases: list[int], direct: bool,
     out: list[list[int]] = []
     end = size = -1
     for i in sorted(range(len(offsets)), key=offsets.__getitem__):
-        joins = (direct and direct_ok(bases[i], lengths[i]) and offsets[i] == end
-                 and size + lengths[i] <= limit)
-        if joins:
+        movable = direct and direct_ok(bases[i], lengths[i])
+        if movable and offsets[i] == end and size + lengths[i] <= limit:  # end: -1 after an unmovable one
             out[-1].append(i)
             size += lengths[i]
         else:
             out.append([i])
             size = lengths[i]
-        movable = direct and direct_ok(bases[i], lengths[i])
         end = offsets[i] + lengths[i] if movable else -1
     return out
 

@@ -26,6 +26,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 
@@ -50,9 +51,8 @@ def leading(ok: np.ndarray) -> int:
 
 def _sort(fut: asyncio.Future[object], handles: list[int], ok: list[int], bad: list[int]) -> None:
     """The handles of one ended run read into ``ok`` (read right) and ``bad`` (the rest)."""
-    result = fut.result() if fut.exception() is None else None
-    for h, right in zip(handles, result if isinstance(result, list) else [False] * len(handles),
-                        strict=True):
+    rights = cast("list[bool]", fut.result()) if fut.exception() is None else [False] * len(handles)
+    for h, right in zip(handles, rights, strict=True):
         (ok if right else bad).append(h)
 
 
