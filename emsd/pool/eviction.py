@@ -13,6 +13,9 @@ carries out the answer (mechanism apart from policy, as memcached's
   entry at all is the best choice (its most recent use counts as -1).
 - ``chain_stamps``: the recency stamps of one call's keys under the
   ``prefix`` policy (below).
+- ``Recency`` (``LruRecency``, ``PrefixRecency``; ``recency(name)`` makes
+  one): the configured policy as an object, which the store calls at each
+  point where a call stamps the entries it touches.
 
 Two policies (``pool.eviction``) differ only in how a call stamps its keys:
 
@@ -38,9 +41,15 @@ Two policies (``pool.eviction``) differ only in how a call stamps its keys:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
 import numpy as np
 
+from emsd.pool.index import FIRST_ID, READY, BlockIndex
+
 POLICIES = ("lru", "prefix")
+_READY = np.uint8(READY)
 
 
 def chain_stamps(clock: int, n: int, below: int | None = None) -> np.ndarray:
@@ -121,3 +130,110 @@ def steal_choice(page_owner: np.ndarray, recent: np.ndarray, blocked: np.ndarray
         return None
     return page
 
+
+
+Tick = Callable[[int], int]  # the store's clock: advance by n (>= 1), return the new time
+Below = Callable[[], "int | None"]  # the stamp of the call's predecessor, looked up on demand
+
+
+class Recency(ABC):
+    """How a policy stamps the entries a call touches; the store calls it at each such
+    point. The store owns the clock (``tick``) and the index's ``last_used`` stamps;
+    a policy decides only which stamps to write and how far the clock moves.
+
+    ``below``: looked up only by a policy that bounds a call by its predecessor.
+    """
+
+    name = ""
+
+    @abstractmethod
+    def reserve_ticks(self, n: int) -> int:
+        """How far a reserve of ``n`` (>= 1) keys advances the clock."""
+
+    @abstractmethod
+    def reserved(self, idx: BlockIndex, stamp: int, n: int, below: Below, ids: np.ndarray,
+                 new: np.ndarray, handles: np.ndarray, cut: int, present: np.ndarray) -> None:
+        """Stamp a reserve's keys, after its places were found. ``stamp``: the clock after
+        ``reserve_ticks(n)`` (new entries carry it already); ``ids``: per key its entry
+        before the call (``EMPTY`` if absent); ``new``: positions of the keys that got an
+        entry, ``handles[new]`` those entries; ``cut``: keys from it on got nothing;
+        ``present``: the entries that were there (any state)."""
+
+    @abstractmethod
+    def committed(self, idx: BlockIndex, h: np.ndarray, tick: Tick) -> None:
+        """Stamp entries ``h`` just made READY."""
+
+    @abstractmethod
+    def pinned(self, idx: BlockIndex, h: np.ndarray, tick: Tick, below: Below) -> None:
+        """Stamp the leading READY entries ``h`` (in key order) a load just pinned."""
+
+    @abstractmethod
+    def released(self, idx: BlockIndex, u: np.ndarray, tick: Tick) -> None:
+        """Stamp entries ``u`` (distinct) whose pins a load just released."""
+
+
+class LruRecency(Recency):
+    """``lru``: every key a call touches gets the clock's next tick."""
+
+    name = "lru"
+
+    def reserve_ticks(self, n: int) -> int:
+        return 1
+
+    def reserved(self, idx: BlockIndex, stamp: int, n: int, below: Below, ids: np.ndarray,
+                 new: np.ndarray, handles: np.ndarray, cut: int, present: np.ndarray) -> None:
+        if present.size:  # someone has just computed them again: used now
+            idx.last_used[present[idx.state.take(present) == _READY]] = stamp
+
+    def committed(self, idx: BlockIndex, h: np.ndarray, tick: Tick) -> None:
+        idx.last_used[h] = tick(1)
+
+    def pinned(self, idx: BlockIndex, h: np.ndarray, tick: Tick, below: Below) -> None:
+        idx.last_used[h] = tick(1)
+
+    def released(self, idx: BlockIndex, u: np.ndarray, tick: Tick) -> None:
+        idx.last_used[u] = tick(1)  # it was in use until now
+
+
+class PrefixRecency(Recency):
+    """``prefix``: a call's keys are stamped by position, head newest (``chain_stamps``),
+    below their predecessor's stamp when the call continues a chain. A commit keeps the
+    stamps its reserve gave and a release those its pin gave: a commit holds only the
+    new tail of a chain and a release no order, so a fresh stamp would lift a tail over
+    its head."""
+
+    name = "prefix"
+
+    def reserve_ticks(self, n: int) -> int:
+        return n
+
+    def reserved(self, idx: BlockIndex, stamp: int, n: int, below: Below, ids: np.ndarray,
+                 new: np.ndarray, handles: np.ndarray, cut: int, present: np.ndarray) -> None:
+        stamps = chain_stamps(stamp, n, below())
+        if new.size:
+            idx.last_used[handles[new]] = stamps[new]
+        if present.size == 0 or cut == 0:
+            return
+        pos = np.flatnonzero(ids[:cut] >= FIRST_ID)
+        pos = pos[idx.state.take(ids[pos]) == _READY]
+        if pos.size:  # a key twice in the batch, or already newer, keeps the newer stamp
+            np.maximum.at(idx.last_used, ids[pos], stamps[pos])
+
+    def committed(self, idx: BlockIndex, h: np.ndarray, tick: Tick) -> None:
+        return None
+
+    def pinned(self, idx: BlockIndex, h: np.ndarray, tick: Tick, below: Below) -> None:
+        count = int(h.size)
+        bound = below()  # before the tick: the predecessor's stamp as it stood
+        np.maximum.at(idx.last_used, h, chain_stamps(tick(count), count, bound))
+
+    def released(self, idx: BlockIndex, u: np.ndarray, tick: Tick) -> None:
+        return None
+
+
+def recency(name: str) -> Recency:
+    """The policy called ``name`` (one of ``POLICIES``). Raises ``ValueError`` otherwise."""
+    for kind in (LruRecency, PrefixRecency):
+        if kind.name == name:
+            return kind()
+    raise ValueError(f"eviction policy must be one of {', '.join(POLICIES)} (got {name!r})")

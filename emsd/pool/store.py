@@ -20,10 +20,12 @@ A block's life::
 Blocks are content-addressed: the same (namespace, key) always names the same
 bytes, so a key that is READY or PENDING is never written twice.
 
-Recency is a logical clock, one tick per mutating call (``reserve``,
-``commit``, ``pin``, ``release``), so tests are deterministic. The index
-keeps it in 32 bits; before it wraps every stamp is shifted down, keeping
-the relative order of the last 2**31 ticks (older entries tie as oldest).
+Recency is a logical clock that only calls advance (``reserve``,
+``commit``, ``pin``, ``release``), so tests are deterministic; the policy
+object (``self.recency``, an ``eviction.Recency``) decides at each of those
+calls how far it moves and which stamps to write. The index keeps it in 32
+bits; before it wraps every stamp is shifted down, keeping the relative
+order of the last 2**31 ticks (older entries tie as oldest).
 Under the ``prefix`` eviction policy a call of n keys advances the clock by
 n and stamps its keys head newest, tail oldest (``eviction.chain_stamps``),
 ``commit`` keeps the stamps its ``reserve`` gave and ``release`` those its
@@ -97,7 +99,7 @@ from enum import IntEnum
 import numpy as np
 
 from emsd.pool.admission import AdmissionRule, SeenSketch, admitted, key_digest
-from emsd.pool.eviction import POLICIES, chain_stamps, copies_first, lru_victims, page_ages, steal_choice
+from emsd.pool.eviction import copies_first, lru_victims, page_ages, recency, steal_choice
 from emsd.pool.index import EMPTY, FIRST_ID, PENDING, READY, BlockIndex, first_occurrences
 from emsd.pool.keys import KeyBatch
 from emsd.pool.ledger import Ledger
@@ -199,10 +201,8 @@ class BlockStore:
 
     def __init__(self, capacity: int, page_size: int, eviction: str = "lru",
                  admission: AdmissionRule | None = None) -> None:
-        if eviction not in POLICIES:
-            raise ValueError(f"eviction policy must be one of {', '.join(POLICIES)} (got {eviction!r})")
+        self.recency = recency(eviction)  # how calls stamp what they touch
         self.eviction = eviction
-        self._chain = eviction == "prefix"
         self.admission = admission or AdmissionRule()
         self._admit_after: dict[int, int] = {}  # namespace id -> threshold (absent: 1)
         self._group: dict[int, int] = {}  # namespace id -> slab group (absent: 0; ``set_group``)
@@ -297,7 +297,7 @@ class BlockStore:
         offsets = np.zeros(n, dtype=np.uint64)
         if n == 0:
             return Reservation(status, handles, offsets)
-        stamp = self._tick(n if self._chain else 1)
+        stamp = self._tick(self.recency.reserve_ticks(n))
         sizes = np.asarray(sizes)
         ids = self.index.find(ns, keys)
         need = ids == EMPTY
@@ -328,11 +328,8 @@ class BlockStore:
         status[todo[:made]] = Status.NEW
         if copy and made:  # copies from the start: concurrent fetches see them (``_copy_budget``)
             self.index.cached[handles[todo[:made]]] = 1
-        if self._chain:
-            self._stamp_chain(chain_stamps(stamp, n, self._below(ns, prev)), ids, todo[:made],
-                              handles, cut if present.size else 0)
-        elif present.size:
-            self.index.last_used[present[self.index.state.take(present) == READY]] = stamp
+        self.recency.reserved(self.index, stamp, n, lambda: self._below(ns, prev), ids, todo[:made],
+                              handles, cut, present)
         return Reservation(status, handles, offsets)
 
     def _below(self, ns: int, prev: KeyBatch | None) -> int | None:
@@ -344,23 +341,6 @@ class BlockStore:
         if pid < FIRST_ID or self.index.state[pid] != READY:
             return None
         return int(self.index.last_used[pid])
-
-    def _stamp_chain(self, stamps: np.ndarray, ids: np.ndarray, new: np.ndarray, handles: np.ndarray,
-                     cut: int) -> None:
-        """Prefix policy: stamp a reserve's READY and NEW keys by position, head newest
-        (the READY ones among the first ``cut``: 0 when the batch had none present).
-
-        A key twice in the batch, or already newer, keeps the newer stamp.
-        """
-        idx = self.index
-        if new.size:
-            idx.last_used[handles[new]] = stamps[new]
-        if cut == 0:
-            return
-        pos = np.flatnonzero(ids[:cut] >= FIRST_ID)
-        pos = pos[idx.state.take(ids[pos]) == READY]
-        if pos.size:
-            np.maximum.at(idx.last_used, ids[pos], stamps[pos])
 
     def _admission_cut(self, ns: int, keys: KeyBatch, need: np.ndarray) -> int:
         """Count a sighting of each absent key; the position of the first one not admitted
@@ -389,8 +369,7 @@ class BlockStore:
         if h.size == 0:
             return 0
         self.index.state[h] = READY
-        if not self._chain:  # prefix: keep the reserve's stamps (see the module docstring)
-            self.index.last_used[h] = self._tick()
+        self.recency.committed(self.index, h, self._tick)
         self._ns_add(h, 1)
         self._pending -= h.size
         self._record(h)
@@ -500,11 +479,7 @@ class BlockStore:
             return Pinned(0, _NO_U4, _NO_U8, _NO_U8)
         h = ids[:count]
         np.add.at(self.index.pins, h, _ONE)
-        if self._chain:
-            below = self._below(ns, prev)
-            np.maximum.at(self.index.last_used, h, chain_stamps(self._tick(count), count, below))
-        else:
-            self.index.last_used[h] = self._tick()
+        self.recency.pinned(self.index, h, self._tick, lambda: self._below(ns, prev))
         return Pinned(count, h, self.index.offset[h].astype(np.uint64) * self._unit,
                       self.index.length[h].astype(np.uint64))
 
@@ -522,8 +497,8 @@ class BlockStore:
         dec = np.minimum(pins, c).astype(np.uint32)
         self.index.pins[u] = pins - dec
         done = int(dec.sum())
-        if done and not self._chain:  # prefix: the pin's chain stamps stand (a fresh one
-            self.index.last_used[u[dec > 0]] = self._tick()  # would lift a tail over its head)
+        if done:
+            self.recency.released(self.index, u[dec > 0], self._tick)
         return done
 
     def exists(self, ns: int, keys: KeyBatch) -> int:

@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from emsd.pool.eviction import chain_stamps, lru_victims
+from emsd.pool.eviction import POLICIES, chain_stamps, lru_victims, recency
+from emsd.pool.index import READY, BlockIndex
+from emsd.pool.keys import KeyBatch
 
 
 @given(clock=st.integers(0, 2**32 - 1), n=st.integers(0, 5000))
@@ -67,3 +69,59 @@ def test_victims_never_include_a_block_whose_successor_stays(
         parent = ids.get(node[:-1])
         if b not in victims and parent is not None and last_used[parent] > 0:
             assert parent not in victims, f"head {node[:-1]} evicted while its successor {node} stays"
+
+
+# -- the policies as objects ------------------------------------------------------------
+
+
+def _index_with(n: int) -> tuple[BlockIndex, np.ndarray]:
+    """An index holding ``n`` READY entries stamped 0, and their ids in key order."""
+    idx = BlockIndex()
+    words = np.zeros((n, 4), dtype=np.uint64)
+    words[:, 0] = np.arange(1, n + 1, dtype=np.uint64)
+    ids = idx.insert_new(0, KeyBatch(words, np.zeros(n, dtype=np.uint8)), np.arange(n, dtype=np.uint32),
+                         np.ones(n, dtype=np.uint32), READY, 0)
+    return idx, ids
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 10
+
+    def tick(self, n: int) -> int:
+        self.now += n
+        return self.now
+
+
+def test_recency_names_each_policy_and_refuses_others() -> None:
+    assert [recency(name).name for name in POLICIES] == list(POLICIES)
+    with pytest.raises(ValueError, match="lru, prefix"):
+        recency("lfu")
+
+
+@given(st.integers(1, 40), st.sampled_from(POLICIES), st.one_of(st.none(), st.integers(0, 60)))
+def test_a_pin_stamps_newer_than_before_and_a_chain_head_first(n: int, name: str, below: int | None) -> None:
+    idx, ids = _index_with(n)
+    clock = _Clock()
+    recency(name).pinned(idx, ids, clock.tick, lambda: below)
+    stamps = idx.last_used[ids].astype(np.int64)
+    if name == "lru":
+        assert clock.now == 11 and (stamps == 11).all()  # one tick for the call, every key on it
+        return
+    assert clock.now == 10 + n  # one tick per key
+    top = clock.now if below is None else min(clock.now, below - 1)
+    assert (stamps == np.maximum(top - np.arange(n), 0)).all()  # head newest, under the predecessor
+
+
+@given(st.integers(1, 40), st.sampled_from(POLICIES))
+def test_only_lru_restamps_at_commit_and_release(n: int, name: str) -> None:
+    idx, ids = _index_with(n)
+    clock = _Clock()
+    policy = recency(name)
+    policy.committed(idx, ids[: n // 2], clock.tick)
+    policy.released(idx, ids[n // 2:], clock.tick)
+    stamps = idx.last_used[ids]
+    if name == "lru":
+        assert (stamps[: n // 2] == 11).all() and (stamps[n // 2:] == 12).all()
+    else:
+        assert clock.now == 10 and not stamps.any()  # the reserve's and the pin's stamps stand
