@@ -75,7 +75,7 @@ from emsd.pool.store import Status as SlotStatus
 from emsd.tenants import DEFAULT as DEFAULT_TENANT
 from emsd.tenants import PREFIX as TENANT_PREFIX
 from emsd.tenants import Tenants
-from emsd.transport.frames import MAX_BATCH_KEYS, PROTOCOL_VERSION, Op, Status
+from emsd.transport.frames import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameError, Op, Status, split_keys
 
 log = logging.getLogger("emsd.service")
 
@@ -85,6 +85,7 @@ MAX_NAMESPACES_PER_TENANT = 1024  # default tenants.max_namespaces
 FREED = "\0free"  # the name of a namespace id freed for reuse (_free_unused)
 RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_namespace)
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
+OWNER_KEYS = 1024  # keys an OWNER request may name
 GRANT_SESSION_SHARE = 64  # a connection holds at most 1/64 of the pool in granted chunks
 GRANT_TOTAL_SHARE = 16  # all connections together at most 1/16
 CONNECTION_UNCOMMITTED_SHARE = 2  # default pool.connection_uncommitted: half the pool
@@ -1000,16 +1001,10 @@ class Service:
         name = h.get("ns")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAMESPACE_LEN:
             raise RequestError(Status.INVALID_ARGUMENT, "ns must be a namespace name")
-        n, kt = h.get("n"), h.get("kt")
-        if type(n) is not int or not 0 < n <= 1024 or kt not in (0, 1):
-            raise RequestError(Status.INVALID_ARGUMENT, "n must be 1..1024 and kt 0 or 1")
-        width = 8 if kt == 0 else 33
-        if len(p) != width * n:
-            raise RequestError(Status.INVALID_ARGUMENT, f"keys: expected {width * n} bytes, got {len(p)}")
-        try:
-            keys = KeyBatch.from_wire(int(kt), p, n)  # type: ignore[arg-type]
-        except KeyError_ as exc:
-            raise RequestError(Status.INVALID_ARGUMENT, f"keys: {exc}") from None
+        keys, _ = _split_keys(h.get("n"), h.get("kt"), p, OWNER_KEYS, exact=True)
+        if not keys:
+            raise RequestError(Status.INVALID_ARGUMENT, f"n must be 1..{OWNER_KEYS}")
+        n = len(keys)
         if self.cluster is None:
             return {"owners": [[self.node_id]] * n}, []
         return {"owners": self.cluster.owner_ids(name, keys)}, []
@@ -1053,18 +1048,8 @@ class Service:
         if p and memo is not None and memo[0] is p and memo[1] == (ns, n, kt):
             return self._live(memo[2][0]), memo[2][1], memo[2][2]
         ns = _opened(s, ns)
-        if type(n) is not int or not 0 <= n <= MAX_BATCH_KEYS:
-            raise RequestError(Status.INVALID_ARGUMENT, f"n must be an int in 0..{MAX_BATCH_KEYS}")
-        width = {0: 8, 1: 33}.get(kt) if type(kt) is int else None
-        if width is None:
-            raise RequestError(Status.INVALID_ARGUMENT, f"unknown key type {kt!r}")
-        if len(p) < width * n:
-            raise RequestError(Status.INVALID_ARGUMENT, f"keys: expected {width * n} bytes, got {len(p)}")
-        try:
-            keys = KeyBatch.from_wire(int(kt), p[: width * n], n)  # type: ignore[arg-type]
-        except KeyError_ as exc:
-            raise RequestError(Status.INVALID_ARGUMENT, f"keys: {exc}") from None
-        out = (ns, keys, p[width * n :])
+        keys, rest = _split_keys(n, kt, p)
+        out = (ns, keys, rest)
         s.parsed = (p, (ns, n, kt), out)
         return self._live(ns), keys, out[2]
 
@@ -1107,6 +1092,16 @@ def _opened(s: Session, ns: object) -> int:
     if type(ns) is not int or ns not in s.namespaces:
         raise RequestError(Status.INVALID_ARGUMENT, f"namespace {ns!r} not opened on this connection")
     return ns
+
+
+def _split_keys(n: object, kt: object, p: bytes, most: int = MAX_BATCH_KEYS,
+                exact: bool = False) -> tuple[KeyBatch, bytes]:
+    """``frames.split_keys`` for a request that may fail alone: a bad field is a
+    ``RequestError`` (the connection stays), not a ``FrameError``."""
+    try:
+        return split_keys(n, kt, p, most, exact)
+    except FrameError as exc:
+        raise RequestError(exc.status, str(exc)) from None
 
 
 def _granted_chunks(s: Session, offsets: list[int]) -> list[int]:

@@ -28,6 +28,8 @@ from typing import Any
 
 import msgpack
 
+from emsd.pool.keys import KeyBatch, KeyError_
+
 PROTOCOL_VERSION = 1
 PREFIX = struct.Struct("<II")
 MAX_HEADER = 64 * 1024
@@ -54,6 +56,26 @@ class Op(IntEnum):
     GRANT = 13  # chunks of one size held for this connection's next saves (and give some back)
     PUT = 14  # store (key, size) x n in granted chunks already written, committed at once
     PLACEMENT = 15  # rewrite the cluster's placement record: vnodes, replicas (emsctl placement set)
+
+
+class PeerOp(IntEnum):
+    """Opcodes between daemons (``emsd.transport.peer``), numbered apart from ``Op``."""
+
+    CHALLENGE = 101  # the server's nonce, first on every connection
+    AUTH = 102  # the client's node id, nonce and MAC over both nonces
+    GET = 103  # the leading present blocks of keys, their bytes after the answer
+    PUT = 104  # store blocks whose bytes follow the request
+    RDMA_QP = 105  # exchange queue pair numbers (emsd.transport.rdma)
+    RDMA_PIN = 106  # pin blocks for the client's RDMA READs
+    RDMA_UNPIN = 107  # release a pin token
+    RDMA_RESERVE = 108  # reserve chunks for the client's RDMA WRITEs
+    RDMA_COMMIT = 109  # commit (or abort) a reservation token
+    HAS = 110  # how many leading keys the peer holds (a cluster-wide exists)
+    DROP = 111  # drop a namespace on the peer (a cluster-wide DROP)
+
+
+RDMA_OPS = frozenset((PeerOp.RDMA_QP, PeerOp.RDMA_PIN, PeerOp.RDMA_UNPIN, PeerOp.RDMA_RESERVE,
+                      PeerOp.RDMA_COMMIT))
 
 
 class Status(IntEnum):
@@ -115,6 +137,29 @@ def check_lengths(header_len: int, payload_len: int) -> None:
         raise FrameError(f"header length {header_len} outside 1..{MAX_HEADER}")
     if payload_len > MAX_PAYLOAD:
         raise FrameError(f"payload length {payload_len} over the limit {MAX_PAYLOAD}")
+
+
+def split_keys(n: Any, kt: Any, payload: bytes, most: int = MAX_BATCH_KEYS,
+               exact: bool = False) -> tuple[KeyBatch, bytes]:
+    """The ``n`` keys of wire type ``kt`` (0: 8-byte ints, 1: 33-byte tagged keys) at
+    the start of ``payload``, and the bytes after them (none allowed with ``exact``).
+
+    ``n`` and ``kt`` come straight from a decoded header, so any type is checked.
+    Raises ``FrameError`` (INVALID_ARGUMENT) unless ``0 <= n <= most``, ``kt`` is 0 or
+    1 and ``payload`` holds the keys, all of them valid.
+    """
+    if type(n) is not int or not 0 <= n <= most:
+        raise FrameError(f"n must be an int in 0..{most} (got {n!r})")
+    if type(kt) is not int or kt not in (0, 1):
+        raise FrameError(f"unknown key type {kt!r}")
+    size = (8 if kt == 0 else 33) * n
+    if len(payload) < size or (exact and len(payload) != size):
+        raise FrameError(f"keys: expected {size} bytes, got {len(payload)}")
+    try:
+        keys = KeyBatch.from_wire(kt, payload[:size] if len(payload) > size else payload, n)
+    except KeyError_ as exc:
+        raise FrameError(f"keys: {exc}") from None
+    return keys, payload[size:]
 
 
 class FrameDecoder:

@@ -65,29 +65,31 @@ import os
 import socket
 import ssl
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
 from emsd.faults import FAULTS
 from emsd.logs import Once
 from emsd.pool.checksum import Checksums
-from emsd.pool.keys import KeyBatch, KeyError_
+from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore, Pinned, Reservation
 from emsd.pool.store import Status as SlotStatus
 from emsd.tenants import Quota
 from emsd.transport.frames import (
-    MAX_BATCH_KEYS,
     PREFIX,
     PROTOCOL_VERSION,
+    RDMA_OPS,
     FrameError,
+    PeerOp,
     Status,
     check_lengths,
     decode_header,
     encode_parts,
+    split_keys,
 )
 from emsd.transport.tls import PeerTls
 
@@ -97,12 +99,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("emsd.peer")
 
 PEER_PROTOCOL = 1
-OP_CHALLENGE, OP_AUTH, OP_GET, OP_PUT = 101, 102, 103, 104
-# RDMA control messages (emsd.transport.rdma): the bytes move by RDMA, these only set it up.
-OP_RDMA_QP, OP_RDMA_PIN, OP_RDMA_UNPIN, OP_RDMA_RESERVE, OP_RDMA_COMMIT = 105, 106, 107, 108, 109
-RDMA_OPS = frozenset((OP_RDMA_QP, OP_RDMA_PIN, OP_RDMA_UNPIN, OP_RDMA_RESERVE, OP_RDMA_COMMIT))
-OP_HAS = 110  # how many leading keys the peer holds (a cluster-wide exists)
-OP_DROP = 111  # drop a namespace on the peer (a cluster-wide DROP)
 NONCE_BYTES = 32
 AUTH_TIMEOUT = 5.0
 # Before authentication a frame is a CHALLENGE, an AUTH or its answer: a few hundred bytes. A
@@ -442,19 +438,6 @@ def _scratch_views(scratch: memoryview, nbytes: int) -> list[memoryview]:
     return out
 
 
-def _keys_of(header: dict[str, Any], payload: bytes) -> tuple[KeyBatch, bytes]:
-    n, kt = header.get("n"), header.get("kt")
-    if type(n) is not int or not 0 <= n <= MAX_BATCH_KEYS or kt not in (0, 1):
-        raise FrameError("bad n or kt")
-    width = 8 if kt == 0 else 33
-    if len(payload) < width * n:
-        raise FrameError("short key payload")
-    try:
-        return KeyBatch.from_wire(kt, payload[: width * n], n), payload[width * n :]
-    except KeyError_ as exc:
-        raise FrameError(f"keys: {exc}") from None
-
-
 async def _inject_serving() -> None:
     """An injected fault while answering a peer (tests only: ``emsd.faults``)."""
     rule = FAULTS.at("peer.serve") if FAULTS is not None else None
@@ -511,6 +494,16 @@ async def _receive_blocks(sock: socket.socket, access: PoolAccess, ns: int, keys
 
 
 # -- server ------------------------------------------------------------------
+
+
+@dataclass
+class _Served:
+    """One authenticated connection a ``PeerServer`` serves: what its requests share."""
+
+    loop: asyncio.AbstractEventLoop
+    conn: socket.socket
+    scratch: memoryview  # where a PUT's blocks that are not kept are received
+    control: ControlHandler | None = None  # made at the first RDMA control message
 
 
 class PeerServer:
@@ -618,7 +611,7 @@ class PeerServer:
     async def _serve(self, conn: socket.socket, address: str) -> None:
         loop = asyncio.get_running_loop()
         peer = "?"
-        handler: ControlHandler | None = None
+        link: _Served | None = None
         pending = True  # counted in self.unauthenticated until authenticated or closed
         try:
             if self.tls is not None:
@@ -626,30 +619,21 @@ class PeerServer:
             peer = await asyncio.wait_for(self._authenticate(loop, conn), AUTH_TIMEOUT)
             pending = False
             self._authenticated(address)
-            scratch = memoryview(bytearray(SCRATCH))
+            link = _Served(loop, conn, memoryview(bytearray(SCRATCH)))
             while True:
                 header, payload = await _recv_frame(loop, conn)
-                rid = header["id"]
+                rid, op = header["id"], header.get("op")
                 try:
                     if FAULTS is not None:
                         await _inject_serving()
-                    if header.get("op") == OP_GET:
-                        await self._get(loop, conn, rid, header, payload)
-                    elif header.get("op") == OP_PUT:
-                        await self._put(loop, conn, rid, header, payload, scratch)
-                    elif header.get("op") == OP_HAS:
-                        await self._has(loop, conn, rid, header, payload)
-                    elif header.get("op") == OP_DROP:
-                        await self._drop(loop, conn, rid, header, payload)
-                    elif header.get("op") in RDMA_OPS:
-                        if handler is None and self.control is not None:
-                            handler = self.control()
-                        await self._control(loop, conn, rid, handler, header, payload)
+                    serve = self._serving.get(op) if type(op) is int else None
+                    if serve is not None:
+                        await serve(self, link, rid, header, payload)
                     elif not header.get("bulk"):  # a newer peer's op: refuse it, stay in step
                         await _send(loop, conn, {"id": rid, "st": int(Status.INVALID_ARGUMENT),
-                                                 "msg": f"unknown peer op {header.get('op')!r}"})
+                                                 "msg": f"unknown peer op {op!r}"})
                     else:  # raw bytes of unknown meaning follow: the stream cannot be kept in step
-                        raise FrameError(f"unknown peer op {header.get('op')!r} with bulk bytes")
+                        raise FrameError(f"unknown peer op {op!r} with bulk bytes")
                 except FrameError as exc:
                     # The stream may be out of step after a bad request: answer and drop it.
                     await _send(loop, conn, {"id": rid, "st": int(exc.status), "msg": str(exc)})
@@ -662,8 +646,8 @@ class PeerServer:
         finally:
             if pending:
                 self._authenticated(address)
-            if handler is not None:
-                handler.close()  # its pins and reservations go with the connection
+            if link is not None and link.control is not None:
+                link.control.close()  # its pins and reservations go with the connection
             self._conns.discard(conn)
             _hang_up(conn)
 
@@ -681,25 +665,27 @@ class PeerServer:
             raise PeerError(f"TLS handshake failed: {exc}") from None
         return tls_conn
 
-    async def _control(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
-                       handler: ControlHandler | None, header: dict[str, Any], payload: bytes) -> None:
-        if handler is None:
+    async def _control(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
+        """An RDMA control message, served by the connection's ``ControlHandler``."""
+        if link.control is None and self.control is not None:
+            link.control = self.control()
+        if link.control is None:
             answer: dict[str, Any] = {"st": int(Status.INVALID_ARGUMENT), "msg": "this node serves TCP only"}
             body = b""
         else:
             try:
-                fields, body = handler.handle(int(header["op"]), header, payload)
+                fields, body = link.control.handle(int(header["op"]), header, payload)
                 answer = {"st": int(Status.OK), **fields}
             except PeerRefused as exc:
                 answer, body = {"st": int(Status.INVALID_ARGUMENT), "msg": str(exc)}, b""
-        await _send(loop, conn, {"id": rid, **answer}, body)
+        await _send(link.loop, link.conn, {"id": rid, **answer}, body)
 
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> str:
         nonce = os.urandom(NONCE_BYTES)
-        await _send(loop, conn, {"op": OP_CHALLENGE, "nonce": nonce, "proto": PEER_PROTOCOL})
+        await _send(loop, conn, {"op": PeerOp.CHALLENGE, "nonce": nonce, "proto": PEER_PROTOCOL})
         header, _ = await _recv_frame(loop, conn, AUTH_FRAME_LIMIT)
         node, their, mac = header.get("node"), header.get("nonce"), header.get("mac")
-        ok = (header.get("op") == OP_AUTH and isinstance(node, str) and isinstance(their, bytes)
+        ok = (header.get("op") == PeerOp.AUTH and isinstance(node, str) and isinstance(their, bytes)
               and len(their) == NONCE_BYTES and isinstance(mac, bytes)
               and hmac.compare_digest(mac, _mac(self.secret, b"c", nonce, their, node.encode())))
         if not ok or not isinstance(their, bytes):
@@ -709,66 +695,73 @@ class PeerServer:
                                  "mac": _mac(self.secret, b"s", their, nonce, self.node_id.encode())})
         return str(node)
 
-    async def _get(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
-                   header: dict[str, Any], payload: bytes) -> None:
+    async def _get(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
         ns, keys = self._keyed(header, payload)
         store = self.access.store
         tiers = self.access.tiers
         if tiers is not None:  # blocks only on this node's disk are read into the pool first
             count = store.exists(ns, keys)
             if tiers.wanted(ns, keys, count):
-                await tiers.promote(ns, keys, count, loop.time() + PROMOTE_BUDGET)
+                await tiers.promote(ns, keys, count, link.loop.time() + PROMOTE_BUDGET)
         pinned = self.access.pin(ns, keys)
         try:
             lengths = pinned.lengths.astype("<u8")
-            await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": pinned.count,
+            await _send(link.loop, link.conn, {"id": rid, "st": int(Status.OK), "count": pinned.count,
                                      "bulk": int(lengths.sum())}, lengths.tobytes())
-            await _bulk(conn, _send_views, _views(self.access.pool, pinned.offsets, pinned.lengths))
+            await _bulk(link.conn, _send_views, _views(self.access.pool, pinned.offsets, pinned.lengths))
         finally:
             store.release(pinned.handles)
 
-    async def _has(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
-                   header: dict[str, Any], payload: bytes) -> None:
+    async def _has(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
         ns, keys = self._keyed(header, payload)
         count = self.access.store.exists(ns, keys)
         if self.access.tiers is not None:
             count = self.access.tiers.exists(ns, keys, count)
-        await _send(loop, conn, {"id": rid, "st": int(Status.OK), "count": count})
+        await _send(link.loop, link.conn, {"id": rid, "st": int(Status.OK), "count": count})
 
-    async def _drop(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
-                    header: dict[str, Any], payload: bytes) -> None:
+    async def _drop(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
         ns_name = header.get("ns")
         if not isinstance(ns_name, str) or payload:
             raise FrameError("DROP takes a namespace name and nothing else")
         if self.access.drop_namespace is None:
-            await _send(loop, conn, {"id": rid, "st": int(Status.INVALID_ARGUMENT),
+            await _send(link.loop, link.conn, {"id": rid, "st": int(Status.INVALID_ARGUMENT),
                                      "msg": "this node cannot drop namespaces"})
             return
         dropped = self.access.drop_namespace(ns_name)
-        await _send(loop, conn, {"id": rid, "st": int(Status.OK), "dropped": dropped})
+        await _send(link.loop, link.conn, {"id": rid, "st": int(Status.OK), "dropped": dropped})
 
     def _keyed(self, header: dict[str, Any], payload: bytes) -> tuple[int, KeyBatch]:
         """(local namespace id, keys) of a GET or HAS: a namespace name and nothing after the keys."""
         ns_name = header.get("ns")
         if not isinstance(ns_name, str):
             raise FrameError("ns must be a namespace name")
-        keys, rest = _keys_of(header, payload)
+        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
         if rest:
             raise FrameError("unexpected bytes after the keys")
         return self.access.namespace_id(ns_name), keys
 
-    async def _put(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, rid: int,
-                   header: dict[str, Any], payload: bytes, scratch: memoryview) -> None:
+    async def _put(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
         ns_name = header.get("ns")
         if not isinstance(ns_name, str):
             raise FrameError("ns must be a namespace name")
-        keys, rest = _keys_of(header, payload)
+        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
         lengths = _lengths(rest, len(keys))
         if header.get("bulk") != int(lengths.sum()):
             raise FrameError("bulk does not match the lengths")
         ns = self.access.namespace_id(ns_name)
-        stored = await _receive_blocks(conn, self.access, ns, keys, lengths, scratch, copy=False)
-        await _send(loop, conn, {"id": rid, "st": int(Status.OK), "stored": stored})
+        stored = await _receive_blocks(link.conn, self.access, ns, keys, lengths, link.scratch,
+                                       copy=False)
+        await _send(link.loop, link.conn, {"id": rid, "st": int(Status.OK), "stored": stored})
+
+    # Each peer op and the method that serves it (an op not here is refused: see ``_serve``).
+    _serving: ClassVar[dict[int, Callable[[PeerServer, _Served, int, dict[str, Any], bytes],
+                                          Awaitable[None]]]] = {
+        PeerOp.GET: _get,
+        PeerOp.PUT: _put,
+        PeerOp.HAS: _has,
+        PeerOp.DROP: _drop,
+        **dict.fromkeys(RDMA_OPS, _control),
+    }
 
 
 # -- client ------------------------------------------------------------------
@@ -811,10 +804,10 @@ class PeerConnection:
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
         header, _ = await _recv_frame(loop, sock, AUTH_FRAME_LIMIT)
         theirs = header.get("nonce")
-        if header.get("op") != OP_CHALLENGE or not isinstance(theirs, bytes):
+        if header.get("op") != PeerOp.CHALLENGE or not isinstance(theirs, bytes):
             raise PeerError("peer did not send a challenge")
         mine = os.urandom(NONCE_BYTES)
-        await _send(loop, sock, {"op": OP_AUTH, "node": self.node_id, "nonce": mine,
+        await _send(loop, sock, {"op": PeerOp.AUTH, "node": self.node_id, "nonce": mine,
                                  "mac": _mac(self.secret, b"c", theirs, mine, self.node_id.encode())})
         answer, _ = await _recv_frame(loop, sock, AUTH_FRAME_LIMIT)
         node, mac = answer.get("node"), answer.get("mac")
@@ -840,8 +833,8 @@ class PeerConnection:
             rid = self._next_id()
             kt, raw = keys.to_wire()
             with self._closing_on_failure(f"GET from {self.peer_id}"):
-                await _send(loop, sock, {"id": rid, "op": OP_GET, "ns": ns_name, "n": len(keys), "kt": kt},
-                            raw)
+                await _send(loop, sock, {"id": rid, "op": PeerOp.GET, "ns": ns_name, "n": len(keys),
+                                         "kt": kt}, raw)
                 header, payload = await _recv_frame(loop, sock)
                 _check_id(header, rid)
                 if header.get("st") != Status.OK:
@@ -868,7 +861,7 @@ class PeerConnection:
             kt, raw = keys.to_wire()
             lengths = lengths.astype("<u8")
             with self._closing_on_failure(f"PUT to {self.peer_id}"):
-                await _send(loop, sock, {"id": rid, "op": OP_PUT, "ns": ns_name, "n": len(keys), "kt": kt,
+                await _send(loop, sock, {"id": rid, "op": PeerOp.PUT, "ns": ns_name, "n": len(keys), "kt": kt,
                                          "bulk": int(lengths.sum())}, raw, lengths.tobytes())
                 await _bulk(sock, _send_views, _views(self.access.pool, offsets, lengths))
                 header, _ = await _recv_frame(loop, sock)
@@ -881,7 +874,7 @@ class PeerConnection:
         """How many leading ``keys`` the peer holds; no bytes move."""
         kt, raw = keys.to_wire()
         try:
-            header, _ = await self.call(OP_HAS, {"ns": ns_name, "n": len(keys), "kt": kt}, raw)
+            header, _ = await self.call(PeerOp.HAS, {"ns": ns_name, "n": len(keys), "kt": kt}, raw)
         except PeerRefused as exc:
             raise PeerError(str(exc)) from None
         count = header.get("count")
@@ -894,7 +887,7 @@ class PeerConnection:
         that cannot drop, or of a version without DROP; logged, and the peer is still up).
         Raises ``PeerError`` if the link fails."""
         try:
-            await self.call(OP_DROP, {"ns": ns_name})
+            await self.call(PeerOp.DROP, {"ns": ns_name})
         except PeerRefused as exc:
             log.warning("namespace %r not dropped: %s", ns_name, exc)
             return 0

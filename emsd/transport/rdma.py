@@ -54,19 +54,13 @@ import numpy as np
 
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import Status as SlotStatus
-from emsd.transport.frames import FrameError
+from emsd.transport.frames import FrameError, PeerOp, split_keys
 from emsd.transport.peer import (
     BULK_STALL,
-    OP_RDMA_COMMIT,
-    OP_RDMA_PIN,
-    OP_RDMA_QP,
-    OP_RDMA_RESERVE,
-    OP_RDMA_UNPIN,
     PeerConnection,
     PeerError,
     PeerRefused,
     PoolAccess,
-    _keys_of,
     _lengths,
 )
 from emsd.transport.rdma_desc import DescriptorError, RdmaDescriptor, qp_from_wire, qp_to_wire
@@ -191,18 +185,18 @@ class RdmaServing:
         self._tokens = 0
 
     def handle(self, op: int, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        if op == OP_RDMA_QP:
+        if op == PeerOp.RDMA_QP:
             return self._qp(header)
-        if op == OP_RDMA_PIN:
+        if op == PeerOp.RDMA_PIN:
             return self._pin(header, payload)
-        if op == OP_RDMA_UNPIN:
+        if op == PeerOp.RDMA_UNPIN:
             handles = self._pins.pop(self._token(header, self._pins), None)
             if handles is not None:
                 self.access.store.release(handles)
             return {}, b""
-        if op == OP_RDMA_RESERVE:
+        if op == PeerOp.RDMA_RESERVE:
             return self._reserve(header, payload)
-        if op == OP_RDMA_COMMIT:
+        if op == PeerOp.RDMA_COMMIT:
             return self._commit(header)
         raise FrameError(f"unknown RDMA control op {op}")
 
@@ -242,7 +236,7 @@ class RdmaServing:
         return tok
 
     def _pin(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        keys, rest = _keys_of(header, payload)
+        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
         if rest:
             raise FrameError("unexpected bytes after the keys")
         tok = self._next_token()
@@ -252,7 +246,7 @@ class RdmaServing:
         return {"count": pinned.count, "tok": tok}, body
 
     def _reserve(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        keys, rest = _keys_of(header, payload)
+        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
         lengths = _lengths(rest, len(keys))
         tok = self._next_token()
         res = self.access.reserve(self._ns(header), keys, lengths, copy=False)
@@ -323,7 +317,8 @@ class SelectingLink:
         qp: Any = None
         try:
             qp, mine = e.engine.create_qp(e.max_outstanding, e.max_sge)
-            answer, _ = await asyncio.wait_for(self.tcp.call(OP_RDMA_QP, {"qp": qp_to_wire(mine)}), timeout)
+            call = self.tcp.call(PeerOp.RDMA_QP, {"qp": qp_to_wire(mine)})
+            answer, _ = await asyncio.wait_for(call, timeout)
             e.engine.connect_qp(qp, qp_from_wire(answer.get("qp")))
         except (RdmaError, PeerRefused, DescriptorError, TimeoutError) as exc:
             if qp is not None:
@@ -407,7 +402,8 @@ class SelectingLink:
         """PIN, READ, commit, UNPIN; None when RDMA failed and the request must go over TCP."""
         kt, raw = keys.to_wire()
         try:
-            header, body = await self.tcp.call(OP_RDMA_PIN, {"ns": ns_name, "n": len(keys), "kt": kt}, raw)
+            fields = {"ns": ns_name, "n": len(keys), "kt": kt}
+            header, body = await self.tcp.call(PeerOp.RDMA_PIN, fields, raw)
         except PeerRefused as exc:
             self._fell_back(str(exc))
             return None
@@ -425,7 +421,7 @@ class SelectingLink:
         except (RdmaError, ValueError) as exc:  # ValueError: a plan that does not fit the regions
             self._drop_qp()
             self.access.abort(res.handles[new])
-            await self.tcp.call(OP_RDMA_UNPIN, {"tok": tok})
+            await self.tcp.call(PeerOp.RDMA_UNPIN, {"tok": tok})
             self._fell_back(str(exc))
             return None
         except BaseException:
@@ -434,7 +430,7 @@ class SelectingLink:
             self.tcp.close()  # the owner releases the pin with the connection
             raise
         self.access.commit(res.handles[new])
-        await self.tcp.call(OP_RDMA_UNPIN, {"tok": tok})
+        await self.tcp.call(PeerOp.RDMA_UNPIN, {"tok": tok})
         self.last_bytes = int(lengths.sum())
         failed = np.flatnonzero(res.status == SlotStatus.FAILED)
         return int(failed[0]) if failed.size else count
@@ -446,7 +442,7 @@ class SelectingLink:
         lengths = lengths.astype("<u8")
         n = len(keys)
         try:
-            header, body = await self.tcp.call(OP_RDMA_RESERVE, {"ns": ns_name, "n": n, "kt": kt},
+            header, body = await self.tcp.call(PeerOp.RDMA_RESERVE, {"ns": ns_name, "n": n, "kt": kt},
                                                raw, lengths.tobytes())
         except PeerRefused as exc:
             self._fell_back(str(exc))
@@ -462,14 +458,14 @@ class SelectingLink:
             await self._move(Opcode.WRITE, offsets[new], remote[new], lengths[new])
         except (RdmaError, ValueError) as exc:
             self._drop_qp()
-            await self.tcp.call(OP_RDMA_COMMIT, {"tok": tok, "ok": False})
+            await self.tcp.call(PeerOp.RDMA_COMMIT, {"tok": tok, "ok": False})
             self._fell_back(str(exc))
             return None
         except BaseException:
             self._drop_qp()
             self.tcp.close()  # the owner aborts the reservation with the connection
             raise
-        answer, _ = await self.tcp.call(OP_RDMA_COMMIT, {"tok": tok, "ok": True})
+        answer, _ = await self.tcp.call(PeerOp.RDMA_COMMIT, {"tok": tok, "ok": True})
         stored = answer.get("stored")
         if type(stored) is not int or not 0 <= stored <= n:
             raise PeerError(f"COMMIT answer from {self.peer_id} has a bad count")

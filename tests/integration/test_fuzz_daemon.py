@@ -56,8 +56,8 @@ from test_attack_peer import cluster_still_works, pair  # noqa: F401 (pair: two 
 
 from ems import CcConfig, Ems, EmsConfig
 from ems.client import DaemonClient
-from emsd.transport.frames import PROTOCOL_VERSION, Op
-from emsd.transport.peer import NONCE_BYTES, OP_AUTH, OP_CHALLENGE
+from emsd.transport.frames import PROTOCOL_VERSION, Op, PeerOp
+from emsd.transport.peer import NONCE_BYTES
 
 SEED = int(os.environ.get("EMS_FUZZ_SEED", "20261123"))
 FRAMES = int(os.environ.get("EMS_FUZZ_FRAMES", "100000"))
@@ -289,7 +289,7 @@ def test_a_hundred_thousand_hostile_frames(victim: tuple[Any, Any, list[Any]]) -
 
 def hostile_auth(rng: random.Random, nonce: bytes) -> bytes:
     """One hostile answer to a peer's CHALLENGE ``nonce`` (see the module docstring)."""
-    good = {"v": PROTOCOL_VERSION, "id": 0, "op": OP_AUTH, "node": "mallory",
+    good = {"v": PROTOCOL_VERSION, "id": 0, "op": PeerOp.AUTH, "node": "mallory",
             "nonce": rng.randbytes(NONCE_BYTES), "mac": rng.randbytes(32)}
     kind = rng.randrange(6)
     if kind == 0:  # well framed, fields fuzzed
@@ -324,7 +324,7 @@ def test_hostile_auth_exchanges_on_the_peer_port(pair: tuple[Any, Any, int],  # 
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             hlen, plen = struct.unpack("<II", _recv_exactly(s, 8))
             challenge = msgpack.unpackb(_recv_exactly(s, hlen + plen)[:hlen])
-            assert challenge["op"] == OP_CHALLENGE, challenge
+            assert challenge["op"] == PeerOp.CHALLENGE, challenge
             try:
                 s.sendall(hostile_auth(rng, challenge["nonce"]))
                 s.shutdown(socket.SHUT_WR)

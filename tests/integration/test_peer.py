@@ -242,7 +242,8 @@ async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_th
     """An owner that stalls half-way: the caller's deadline ends the GET cleanly."""
     import os
 
-    from emsd.transport.peer import OP_AUTH, OP_CHALLENGE, _mac, _recv_frame, _send
+    from emsd.transport.frames import PeerOp
+    from emsd.transport.peer import _mac, _recv_frame, _send
 
     a = Node("a")
     loop = asyncio.get_running_loop()
@@ -260,9 +261,9 @@ async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_th
     async def stall(conn: socket.socket) -> None:
         conn.setblocking(False)
         nonce = os.urandom(32)
-        await _send(loop, conn, {"op": OP_CHALLENGE, "nonce": nonce})
+        await _send(loop, conn, {"op": PeerOp.CHALLENGE, "nonce": nonce})
         auth, _ = await _recv_frame(loop, conn)
-        assert auth["op"] == OP_AUTH
+        assert auth["op"] == PeerOp.AUTH
         await _send(loop, conn, {"st": 0, "node": "b", "mac": _mac(SECRET, b"s", auth["nonce"], nonce, b"b")})
         req, _ = await _recv_frame(loop, conn)
         lengths = np.array([1 << 20, 1 << 20], "<u8")

@@ -195,7 +195,8 @@ async def test_a_tls_get_cancelled_mid_transfer_leaves_nothing_reserved(pki: Pki
 
     import numpy as np
 
-    from emsd.transport.peer import OP_AUTH, OP_CHALLENGE, _in_thread, _mac, _recv_frame, _send, _send_views
+    from emsd.transport.frames import PeerOp
+    from emsd.transport.peer import _in_thread, _mac, _recv_frame, _send, _send_views
 
     a = Node("a")
     loop = asyncio.get_running_loop()
@@ -213,9 +214,9 @@ async def test_a_tls_get_cancelled_mid_transfer_leaves_nothing_reserved(pki: Pki
             conn.settimeout(10)
             await _in_thread(conn, conn.do_handshake)
             nonce = os.urandom(32)
-            await _send(loop, conn, {"op": OP_CHALLENGE, "nonce": nonce})
+            await _send(loop, conn, {"op": PeerOp.CHALLENGE, "nonce": nonce})
             auth, _ = await _recv_frame(loop, conn)
-            assert auth["op"] == OP_AUTH
+            assert auth["op"] == PeerOp.AUTH
             mac = _mac(SECRET, b"s", auth["nonce"], nonce, b"b")
             await _send(loop, conn, {"st": 0, "node": "b", "mac": mac})
             req, _ = await _recv_frame(loop, conn)

@@ -18,7 +18,8 @@ from test_peer import SECRET, blocks  # noqa: E402
 from test_peer import Node as TcpNode  # noqa: E402
 
 from emsd.pool.keys import KeyBatch  # noqa: E402
-from emsd.transport.peer import OP_RDMA_PIN, PeerConnection, PeerServer  # noqa: E402
+from emsd.transport.frames import PeerOp  # noqa: E402
+from emsd.transport.peer import PeerConnection, PeerServer  # noqa: E402
 from emsd.transport.rdma import RdmaEndpoint, SelectingLink  # noqa: E402
 from emsd.transport.selection import PeerPath, PeerTransports  # noqa: E402
 
@@ -164,7 +165,7 @@ async def test_pins_held_by_a_connection_are_released_when_it_closes() -> None:
     link = await s.link()
     try:
         kt, raw = KeyBatch.from_user([1, 2]).to_wire()
-        header, _ = await link.tcp.call(OP_RDMA_PIN, {"ns": "ns", "n": 2, "kt": kt}, raw)
+        header, _ = await link.tcp.call(PeerOp.RDMA_PIN, {"ns": "ns", "n": 2, "kt": kt}, raw)
         assert header["count"] == 2 and s.b.store.stats().pinned == 2
         link.close()  # a client that dies between PIN and UNPIN
         for _ in range(200):

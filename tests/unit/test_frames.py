@@ -9,14 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from emsd.pool.keys import KeyBatch
 from emsd.transport.frames import (
     MAX_HEADER,
     MAX_PAYLOAD,
     PROTOCOL_VERSION,
     FrameDecoder,
     FrameError,
+    Status,
     encode,
     encode_parts,
+    split_keys,
 )
 
 scalars = st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=20), st.booleans(), st.none())
@@ -95,3 +98,34 @@ def test_bad_headers_are_named(header: object, words: str) -> None:
     head = msgpack.packb(header)
     with pytest.raises(FrameError, match=words):
         FrameDecoder().feed(struct.pack("<II", len(head), 0) + head)
+
+
+# -- keys in a payload (split_keys: the one parser of every keyed request) --------------------
+
+user_keys = st.lists(st.one_of(st.integers(0, 2**64 - 1), st.binary(max_size=32)), max_size=20)
+
+
+@given(user_keys, st.binary(max_size=40))
+def test_split_keys_returns_the_keys_sent_and_the_bytes_after_them(ks: list[int | bytes],
+                                                                   tail: bytes) -> None:
+    keys = KeyBatch.from_user(ks)
+    kt, raw = keys.to_wire()
+    got, rest = split_keys(len(keys), kt, raw + tail)
+    assert [got.key(i) for i in range(len(got))] == ks and rest == tail
+    if tail:
+        with pytest.raises(FrameError, match="expected"):
+            split_keys(len(keys), kt, raw + tail, exact=True)
+
+
+@given(st.one_of(st.integers(-5, 70000), st.text(max_size=3), st.none(), st.booleans(), st.floats()),
+       st.one_of(st.integers(-2, 3), st.text(max_size=2), st.none(), st.booleans()),
+       st.binary(max_size=200), st.integers(0, 10))
+def test_split_keys_refuses_any_malformed_request_with_a_frame_error(n: object, kt: object, payload: bytes,
+                                                                     most: int) -> None:
+    try:
+        keys, rest = split_keys(n, kt, payload, most)
+    except FrameError as exc:
+        assert exc.status == Status.INVALID_ARGUMENT
+        return
+    assert type(n) is int and 0 <= n <= most and kt in (0, 1) and type(kt) is int
+    assert len(keys) == n and len(payload) - len(rest) == (8 if kt == 0 else 33) * n
