@@ -86,6 +86,8 @@ FREED = "\0free"  # the name of a namespace id freed for reuse (_free_unused)
 RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_namespace)
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
 OWNER_KEYS = 1024  # keys an OWNER request may name
+# Slot statuses as numpy scalars: comparing an array with one skips the enum's slow lookup.
+_NEW, _FAILED, _PRESENT = (np.uint8(st) for st in (SlotStatus.NEW, SlotStatus.FAILED, SlotStatus.PRESENT))
 GRANT_SESSION_SHARE = 64  # a connection holds at most 1/64 of the pool in granted chunks
 GRANT_TOTAL_SHARE = 16  # all connections together at most 1/16
 CONNECTION_UNCOMMITTED_SHARE = 2  # default pool.connection_uncommitted: half the pool
@@ -687,10 +689,10 @@ class Service:
             nbytes = int(sizes.sum())
             self.metrics.reserved(n, nbytes, 0)
         else:
-            new = res.status == SlotStatus.NEW
+            new = res.status == _NEW
             s.pending.update(res.handles[new].tolist())
             nbytes = int(sizes[new].sum())
-            self.metrics.reserved(int(new.sum()), nbytes, int((res.status == SlotStatus.FAILED).sum()))
+            self.metrics.reserved(int(new.sum()), nbytes, int((res.status == _FAILED).sum()))
         s.pending_bytes += nbytes
         self._note_copies(s, ns, keys, res.status)
         return {"n": n}, [
@@ -753,7 +755,7 @@ class Service:
                                  admit=True, prev=_prev_key(h), at=at[:fit])
         if fit < n:
             res = res.padded(n)
-        new = np.flatnonzero(res.status == SlotStatus.NEW)
+        new = np.flatnonzero(res.status == _NEW)
         handles = res.handles[new]
         s.forget_grants(at[new].tolist())
         if self.checksums is not None:
@@ -762,7 +764,7 @@ class Service:
         s.put = handles
         self._note_copies(s, ns, keys, res.status)
         self.metrics.reserved(int(new.size), int(sizes[new].sum()),
-                              int((res.status == SlotStatus.FAILED).sum()), "put")
+                              int((res.status == _FAILED).sum()), "put")
         return {"n": n}, [np.asarray(res.status, dtype=np.uint8).tobytes()]
 
     def hold_quota(self, ns: int, nbytes: int) -> None:
@@ -818,7 +820,7 @@ class Service:
         s.copies = None
         if self.cluster is None:
             return
-        present = np.flatnonzero(status == SlotStatus.PRESENT)
+        present = np.flatnonzero(status == _PRESENT)
         if present.size == 0:  # the usual save: every key new
             return
         idx = self.store.index
@@ -917,6 +919,8 @@ class Service:
         if len(p) % 4:
             raise RequestError(Status.INVALID_ARGUMENT, "handles payload is not a multiple of 4")
         handles = np.frombuffer(p, dtype="<u4").astype(np.uint32)
+        if len(p) == 4:  # one block a call: scalar steps
+            return self._release_one(s, handles)
         need = Counter(handles.tolist())
         for handle, count in need.items():
             if s.pins.get(handle, 0) < count:
@@ -928,6 +932,21 @@ class Service:
         self.store.release(handles)
         if s.transient:
             self._drop_transient(s, {h for h in need if h not in s.pins and h in s.transient})
+        return {}, []
+
+    def _release_one(self, s: Session, handles: np.ndarray) -> Response:
+        """``_release`` of one handle."""
+        handle = int(handles[0])
+        held = s.pins.get(handle, 0)
+        if held < 1:
+            raise RequestError(Status.INVALID_ARGUMENT, f"release of handle {handle} not pinned here")
+        if held == 1:
+            del s.pins[handle]
+        else:
+            s.pins[handle] = held - 1
+        self.store.release(handles)
+        if s.transient and held == 1 and handle in s.transient:
+            self._drop_transient(s, {handle})
         return {}, []
 
     def _drop_transient(self, s: Session, handles: set[int]) -> None:

@@ -209,6 +209,10 @@ class PrefixRecency(Recency):
 
     def reserved(self, idx: BlockIndex, stamp: int, n: int, below: Below, ids: np.ndarray,
                  new: np.ndarray, handles: np.ndarray, cut: int, present: np.ndarray) -> None:
+        if n == 1 and new.size:  # one new block (a one-block save): chain_stamps of one, in scalars
+            bound = below()
+            idx.last_used[int(handles[0])] = max(stamp if bound is None else min(stamp, bound - 1), 0)
+            return
         stamps = chain_stamps(stamp, n, below())
         if new.size:
             idx.last_used[handles[new]] = stamps[new]
@@ -225,6 +229,12 @@ class PrefixRecency(Recency):
     def pinned(self, idx: BlockIndex, h: np.ndarray, tick: Tick, below: Below) -> None:
         count = int(h.size)
         bound = below()  # before the tick: the predecessor's stamp as it stood
+        if count == 1:  # one block a call: chain_stamps of one, in scalars
+            i, now = int(h[0]), tick(1)
+            stamp = max(now if bound is None else min(now, bound - 1), 0)
+            if stamp > int(idx.last_used[i]):
+                idx.last_used[i] = stamp
+            return
         np.maximum.at(idx.last_used, h, chain_stamps(tick(count), count, bound))
 
     def released(self, idx: BlockIndex, u: np.ndarray, tick: Tick) -> None:

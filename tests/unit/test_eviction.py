@@ -125,3 +125,12 @@ def test_only_lru_restamps_at_commit_and_release(n: int, name: str) -> None:
         assert (stamps[: n // 2] == 11).all() and (stamps[n // 2:] == 12).all()
     else:
         assert clock.now == 10 and not stamps.any()  # the reserve's and the pin's stamps stand
+
+
+@given(st.integers(1, 40), st.one_of(st.none(), st.integers(0, 60)))
+def test_a_prefix_reserve_stamps_its_new_blocks_as_chain_stamps_says(n: int, below: int | None) -> None:
+    idx, ids = _index_with(n)
+    absent = np.zeros(n, dtype=np.uint32)  # find's answer before the call: every key new
+    recency("prefix").reserved(idx, 50, n, lambda: below, absent, np.arange(n), ids, n,
+                               np.zeros(0, dtype=np.uint32))
+    assert (idx.last_used[ids] == chain_stamps(50, n, below)).all()

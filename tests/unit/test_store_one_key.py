@@ -1,0 +1,89 @@
+"""The store's one-key paths (a one-block save, pin and release in scalar steps) give the
+same answers and leave the same state as the batch path, under both eviction policies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emsd.pool.eviction import POLICIES
+from emsd.pool.keys import KeyBatch
+from emsd.pool.store import BlockStore, Status
+
+PAGE = 4096
+SIZES = (700, 1024, 1500)  # two size classes, so that saves also steal pages
+KEYS = st.integers(0, 11)
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("save"), KEYS, st.sampled_from(SIZES), st.booleans(), st.booleans(),
+              st.one_of(st.none(), KEYS), st.booleans()),
+    st.tuples(st.just("pin"), KEYS, st.one_of(st.none(), KEYS)),
+    st.tuples(st.just("release"), st.integers(0, 7)),
+    st.tuples(st.just("end"), st.integers(0, 7), st.booleans()),
+), max_size=60)
+
+
+def _key(k: int | None) -> KeyBatch | None:
+    return None if k is None else KeyBatch.from_user([k])
+
+
+def _state(store: BlockStore) -> list[Any]:
+    """Everything a call may change, comparable."""
+    idx = store.index
+    top = idx.high_water
+    s = store.stats()
+    return [store._clock, s.bytes_used, s.bytes_free, s.pending, s.granted, s.evictions, s.ns_bytes, top,
+            *(getattr(idx, name)[:top].tolist() for name in
+              ("w0", "state", "pins", "offset", "length", "last_used", "cached"))]
+
+
+def _run(store: BlockStore, script: list[tuple[Any, ...]]) -> list[Any]:
+    """Carry out ``script`` on ``store``; every answer and the state after each step."""
+    pinned: list[int] = []
+    pending: list[int] = []
+    out: list[Any] = []
+    for op, *args in script:
+        if op == "save":
+            k, size, granted, copy, prev, commit = args
+            at = None
+            if granted:
+                chunks = store.grant(size, 1)
+                if chunks.size == 0:
+                    continue
+                at = chunks
+            res = store.reserve(0, KeyBatch.from_user([k]), np.array([size], dtype=np.uint64),
+                                prev=_key(prev), at=at, copy=copy)
+            if at is not None and res.status[0] != Status.NEW:
+                store.ungrant(at)
+            out.append((res.status.tolist(), res.handles.tolist(), res.offsets.tolist()))
+            new = res.handles[res.status == Status.NEW]
+            if commit:  # as a PUT does
+                out.append(store.commit(new))
+            else:  # as a RESERVE does: committed or aborted by a later step
+                pending += new.tolist()
+        elif op == "pin":
+            k, prev = args
+            p = store.pin(0, KeyBatch.from_user([k]), _key(prev))
+            pinned += p.handles.tolist()
+            out.append((p.count, p.handles.tolist(), p.offsets.tolist(), p.lengths.tolist()))
+        elif op == "release" and pinned:
+            h = pinned.pop(args[0] % len(pinned))
+            out.append(store.release(np.array([h], dtype=np.uint32)))
+        elif op == "end" and pending:
+            h = np.array([pending.pop(args[0] % len(pending))], dtype=np.uint32)
+            out.append(store.commit(h) if args[1] else store.abort(h))
+        out.append(_state(store))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(POLICIES), ops)
+def test_one_key_calls_answer_and_change_the_store_as_the_batch_path_does(
+        policy: str, script: list[tuple[Any, ...]]) -> None:
+    scalar = BlockStore(4 * PAGE, PAGE, eviction=policy)
+    batch = BlockStore(4 * PAGE, PAGE, eviction=policy)
+    batch.scalar_paths = False
+    assert _run(scalar, script) == _run(batch, script)
