@@ -10,6 +10,8 @@ The HTTP endpoint that serves them is ``emsd.http``.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,8 +24,9 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from emsd.tenants import Tenants
 
@@ -43,17 +46,8 @@ class Metrics:
         disable_created_metrics()  # no *_created series: they double the output and nobody graphs them
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ops = Counter("emsd_ops", "Requests handled, by op and result", ["op", "result"],
-                           registry=r)
-        self.latency = Histogram("emsd_op_duration_seconds", "Server-side request time, by op",
-                                 ["op"], buckets=LATENCY_BUCKETS, registry=r)
-        self.keys = Counter("emsd_lookup_keys", "Keys looked up, by op and result (hit/miss)",
-                            ["op", "result"], registry=r)
-        self.bytes = Counter("emsd_op_bytes", "Block bytes handed out, by op (reserve/put/pin)",
-                             ["op"], registry=r)
-        self.save_failed = Counter("emsd_reserve_failed_keys",
-                                   "Keys a reserve could not place (pool full of pinned blocks)",
-                                   registry=r)
+        self.requests = RequestCounts()  # ops, their latency, keys and bytes: plain ints
+        r.register(self.requests)
         self.clients = Gauge("emsd_clients_connected", "SDK connections open", registry=r)
         self.clients_expired = Counter("emsd_clients_expired",
                                        "SDK connections closed for silence past node.client_lease "
@@ -98,27 +92,34 @@ class Metrics:
             self._child(self.peer_fallbacks, node, reason).inc()
 
     def observe_op(self, op: str, result: str, seconds: float) -> None:
+        """One request of ``op`` handled (``result`` "ok" or "error") in ``seconds``."""
+        counts = self.requests
         key = (op, result)
-        child = self._children.get(key)
-        if child is None:
-            child = (self.ops.labels(op, result), self.latency.labels(op))
-            self._children[key] = child
-        child[0].inc()
-        child[1].observe(seconds)
+        counts.ops[key] = counts.ops.get(key, 0) + 1
+        hist = counts.latency.get(op)
+        if hist is None:
+            hist = counts.latency[op] = [0] * (len(LATENCY_BUCKETS) + 1)
+            counts.latency_sum[op] = 0.0
+        hist[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1  # the first bound >= seconds
+        counts.latency_sum[op] += seconds
 
     def reserved(self, keys: int, nbytes: int, failed: int, op: str = "reserve") -> None:
         """A save (RESERVE or PUT: ``op``) placed ``keys`` new blocks of ``nbytes``; ``failed`` got none."""
-        self._child(self.bytes, op).inc(nbytes)
-        if failed:
-            self.save_failed.inc(failed)
+        counts = self.requests
+        counts.bytes[op] = counts.bytes.get(op, 0) + nbytes
+        counts.save_failed += failed
 
     def looked_up(self, op: str, hits: int, misses: int, nbytes: int) -> None:
+        """A lookup (``op`` "pin" or "exists") found ``hits`` keys and missed ``misses``,
+        handing out ``nbytes`` bytes."""
+        keys = self.requests.keys
         if hits:
-            self._child(self.keys, op, "hit").inc(hits)
+            keys[op, "hit"] = keys.get((op, "hit"), 0) + hits
         if misses:
-            self._child(self.keys, op, "miss").inc(misses)
+            keys[op, "miss"] = keys.get((op, "miss"), 0) + misses
         if nbytes:
-            self._child(self.bytes, op).inc(nbytes)
+            counts = self.requests.bytes
+            counts[op] = counts.get(op, 0) + nbytes
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: ``labels()`` costs microseconds a call."""
@@ -158,6 +159,56 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestCounts(Collector):
+    """The request path's counters, kept as plain ints and published at scrape time:
+    ``emsd_ops_total``, ``emsd_op_duration_seconds``, ``emsd_lookup_keys_total``,
+    ``emsd_op_bytes_total`` and ``emsd_reserve_failed_keys_total``.
+
+    Adding to a dict costs a fraction of a ``prometheus_client`` update, which takes a
+    lock per value (memcached keeps its stats so too). Updated from the event loop's
+    thread only (``Service``); a scrape from another thread copies each dict first,
+    in one step under the GIL.
+    """
+
+    def __init__(self) -> None:
+        self.ops: dict[tuple[str, str], int] = {}  # (op, result) -> requests
+        self.latency: dict[str, list[int]] = {}  # op -> count per LATENCY_BUCKETS bound, then +Inf
+        self.latency_sum: dict[str, float] = {}  # op -> seconds in all
+        self.keys: dict[tuple[str, str], int] = {}  # (op, "hit"/"miss") -> keys
+        self.bytes: dict[str, int] = {}  # op -> bytes
+        self.save_failed = 0  # keys a save could not place
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        ops = CounterMetricFamily("emsd_ops", "Requests handled, by op and result", labels=["op", "result"])
+        for (op, result), n in sorted(self.ops.copy().items()):
+            ops.add_metric([op, result], n)
+        yield ops
+        latency = HistogramMetricFamily("emsd_op_duration_seconds", "Server-side request time, by op",
+                                        labels=["op"])
+        sums = self.latency_sum.copy()
+        for op, counts in sorted(self.latency.copy().items()):
+            cumulative = list(itertools.accumulate(counts.copy()))
+            bounds = [*map(floatToGoString, LATENCY_BUCKETS), "+Inf"]
+            latency.add_metric([op], list(zip(bounds, cumulative, strict=True)), sums.get(op, 0.0))
+        yield latency
+        keys = CounterMetricFamily("emsd_lookup_keys", "Keys looked up, by op and result (hit/miss)",
+                                   labels=["op", "result"])
+        for (op, result), n in sorted(self.keys.copy().items()):
+            keys.add_metric([op, result], n)
+        yield keys
+        nbytes = CounterMetricFamily("emsd_op_bytes", "Block bytes handed out, by op (reserve/put/pin)",
+                                     labels=["op"])
+        for op, n in sorted(self.bytes.copy().items()):
+            nbytes.add_metric([op], n)
+        yield nbytes
+        yield CounterMetricFamily("emsd_reserve_failed_keys",
+                                  "Keys a reserve could not place (pool full of pinned blocks)",
+                                  value=self.save_failed)
 
 
 class DiskCollector(Collector):

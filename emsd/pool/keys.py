@@ -36,6 +36,7 @@ KT_INT = 0
 KT_TAGGED = 1
 _U64_MASK = (1 << 64) - 1
 _TAGGED = np.dtype([("tag", "u1"), ("key", "V32")])
+_LE_U8 = np.dtype("<u8")  # made once: numpy parses a dtype string on every call
 TAGGED_ITEMSIZE = _TAGGED.itemsize  # 33
 
 
@@ -74,6 +75,9 @@ class KeyBatch:
         """Int keys already reduced to uint64 (``wire``: their KT_INT bytes, if known)."""
         n = values.shape[0]
         words = np.zeros((n, 4), dtype=np.uint64)
+        if n == 1:  # one block a call: scalar steps
+            words[0, 0] = values[0]
+            return cls(words, np.array((INT_TAG,), dtype=np.uint8), wire)
         words[:, 0] = values
         return cls(words, np.full(n, INT_TAG, dtype=np.uint8), wire)
 
@@ -118,7 +122,7 @@ class KeyBatch:
         if kt == KT_INT:
             if len(data) != 8 * n:
                 raise KeyError_(f"int key payload has {len(data)} bytes, expected {8 * n}")
-            return cls.from_ints(np.frombuffer(data, dtype="<u8"))  # copied into the words
+            return cls.from_ints(np.frombuffer(data, dtype=_LE_U8))  # copied into the words
         if kt == KT_TAGGED:
             if len(data) != TAGGED_ITEMSIZE * n:
                 raise KeyError_(
