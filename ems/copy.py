@@ -9,8 +9,8 @@ spans.
 Two implementations, chosen once at import:
 
 - ``"c"``: the ``ems._memcopy`` extension. It validates, then releases the GIL
-  and copies in a C loop; big batches are split over a few threads and use
-  streaming (non-temporal) stores.
+  and copies in a C loop with streaming (non-temporal) stores; big batches are
+  split over a few threads.
 - ``"ctypes"``: a Python loop over ``ctypes.memmove``, used when the extension
   is not built (e.g. a source checkout without a compiler). Same results,
   roughly a microsecond per segment slower, and it holds the GIL.
