@@ -213,7 +213,16 @@ async def test_garbage_from_a_peer_closes_only_that_connection() -> None:
         await server.close()
 
 
-async def test_a_peer_that_dies_mid_transfer_leaves_nothing_reserved() -> None:
+@pytest.mark.parametrize("block", [1 << 20, 64 << 10], ids=["bulk-threads", "event-loop"])
+@pytest.mark.parametrize("silent", [False, True], ids=["dies", "stalls"])
+async def test_a_peer_that_dies_or_stalls_mid_transfer_leaves_nothing_reserved(
+        block: int, silent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PUT whose sender goes away (or falls silent past BULK_STALL) half-way through its
+    blocks, moved by a bulk thread or on the event loop: the server drops the connection
+    and keeps none of them."""
+    import emsd.transport.peer as peer
+
+    monkeypatch.setattr(peer, "BULK_STALL", 1)  # seconds: the loop's bound and the kernel's timeouts
     a, b = Node("a"), Node("b")
     server, port = await serve(b)
     loop = asyncio.get_running_loop()
@@ -222,24 +231,30 @@ async def test_a_peer_that_dies_mid_transfer_leaves_nothing_reserved() -> None:
         assert conn.sock is not None
         keys = KeyBatch.from_user([1, 2])
         kt, raw = keys.to_wire()
-        lengths = np.array([1 << 20, 1 << 20], "<u8").tobytes()
-        head = msgpack.packb({"v": 1, "id": 1, "op": 104, "ns": "ns", "n": 2, "kt": kt, "bulk": 2 << 20})
+        lengths = np.array([block, block], "<u8").tobytes()
+        head = msgpack.packb({"v": 1, "id": 1, "op": 104, "ns": "ns", "n": 2, "kt": kt, "bulk": 2 * block})
         payload = raw + lengths
         await loop.sock_sendall(conn.sock, struct.pack("<II", len(head), len(payload)) + head + payload)
-        await loop.sock_sendall(conn.sock, b"\x01" * (1 << 19))  # half of the first block, then gone
-        conn.close()
-        for _ in range(200):
+        await loop.sock_sendall(conn.sock, b"\x01" * (block // 2))  # half of the first block, then gone
+        if not silent:
+            conn.close()
+        for _ in range(500):
             if not server._conns:
                 break
             await asyncio.sleep(0.01)
+        assert not server._conns
         stats = b.store.stats()
         assert stats.pending == 0 and stats.entries == 0
+        conn.close()
     finally:
         await server.close()
 
 
-async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_the_connection() -> None:
-    """An owner that stalls half-way: the caller's deadline ends the GET cleanly."""
+@pytest.mark.parametrize("block", [1 << 20, 64 << 10], ids=["bulk-threads", "event-loop"])
+async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_the_connection(
+        block: int) -> None:
+    """An owner that stalls half-way: the caller's deadline ends the GET cleanly, whether the
+    blocks move in a bulk thread or (small, up to LOOP_BULK) on the event loop."""
     import os
 
     from emsd.transport.frames import PeerOp
@@ -266,9 +281,9 @@ async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_th
         assert auth["op"] == PeerOp.AUTH
         await _send(loop, conn, {"st": 0, "node": "b", "mac": _mac(SECRET, b"s", auth["nonce"], nonce, b"b")})
         req, _ = await _recv_frame(loop, conn)
-        lengths = np.array([1 << 20, 1 << 20], "<u8")
-        await _send(loop, conn, {"id": req["id"], "st": 0, "count": 2, "bulk": 2 << 20}, lengths.tobytes())
-        await loop.sock_sendall(conn, b"\x07" * (1 << 19))  # half a block, then silence
+        lengths = np.array([block, block], "<u8")
+        await _send(loop, conn, {"id": req["id"], "st": 0, "count": 2, "bulk": 2 * block}, lengths.tobytes())
+        await loop.sock_sendall(conn, b"\x07" * (block // 2))  # half a block, then silence
         stalled.set()
         await asyncio.sleep(30)
 
