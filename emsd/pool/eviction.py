@@ -71,6 +71,12 @@ def chain_stamps(clock: int, n: int, below: int | None = None) -> np.ndarray:
     return np.maximum(top - np.arange(n, dtype=np.int64), 0).astype(np.uint32)
 
 
+def chain_stamp(clock: int, below: int | None = None) -> int:
+    """``chain_stamps(clock, 1, below)[0]`` as an int, in scalar steps (a call of one key);
+    ``clock`` and ``below`` are below 2**32, as the store's clock is."""
+    return max(clock if below is None else min(clock, below - 1), 0)
+
+
 def lru_victims(last_used: np.ndarray, eligible_ids: np.ndarray, n: int) -> np.ndarray:
     """The (at most) ``n`` ids of ``eligible_ids`` with the smallest
     ``last_used[id]``, oldest first, ties by position in ``eligible_ids``."""
@@ -129,7 +135,6 @@ def steal_choice(page_owner: np.ndarray, recent: np.ndarray, blocked: np.ndarray
     if older_than is not None and recent[page] >= older_than:
         return None
     return page
-
 
 
 Tick = Callable[[int], int]  # the store's clock: advance by n (>= 1), return the new time
@@ -209,9 +214,8 @@ class PrefixRecency(Recency):
 
     def reserved(self, idx: BlockIndex, stamp: int, n: int, below: Below, ids: np.ndarray,
                  new: np.ndarray, handles: np.ndarray, cut: int, present: np.ndarray) -> None:
-        if n == 1 and new.size:  # one new block (a one-block save): chain_stamps of one, in scalars
-            bound = below()
-            idx.last_used[int(handles[0])] = max(stamp if bound is None else min(stamp, bound - 1), 0)
+        if n == 1 and new.size:  # one new block (a one-block save)
+            idx.last_used[int(handles[0])] = chain_stamp(stamp, below())
             return
         stamps = chain_stamps(stamp, n, below())
         if new.size:
@@ -229,9 +233,8 @@ class PrefixRecency(Recency):
     def pinned(self, idx: BlockIndex, h: np.ndarray, tick: Tick, below: Below) -> None:
         count = int(h.size)
         bound = below()  # before the tick: the predecessor's stamp as it stood
-        if count == 1:  # one block a call: chain_stamps of one, in scalars
-            i, now = int(h[0]), tick(1)
-            stamp = max(now if bound is None else min(now, bound - 1), 0)
+        if count == 1:  # one block a call
+            i, stamp = int(h[0]), chain_stamp(tick(1), bound)
             if stamp > int(idx.last_used[i]):
                 idx.last_used[i] = stamp
             return

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from emsd.pool.eviction import POLICIES, chain_stamps, lru_victims, recency
+from emsd.pool.eviction import POLICIES, chain_stamp, chain_stamps, lru_victims, recency
 from emsd.pool.index import READY, BlockIndex
 from emsd.pool.keys import KeyBatch
 
@@ -134,3 +134,8 @@ def test_a_prefix_reserve_stamps_its_new_blocks_as_chain_stamps_says(n: int, bel
     recency("prefix").reserved(idx, 50, n, lambda: below, absent, np.arange(n), ids, n,
                                np.zeros(0, dtype=np.uint32))
     assert (idx.last_used[ids] == chain_stamps(50, n, below)).all()
+
+
+@given(st.integers(1, 2**32 - 1), st.one_of(st.none(), st.integers(0, 2**32 - 1)))  # the clock is 32-bit
+def test_chain_stamp_of_one_key_is_chain_stamps_of_one(clock: int, below: int | None) -> None:
+    assert chain_stamp(clock, below) == int(chain_stamps(clock, 1, below)[0])
