@@ -76,6 +76,12 @@ async def test_blocks_move_both_ways_over_mutual_tls(pki: Pki) -> None:
         for _ in range(20):
             assert await conn.get("ns", KeyBatch.from_user([1, 2])) == 2
         assert server.refused == 0
+        # The owner releases a GET's pins once its bulk thread has sent the last byte, which
+        # the fetcher may have received before that thread hands back: wait for it, briefly.
+        for _ in range(200):
+            if b.store.stats().pinned == 0:
+                break
+            await asyncio.sleep(0.01)
         assert b.store.stats().pinned == 0 and b.store.stats().pending == 0
     finally:
         conn.close()
