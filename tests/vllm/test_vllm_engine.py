@@ -123,7 +123,12 @@ def test_second_engine_loads_what_the_first_saved(emsd: Any, models: dict[str, P
     assert (96, 0, 128) in hits        # P[2]: a whole-prompt match stops one block short
     assert (32, 0, 40) in hits         # P[3]
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') == 3 + 1 + 3 + 1
-    assert '"load_failed_blocks": 0' in loader.log()
+    # No load failed: each failure is logged when it happens. (The worker's totals line comes
+    # only from a graceful shutdown, which vLLM's multiprocess teardown does not always give
+    # the worker before it force-kills it 5 s on: seen once in a clean-clone CI run.)
+    log = loader.log()
+    assert "vLLM recomputes the rest" not in log
+    assert '"load_failed_blocks": 0' in log or "worker totals" not in log
 
 
 def test_loaded_kv_is_used_and_bad_blocks_are_recomputed(emsd: Any, models: dict[str, Path],
