@@ -161,6 +161,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+_BUCKET_LABELS = (*map(floatToGoString, LATENCY_BUCKETS), "+Inf")  # each histogram bucket's "le"
+
+
 class RequestCounts(Collector):
     """The request path's counters, kept as plain ints and published at scrape time:
     ``emsd_ops_total``, ``emsd_op_duration_seconds``, ``emsd_lookup_keys_total``,
@@ -192,9 +195,8 @@ class RequestCounts(Collector):
                                         labels=["op"])
         sums = self.latency_sum.copy()
         for op, counts in sorted(self.latency.copy().items()):
-            cumulative = list(itertools.accumulate(counts.copy()))
-            bounds = [*map(floatToGoString, LATENCY_BUCKETS), "+Inf"]
-            latency.add_metric([op], list(zip(bounds, cumulative, strict=True)), sums.get(op, 0.0))
+            cumulative = itertools.accumulate(counts.copy())
+            latency.add_metric([op], list(zip(_BUCKET_LABELS, cumulative, strict=True)), sums.get(op, 0.0))
         yield latency
         keys = CounterMetricFamily("emsd_lookup_keys", "Keys looked up, by op and result (hit/miss)",
                                    labels=["op", "result"])

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgpack
 
-from emsd.pool.keys import KeyBatch, KeyError_
+from emsd.pool.keys import KT_INT, KT_TAGGED, TAGGED_ITEMSIZE, KeyBatch, KeyError_
 
 PROTOCOL_VERSION = 1
 PREFIX = struct.Struct("<II")
@@ -150,9 +150,9 @@ def split_keys(n: Any, kt: Any, payload: bytes, most: int = MAX_BATCH_KEYS,
     """
     if type(n) is not int or not 0 <= n <= most:
         raise FrameError(f"n must be an int in 0..{most} (got {n!r})")
-    if type(kt) is not int or kt not in (0, 1):
+    if type(kt) is not int or kt not in (KT_INT, KT_TAGGED):
         raise FrameError(f"unknown key type {kt!r}")
-    size = (8 if kt == 0 else 33) * n
+    size = (8 if kt == KT_INT else TAGGED_ITEMSIZE) * n
     if len(payload) < size or (exact and len(payload) != size):
         raise FrameError(f"keys: expected {size} bytes, got {len(payload)}")
     try:

@@ -742,7 +742,7 @@ class PeerServer:
         try:
             lengths = pinned.lengths.astype("<u8")
             await _send(link.loop, link.conn, {"id": rid, "st": int(Status.OK), "count": pinned.count,
-                                     "bulk": int(lengths.sum())}, lengths.tobytes())
+                                               "bulk": int(lengths.sum())}, lengths.tobytes())
             await _bulk(link.conn, _send_views, _views(self.access.pool, pinned.offsets, pinned.lengths))
         finally:
             store.release(pinned.handles)
@@ -760,7 +760,7 @@ class PeerServer:
             raise FrameError("DROP takes a namespace name and nothing else")
         if self.access.drop_namespace is None:
             await _send(link.loop, link.conn, {"id": rid, "st": int(Status.INVALID_ARGUMENT),
-                                     "msg": "this node cannot drop namespaces"})
+                                               "msg": "this node cannot drop namespaces"})
             return
         dropped = self.access.drop_namespace(ns_name)
         await _send(link.loop, link.conn, {"id": rid, "st": int(Status.OK), "dropped": dropped})
