@@ -162,7 +162,7 @@ class Daemon:
         self.metrics.ready.set(1)
         c = self.cluster
         membership = "standalone" if c is None else (
-            f"cluster {cfg.cluster.name}, {c.state.value}, {len(c.view)} members")
+            f"cluster {cfg.cluster.name}, {c.state.value}, {len(c.placement.members)} members")
         log.info("ready: emsd %s node %s; pool %d MiB %s (%s), slab page %d MiB; warm restart %s, "
                  "%d blocks; %s; transport %s; socket %s; metrics %s; pid %d",
                  __version__, cfg.node.id, region.size >> 20, region.kind, region.reason,
@@ -429,15 +429,17 @@ class Daemon:
         """None when ready to serve (pool attached; standalone, or joined to the cluster), else why not."""
         if self.service is None:
             return "the pool is not attached yet"
-        if self.cluster is not None and self.cluster.state.value != "joined" and not self.cluster.draining:
-            return f"cluster membership is {self.cluster.state.value}"
+        c = self.cluster
+        if c is not None and c.state.value != "joined" and not c.placement.draining:
+            return f"cluster membership is {c.state.value}"
         return None
 
     def _membership(self) -> tuple[str, int, int]:
         if self.cluster is None:
             return "standalone", 1, 0
         c = self.cluster
-        return c.state.value, len(c.view), len(c.disagree) + int(c.config_differs)
+        p = c.placement
+        return c.state.value, len(p.members), len(p.disagree) + int(p.config_differs)
 
     def stop(self) -> None:
         self._stop.set()

@@ -513,7 +513,7 @@ class Service:
     def _remote(self, ns_name: str, keys: KeyBatch) -> np.ndarray:
         """True per key that other nodes own and this one does not (its copy is a read cache)."""
         assert self.cluster is not None
-        return ~self.cluster.owned_here(ns_name, keys)
+        return ~self.cluster.placement.owned_here(ns_name, keys)
 
     # -- handlers -------------------------------------------------------------
 
@@ -986,7 +986,8 @@ class Service:
             "namespace_names": names[:100],
             "uptime_s": time.time() - self.started,
             "membership": "standalone" if self.cluster is None else self.cluster.state.value,
-            "members": [self.node_id] if self.cluster is None else [n.node_id for n in self.cluster.view],
+            "members": ([self.node_id] if self.cluster is None
+                        else [n.node_id for n in self.cluster.placement.members]),
             **self.info,
             **({"disk": self.tiers.summary()} if self.tiers is not None else {}),
             **({"prefault": self.prefault()} if self.prefault is not None else {}),
@@ -1005,16 +1006,16 @@ class Service:
         if self.cluster is None:
             return {"transport": "none", "share": {self.node_id: 1.0},
                     "view": [{"id": self.node_id, "capacity": self.store.capacity, "peer": ""}]}
-        c = self.cluster
+        c, p = self.cluster, self.cluster.placement
         return {"transport": c.transport_name, "peer_transports": c.transports.snapshot(),
-                "share": c.share(), "draining": c.draining,
-                "vnodes": c.params[0], "replicas": c.params[1],
-                "placement_record": None if c.record is None else c.record.version,
+                "share": p.share(), "draining": p.draining,
+                "vnodes": p.params[0], "replicas": p.params[1],
+                "placement_record": None if p.record is None else p.record.version,
                 "placement_config": {"vnodes": c.cfg.vnodes, "replicas": c.cfg.replicas},
-                "placement_config_differs": c.config_differs,
+                "placement_config_differs": p.config_differs,
                 "placement_differs": {node: {"vnodes": v, "replicas": r}
-                                      for node, (v, r) in c.disagree.items()},
-                "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in c.view]}
+                                      for node, (v, r) in p.disagree.items()},
+                "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in p.members]}
 
     def _owner(self, _s: Session, h: dict[str, Any], p: bytes) -> Response:
         name = h.get("ns")
@@ -1026,7 +1027,7 @@ class Service:
         n = len(keys)
         if self.cluster is None:
             return {"owners": [[self.node_id]] * n}, []
-        return {"owners": self.cluster.owner_ids(name, keys)}, []
+        return {"owners": self.cluster.placement.owner_ids(name, keys)}, []
 
     def _drain(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         if self.cluster is None:

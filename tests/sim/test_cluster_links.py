@@ -33,7 +33,7 @@ def _two_nodes(loop: asyncio.AbstractEventLoop, connections: int) -> tuple[SimNo
 
 def _owned_by(node: SimNode, n: int) -> list[int]:
     keys = np.arange(1, 200, dtype=np.uint64)
-    owners = node.cluster.owner_ids(NS, KeyBatch.from_ints(keys))
+    owners = node.cluster.placement.owner_ids(NS, KeyBatch.from_ints(keys))
     return [int(k) for k, o in zip(keys.tolist(), owners, strict=True) if o == [node.node_id]][:n]
 
 
@@ -113,7 +113,7 @@ def test_a_view_change_during_a_fetch_does_not_send_the_next_rank_to_the_wrong_n
             await node.start()
         await asyncio.sleep(0.01)
         every = np.arange(1, 1000, dtype=np.uint64)
-        owners = a.cluster.owner_ids(NS, KeyBatch.from_ints(every))
+        owners = a.cluster.placement.owner_ids(NS, KeyBatch.from_ints(every))
         keys = [int(k) for k, o in zip(every.tolist(), owners, strict=True) if o == ["d", "c"]][:3]
         assert len(keys) == 3
         saver = Client(c.service, NS)
@@ -149,7 +149,7 @@ def test_every_part_of_a_push_reaches_a_restarted_peer_over_fresh_links() -> Non
             await node.start()
         await asyncio.sleep(0.01)
         every = np.arange(1, 2000, dtype=np.uint64)
-        owners = a.cluster.owner_ids(NS, KeyBatch.from_ints(every))
+        owners = a.cluster.placement.owner_ids(NS, KeyBatch.from_ints(every))
         keys = ([int(k) for k, o in zip(every.tolist(), owners, strict=True) if o == ["b", "c"]][:1]
                 + [int(k) for k, o in zip(every.tolist(), owners, strict=True) if o == ["c", "b"]][:2])
         assert (await Client(a.service, NS).load(keys, 500)).count == 0  # two links to b are up
@@ -187,7 +187,7 @@ def test_a_peer_that_refuses_a_drop_is_counted_as_missed_not_taken_for_down() ->
         saver.close()
         b.access.drop_namespace = None  # refuses
         refused = await a.cluster.drop(NS, loop.time() + 1.0)
-        down = set(a.cluster._down)
+        down = set(a.cluster.peers.down)
         loaded = (await Client(a.service, NS).load(keys, 500)).count  # b not in backoff
         b.access.drop_namespace = b.service.drop_namespace
         confirmed = await a.cluster.drop(NS, loop.time() + 1.0)

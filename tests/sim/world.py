@@ -360,16 +360,17 @@ class Simulation:
             return  # every node left or drained: nothing to agree on
         if registered != alive:
             raise SimFailure(f"registered members {registered} are not the live undrained nodes {alive}")
-        ref = live[0].cluster.ring
+        ref = live[0].cluster.placement.ring
         for node in live:
             c = node.cluster
             if c.state is not MembershipState.JOINED:
                 raise SimFailure(f"{node.node_id} is {c.state.value} after the network healed")
-            view = [n.node_id for n in c.view]
+            view = [n.node_id for n in c.placement.members]
             if view != alive:
                 raise SimFailure(f"{node.node_id} sees members {view}; live nodes are {alive}")
-            if c.ring.view != ref.view or not np.array_equal(c.ring.points, ref.points) \
-                    or not np.array_equal(c.ring.owners_at, ref.owners_at):
+            ring = c.placement.ring
+            if ring.view != ref.view or not np.array_equal(ring.points, ref.points) \
+                    or not np.array_equal(ring.owners_at, ref.owners_at):
                 raise SimFailure(f"{node.node_id}'s ring differs from {live[0].node_id}'s")
         every = KeyBatch.from_ints(np.arange(1, KEYSPACE + 1, dtype=np.uint64))
         owners = {o for row in ref.owner_ids(NS, every) for o in row}
@@ -384,7 +385,7 @@ class Simulation:
         live = self._members()
         if len(live) < 2:
             return
-        ring = live[0].cluster.ring
+        ring = live[0].cluster.placement.ring
         for _ in range(2):
             saver, loader = self.rng.sample(live, 2)
             keys = [self._fresh + i for i in range(self.rng.randint(1, 4))]
