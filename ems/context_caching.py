@@ -277,7 +277,7 @@ class ContextCaching:
                         sizes: np.ndarray) -> CcResult:
         """RESERVE places (the copy is planned while the daemon answers), copy, COMMIT."""
         layout, n = self.layout, len(req.keys)
-        pending = client.submit(Op.RESERVE, {**keyed, **_prev(req)},
+        pending = client.submit(Op.RESERVE, {**keyed, **_budget(deadline), **_prev(req)},
                                 [raw, sizes.tobytes()], late=_abort_late(client, n))
         try:
             plan = layout.plan(req.slots, req.counts)  # while the daemon reserves

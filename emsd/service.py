@@ -3,7 +3,9 @@
 ``Service.handle`` takes one request of one client ``Session`` and returns
 the response header and payload. It never awaits and never touches a socket,
 so the transport (``emsd.transport.unix``) stays a thin shell and the whole
-protocol can be driven from tests without a process.
+protocol can be driven from tests without a process. Work with other nodes
+around a request (a PIN's fetch first, a COMMIT's forward after) is named by
+``remote_fetch`` and ``follow_up`` and carried out by ``emsd.coordinator``.
 
 A ``Session`` is what the daemon knows of one client connection: its tenant,
 the namespaces it opened, the reservations it has not committed yet and the
@@ -14,7 +16,8 @@ pins: a client killed mid-save or mid-load leaks nothing.
 
 Payload layouts (little-endian, n keys; see ``emsd.pool.keys`` for keys):
 
-- RESERVE  request: keys, then sizes u64 x n.
+- RESERVE  request: keys, then sizes u64 x n (``to``: ms; in a cluster, keys found here only as
+           read-cache copies are checked with their owners before the answer, within it).
            response: offsets u64 x n, handles u32 x n, status u8 x n.
 - COMMIT   request: handles u32 x (commit + abort), header ``c``/``a`` counts.
 - PIN      request: keys. response header ``count``; payload offsets u64,
@@ -119,6 +122,7 @@ class Session:
     pending_bytes: int = 0  # block lengths of ``pending``
     put: np.ndarray | None = None  # entries the PUT being handled committed (for forward_commit)
     copies: tuple[int, KeyBatch] | None = None  # keys the save being handled found here as copies
+    closed: bool = False  # Service.close has released what it held
 
     @property
     def uncommitted(self) -> int:
@@ -230,6 +234,7 @@ class Service:
         (``release_quarantined``): a client that resumes must not write into a chunk that holds
         another block by then.
         """
+        session.closed = True
         if expired and (session.pending or session.granted):
             self._quarantine(session)
         if session.authenticated:

@@ -5,12 +5,14 @@ sends HELLO, the daemon answers with the pool's file descriptor attached
 (SCM_RIGHTS), so the client maps the very same memory (with tenants, the
 memfd of the client's tenant alone: ``emsd.pool.tenancy``). Only then is the
 socket handed to asyncio as a ``ControlProtocol``; from there on every frame
-is decoded with ``FrameDecoder`` and answered by ``Service.handle`` in
-arrival order. Requests are handled synchronously on the event loop (they
+is decoded with ``FrameDecoder`` and served by ``emsd.coordinator.Coordinator``
+in arrival order. Requests are handled synchronously on the event loop (they
 only touch the in-memory index), so a response is written in the same
 ``data_received`` call that completed its request (the answers to a call's
 frames together, except that those before a GRANT are written before it is
-handled).
+handled). A request that needs other nodes (a PIN's fetch, a COMMIT's
+forward; see the coordinator) is answered when that work is done, by id,
+possibly after later requests' answers.
 
 A malformed frame is answered once with an error status (request id 0 when
 it could not be read) and the connection is closed; the daemon and every
@@ -31,14 +33,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from emsd.coordinator import Coordinator
 from emsd.files import check_dir
 from emsd.logs import Once
-from emsd.service import RequestError, Service, Session
+from emsd.service import RequestError, Response, Service, Session
 from emsd.transport.busypoll import BusyPoll
 from emsd.transport.frames import (
     PREFIX,
     PROTOCOL_VERSION,
-    Frame,
     FrameDecoder,
     FrameError,
     Op,
@@ -69,6 +71,7 @@ class ControlProtocol(asyncio.Protocol):
     def __init__(self, service: Service, session: Session, on_close: Callable[[Any], None],
                  busy: BusyPoll | None = None) -> None:
         self.service = service
+        self.coordinator = Coordinator(service)
         self.busy = busy  # keeps the loop awake a moment after answers (emsd.transport.busypoll)
         self._fd = -1
         self.session = session
@@ -135,15 +138,11 @@ class ControlProtocol(asyncio.Protocol):
                 # answers before it go out first, so that it never holds them up.
                 self.transport.writelines(out)
                 out = []
-            fetch = self.service.remote_fetch(self.session, frame.header, frame.payload)
-            if fetch is not None:  # answered when the peers have answered (by id, out of order)
-                self._spawn(self._pin_after(fetch, frame))
+            answer = self.coordinator.serve(self.session, frame.header, frame.payload)
+            if not isinstance(answer, tuple):  # answered when the peers have (by id, out of order)
+                self._spawn(self._answer_later(answer))
                 continue
-            resp, parts = self.service.handle(self.session, frame.header, frame.payload)
-            push = self.service.follow_up(self.session, frame.header, frame.payload, resp)
-            if push is not None:
-                self._spawn(self._answer_after(push, parts, resp))
-                continue
+            resp, parts = answer
             if not frame.header.get("nr") or resp.get("st"):
                 out += encode_parts(resp, *parts)
         if out:
@@ -156,22 +155,8 @@ class ControlProtocol(asyncio.Protocol):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _pin_after(self, fetch: Awaitable[None], frame: Frame) -> None:
-        try:
-            await fetch
-        except Exception:  # peers failing means misses, never a failed PIN
-            log.exception("remote fetch failed")
-        if self._closed:  # the client is gone: pinning now would leak the pins
-            return
-        resp, parts = self.service.handle(self.session, frame.header, frame.payload)
-        self._write(resp, parts)
-
-    async def _answer_after(self, push: Awaitable[dict[str, Any]], parts: list[bytes],
-                            resp: dict[str, Any]) -> None:
-        try:
-            resp = await push
-        except Exception:  # the commit itself succeeded; the blocks just did not reach their owners
-            log.exception("forwarding committed blocks failed")
+    async def _answer_later(self, answer: Awaitable[Response]) -> None:
+        resp, parts = await answer
         self._write(resp, parts)
 
     def _write(self, resp: dict[str, Any], parts: list[bytes]) -> None:

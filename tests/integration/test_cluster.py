@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -420,6 +421,29 @@ def test_a_save_of_blocks_held_as_copies_gives_them_back_to_an_owner_that_lost_t
     sent = a.metric("emsd_peer_blocks_total", f'op="put",peer="{b.sections["node"]["id"]}"')
     assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
     assert a.metric("emsd_peer_blocks_total", f'op="put",peer="{b.sections["node"]["id"]}"') == sent
+
+
+def test_a_save_of_copies_whose_owner_is_stopped_answers_within_its_timeout(
+        cluster: Any, monkeypatch: Any) -> None:
+    """A save through RESERVE (grants off) of keys held here as copies asks their owner whether
+    it still holds them before answering: within the call's budget, so a stopped owner costs
+    the save its time, never a failure past its timeout."""
+    a, b = cluster(2, pool={"grants": False})
+    src = kv(23)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(src)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+    assert stats(a)["cached"] > 0  # copies of b's blocks
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        res = cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(timeout=1000))
+        took = time.monotonic() - t0
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    assert took < 1.5
+    assert res.success == BLOCKS  # every block is here, and its owner held it before it stopped
+    assert a.alive()
 
 
 def test_reads_through_a_full_node_cost_its_own_blocks_at_most_its_read_cache_share(

@@ -1,10 +1,10 @@
 """A simulated SDK client: saves and loads through a node's real ``Service`` handlers.
 
-It drives the request path exactly as ``emsd/transport/unix.py`` does for a
-connection: RESERVE, write the bytes into the pool, COMMIT and await the
-``follow_up`` (the push to the owners); for a load, await ``remote_fetch``
-(the fetch from the owners), PIN, read the bytes, RELEASE; DRAIN and its
-follow-up for a node leaving the ring. Each call is one
+Every request goes through the node's real ``emsd.coordinator.Coordinator``,
+as ``emsd/transport/unix.py`` sends a connection's: RESERVE, write the bytes
+into the pool, COMMIT (answered once the push to the owners is done); for a
+load, PIN (answered once the fetch from the owners is done), read the bytes,
+RELEASE; DRAIN for a node leaving the ring. Each call is one
 client session, closed at the end (``Service.close``), and a client may
 also die half-way (its session closed with reservations or pins held).
 
@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from emsd.service import Service, Session
+from emsd.coordinator import Coordinator
+from emsd.service import Response, Service, Session
 from emsd.transport.frames import Op, Status
 
 SIZES = (300, 700, 1500, 3000)  # four size classes, all below the simulation's page size
@@ -61,32 +63,49 @@ class Client:
         self.service = service
         self.ns_name = ns_name
         self.session = Session()
+        self.coordinator = Coordinator(service)
         self._ids = 0
         service.hello(self.session, {"op": int(Op.HELLO)})
         self.ns = int(self.call({"op": int(Op.NAMESPACE), "name": ns_name})[0]["ns"])
 
-    def call(self, header: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], list[bytes]]:
-        """One synchronous request; an error answer is an invariant failure."""
+    def call(self, header: dict[str, Any], payload: bytes = b"") -> Response:
+        """One request answered at once (no work with other nodes around it)."""
+        answer = self._serve(header, payload)
+        if not isinstance(answer, tuple):
+            raise SimFailure(f"{Op(header['op']).name} on {self.service.node_id} was not answered at once")
+        return self._checked(header, answer)
+
+    async def request(self, header: dict[str, Any], payload: bytes = b"") -> Response:
+        """One request, with the work around it that the coordinator does (fetch, forward)."""
+        answer = self._serve(header, payload)
+        return self._checked(header, answer if isinstance(answer, tuple) else await answer)
+
+    def _serve(self, header: dict[str, Any], payload: bytes) -> Response | Awaitable[Response]:
         self._ids += 1
         header["id"] = self._ids
-        resp, parts = self.service.handle(self.session, header, payload)
+        return self.coordinator.serve(self.session, header, payload)
+
+    def _checked(self, header: dict[str, Any], answer: Response) -> Response:
+        """The answer; an error answer is an invariant failure."""
+        resp, _ = answer
         if resp.get("st", 0) != Status.OK:
             raise SimFailure(f"{Op(header['op']).name} on {self.service.node_id} answered "
                              f"{Status(resp['st']).name}: {resp.get('msg')}")
-        return resp, parts
+        return answer
 
     def close(self) -> None:
         self.service.close(self.session)
 
     async def save(self, keys: list[int], timeout_ms: int, keep: bool = True,
                    die_before_commit: bool = False) -> CallResult:
-        """RESERVE, write, COMMIT and the push to the owners (``keep``: write_rcache)."""
+        """RESERVE, write, COMMIT and the push to the owners (``keep``: write_rcache); the
+        COMMIT's budget is what the RESERVE left of ``timeout_ms``, as the SDK's."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         raw = np.array(keys, dtype="<u8").tobytes()
         sizes = np.array([len(content(self.ns_name, k)) for k in keys], dtype="<u8")
-        resp, parts = self.call({"op": int(Op.RESERVE), "ns": self.ns, "n": len(keys), "kt": 0,
-                                 "to": timeout_ms}, raw + sizes.tobytes())
+        resp, parts = await self.request({"op": int(Op.RESERVE), "ns": self.ns, "n": len(keys), "kt": 0,
+                                          "to": timeout_ms}, raw + sizes.tobytes())
         offsets = np.frombuffer(parts[0], dtype="<u8")
         handles = np.frombuffer(parts[1], dtype="<u4")
         status = np.frombuffer(parts[2], dtype=np.uint8)
@@ -99,12 +118,10 @@ class Client:
             pool[off : off + len(data)] = data
         if die_before_commit:
             return CallResult("save-died", self.service.node_id, tuple(keys), 0, (), 0.0, timeout_ms / 1000)
-        header = {"op": int(Op.COMMIT), "c": int(new.size), "a": 0, "to": timeout_ms, "wr": keep}
+        left = max(1, int((start + timeout_ms / 1000 - loop.time()) * 1000))  # as the SDK sends it
+        header = {"op": int(Op.COMMIT), "c": int(new.size), "a": 0, "to": left, "wr": keep}
         payload = handles[new].astype("<u4").tobytes()
-        resp, _ = self.call(header, payload)
-        push = self.service.follow_up(self.session, header, payload, resp)
-        if push is not None:
-            resp = await push
+        resp, _ = await self.request(header, payload)
         reached = tuple(resp.get("reached", b"\x01" * new.size))
         return CallResult("save", self.service.node_id, tuple(keys), int(resp["committed"]), reached,
                           loop.time() - start, timeout_ms / 1000)
@@ -116,10 +133,7 @@ class Client:
         start = loop.time()
         raw = np.array(keys, dtype="<u8").tobytes()
         header = {"op": int(Op.PIN), "ns": self.ns, "n": len(keys), "kt": 0, "to": timeout_ms, "wr": keep}
-        fetch = self.service.remote_fetch(self.session, header, raw)
-        if fetch is not None:
-            await fetch
-        resp, parts = self.call(header, raw)
+        resp, parts = await self.request(header, raw)
         count = int(resp["count"])
         offsets = np.frombuffer(parts[0], dtype="<u8")
         lengths = np.frombuffer(parts[1], dtype="<u8")
@@ -143,9 +157,6 @@ class Client:
         loop = asyncio.get_running_loop()
         start = loop.time()
         header = {"op": int(Op.DRAIN), "to": timeout_ms}
-        resp, _ = self.call(header)
-        follow = self.service.follow_up(self.session, header, b"", resp)
-        if follow is not None:
-            resp = await follow
+        resp, _ = await self.request(header)
         return resp, CallResult("drain", self.service.node_id, (), int(resp.get("moved", 0)), (),
                                 loop.time() - start, timeout_ms / 1000)
