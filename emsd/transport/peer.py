@@ -5,15 +5,18 @@
 sides are tested on their own in tests/integration/test_peer.py.
 
 Bytes never pass through Python ``bytes`` objects: a sender hands the
-kernel memoryview slices of its pool (``sendall``), a receiver reads
-straight into freshly reserved slabs of its own pool (``recv_into`` with
-MSG_WAITALL on a memoryview), both as blocking calls in a worker thread
-so that a block costs one system call and no event-loop wake-ups. A request
-of at most ``LOOP_BULK`` block bytes (what the kernel's buffers hold) moves
-them on the event loop instead: there the two hand-offs to a thread and back
-cost more than the bytes. Control frames go through the event loop, with the
-same codec as the local socket (``emsd.transport.frames``), each sent in one
-call; a frame's ``bulk`` field says how many raw bytes follow it.
+kernel memoryview slices of its pool, a receiver reads straight into freshly
+reserved slabs of its own pool. This module speaks the protocol; how frames
+and block bytes cross the connection is the business of a ``PeerStream``
+(``emsd.transport.stream``): ``PlainStream`` for a TCP socket, ``TlsStream``
+for mutual TLS. A frame uses the same codec as the local socket
+(``emsd.transport.frames``); its ``bulk`` field says how many raw bytes
+follow it. On a plain connection control frames go through the event loop,
+each sent in one call; block bytes move as blocking calls in a worker thread
+(one system call per block, no event-loop wake-ups), except a request of at
+most ``LOOP_BULK`` block bytes (what the kernel's buffers hold), which moves
+them on the event loop: there the two hand-offs to a thread and back cost
+more than the bytes.
 
 Connections authenticate both ways before anything else, with a shared
 cluster secret and HMAC-SHA256 over fresh nonces:
@@ -26,13 +29,13 @@ A wrong secret is refused (and logged) and the connection closed; the
 secret itself never crosses the wire.
 
 With TLS configured (``emsd.transport.tls.PeerTls``) each connection first
-completes a mutual TLS handshake, then runs the same challenge inside it. The
-handshake runs in the event loop (non-blocking steps, one deadline), so a
-stranger that stalls it holds a descriptor, never a thread. After it, a TLS
-connection does all its I/O (frames too) as blocking calls in the bulk
-worker threads, since the event loop's ``sock_*`` calls cannot drive an SSL
-socket; the loop only waits for readability before a frame, so an idle
-connection holds no thread. Plain connections take none of these paths.
+completes a mutual TLS handshake (``TlsStream.handshake``), then runs the same
+challenge inside it. The handshake runs in the event loop (non-blocking steps,
+one deadline), so a stranger that stalls it holds a descriptor, never a
+thread. After it, a ``TlsStream`` does all its I/O (frames too) as blocking
+calls in the bulk worker threads, since the event loop's ``sock_*`` calls
+cannot drive an SSL socket; the loop only waits for readability before a
+frame, so an idle connection holds no thread.
 
 Requests (one at a time per connection; a daemon keeps several connections
 per peer for parallelism):
@@ -65,12 +68,9 @@ import hmac
 import logging
 import os
 import socket
-import ssl
-import struct
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -81,18 +81,14 @@ from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore, Pinned, Reservation
 from emsd.pool.store import Status as SlotStatus
 from emsd.tenants import Quota
-from emsd.transport.frames import (
-    PREFIX,
-    PROTOCOL_VERSION,
-    RDMA_OPS,
-    FrameError,
-    PeerOp,
-    Status,
-    check_lengths,
-    decode_header,
-    encode_parts,
-    split_keys,
-)
+from emsd.transport.frames import RDMA_OPS, FrameError, PeerOp, Status, split_keys
+from emsd.transport.stream import BULK_STALL as BULK_STALL
+from emsd.transport.stream import JOIN_LIMIT as JOIN_LIMIT
+from emsd.transport.stream import LOOP_BULK as LOOP_BULK
+from emsd.transport.stream import SOCKET_BUFFER as SOCKET_BUFFER
+from emsd.transport.stream import PeerError as PeerError
+from emsd.transport.stream import PeerStream, PlainStream, TlsStream, _hang_up
+from emsd.transport.stream import _tune as _tune
 from emsd.transport.tls import PeerTls
 
 if TYPE_CHECKING:
@@ -113,38 +109,9 @@ MAX_UNAUTHENTICATED = 64
 MAX_UNAUTHENTICATED_PER_ADDRESS = 16
 MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
-JOIN_LIMIT = 64 << 10  # a frame up to this size is joined and sent in one call
-LOOP_BULK = 256 << 10  # block bytes up to this many a request move on the event loop (see _bulk)
-SOCKET_BUFFER = 256 << 10  # kernel buffers per direction (cluster.peer_socket_buffer; see _tune)
 PROMOTE_BUDGET = 1.0  # seconds a GET may spend reading blocks from the disk tier (then: misses)
-BULK_STALL = 30  # seconds a bulk send or receive may make no progress before the connection fails
-
-
-def _tune(sock: socket.socket, buffer: int = SOCKET_BUFFER) -> None:
-    """No Nagle delay, the bulk stall timeouts, and kernel buffers of ``buffer`` bytes a
-    direction (0: left to the kernel's autotuning).
-
-    The kernel doubles the value asked for, caps it at ``net.core.[rw]mem_max`` and
-    stops autotuning that socket. Small buffers move blocks faster between two
-    daemons of one host, as the benchmark runs them: what the sender copies into
-    the kernel is still in its core's cache when the receiver copies it out (256 KiB
-    against 4 MiB: about 1.4x on loopback; docs/benchmarks.md). Links with a
-    larger bandwidth-delay product than twice ``buffer`` (100 Gb/s at 40 us) want
-    a larger value, or 0.
-    """
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    stall = struct.pack("ll", BULK_STALL, 0)  # struct timeval: a blocked bulk call gives up after this
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if buffer else ():
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, buffer)
-        except OSError:  # refused outright: the kernel's choice stands
-            pass
-
-
-class PeerError(Exception):
-    """A peer broke the protocol, refused us, or went away."""
+# JOIN_LIMIT, LOOP_BULK, SOCKET_BUFFER, BULK_STALL, PeerError and _tune live in
+# emsd.transport.stream (the streams use them; patch them there) and are imported from here too.
 
 
 class PeerRefused(PeerError):
@@ -225,138 +192,6 @@ class PoolAccess:
         self.quota.hold_quota(int(idx.ns_of(handles[:1])[0]), -int(idx.length[handles].sum(dtype=np.int64)))
 
 
-# -- framing over a raw non-blocking socket ------------------------------------
-
-
-async def _send(loop: asyncio.AbstractEventLoop, sock: socket.socket, header: dict[str, Any],
-                *payload: bytes | memoryview) -> None:
-    header = {"v": PROTOCOL_VERSION, "id": header.pop("id", 0), **header}
-    parts = encode_parts(header, *payload)
-    if isinstance(sock, ssl.SSLSocket):
-        await _in_thread(sock, _send_views, sock, [memoryview(p) for p in parts])
-        return
-    if sum(map(len, parts)) <= JOIN_LIMIT:  # a control frame: one segment, one system call
-        parts = [b"".join(parts)]
-    for part in parts:
-        await loop.sock_sendall(sock, part)
-
-
-async def _recv_exact_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the non-blocking ``sock``: what has arrived is taken at once, and
-    only the wait for more goes through the event loop (``sock_recv_into`` waits for
-    readability first, which costs a loop iteration and several epoll_ctl calls even
-    when the bytes are there: the body of a frame whose prefix was just read)."""
-    got = 0
-    while got < len(view):
-        try:
-            n = sock.recv_into(view[got:])
-        except (BlockingIOError, InterruptedError):
-            n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            raise PeerError("peer closed the connection")
-        got += n
-
-
-# -- bulk bytes: blocking calls in worker threads ------------------------------
-#
-# Block bytes move with blocking ``sendall``/``recv_into(MSG_WAITALL)`` in a
-# worker thread: one system call per block, the GIL released, no event-loop
-# wake-up per few segments (which costs more CPU than the copy itself on
-# loopback). Kernel timeouts (SO_SNDTIMEO/SO_RCVTIMEO, set by ``_tune``)
-# bound a silent peer; a cancelled caller shuts the socket down and waits
-# for the thread before touching the memory it was filling. Small requests
-# (``LOOP_BULK``) stay on the event loop, bounded by ``BULK_STALL`` there.
-
-_BULK_THREADS = 16
-_bulk_pool: ThreadPoolExecutor | None = None
-T = TypeVar("T")
-
-
-def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    if isinstance(sock, ssl.SSLSocket):  # always blocking, with a timeout (see PeerTls)
-        for view in views:
-            sock.sendall(view)
-        return
-    sock.setblocking(True)
-    try:
-        for view in views:
-            sock.sendall(view)
-    finally:
-        sock.setblocking(False)
-
-
-def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
-    if isinstance(sock, ssl.SSLSocket):  # no MSG_WAITALL on SSL sockets: one record per call
-        for view in views:
-            got = 0
-            while got < len(view):
-                n = sock.recv_into(view[got:])
-                if n == 0:
-                    raise PeerError("peer closed the connection")
-                got += n
-        return
-    sock.setblocking(True)
-    try:
-        for view in views:
-            got = 0
-            while got < len(view):
-                n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
-                if n == 0:
-                    raise PeerError("peer closed the connection")
-                got += n
-    finally:
-        sock.setblocking(False)
-
-
-async def _bulk(sock: socket.socket, move: Callable[[socket.socket, list[memoryview]], None],
-                views: list[memoryview]) -> None:
-    """Run ``move(sock, views)`` (``_send_views`` or ``_recv_views``) in a bulk thread; on
-    cancellation stop it before returning.
-
-    Up to ``LOOP_BULK`` bytes on a plain socket (a block or a few: what the kernel's
-    buffers hold) move on the event loop instead, with non-blocking calls: two hand-offs
-    to a thread and back cost more than the copy (a 64 KiB GET took about 1 ms through
-    the threads). A peer that stalls them past ``BULK_STALL`` fails the request.
-    """
-    if not views:
-        return
-    if isinstance(sock, ssl.SSLSocket) or sum(map(len, views)) > LOOP_BULK:
-        await _in_thread(sock, move, sock, views)
-        return
-    loop = asyncio.get_running_loop()
-    try:
-        async with asyncio.timeout(BULK_STALL):
-            for view in views:
-                if move is _send_views:
-                    await loop.sock_sendall(sock, view)
-                else:
-                    await _recv_exact_into(loop, sock, view)
-    except OSError as exc:  # TimeoutError included
-        raise PeerError(str(exc) or "bulk transfer stalled") from None
-
-
-async def _in_thread(sock: socket.socket, call: Callable[..., T], *args: Any) -> T:
-    """``call(*args)`` (blocking I/O on ``sock``) in a bulk thread; ``OSError`` becomes ``PeerError``.
-
-    On cancellation the socket is shut down, which wakes the thread at once,
-    and the thread is waited for before returning.
-    """
-    global _bulk_pool
-    if _bulk_pool is None:
-        _bulk_pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="emsd-bulk")
-    fut = asyncio.get_running_loop().run_in_executor(_bulk_pool, call, *args)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        with contextlib.suppress(OSError):
-            socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the raw socket, TLS or not
-        with contextlib.suppress(Exception):
-            await fut
-        raise
-    except OSError as exc:
-        raise PeerError(str(exc)) from None
-
-
 def _address(conn: socket.socket) -> str:
     """The source address of an accepted connection ("?" if it is already gone)."""
     try:
@@ -365,102 +200,8 @@ def _address(conn: socket.socket) -> str:
         return "?"
 
 
-def _hang_up(sock: socket.socket) -> None:
-    """Shut ``sock`` down, then close it: a bulk thread blocked on it wakes at once (a bare
-    close would leave it blocked, holding views of the pool, until its kernel timeout)."""
-    with contextlib.suppress(OSError):
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-    sock.close()
-
-
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket, write: bool = False) -> None:
-    """Wait until ``sock`` has bytes (or EOF) to read, or with ``write`` room to write, in the
-    event loop: no thread while idle."""
-    fd = sock.fileno()
-    if fd < 0:
-        raise PeerError("connection closed")
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
-    add(fd, wake)
-    try:
-        await ready
-    finally:
-        remove(fd)
-
-
-async def _tls_handshake(sock: ssl.SSLSocket, timeout: float) -> None:
-    """Complete the TLS handshake within ``timeout`` seconds, then set the bulk stall timeout.
-
-    The handshake runs in the event loop, one non-blocking step per readiness
-    event: a peer that connects and goes silent costs a descriptor until the
-    deadline, never a thread, so stalled handshakes cannot hold up anyone
-    else's (a node's own dials included). Raises ``PeerError``.
-    """
-    loop = asyncio.get_running_loop()
-    sock.setblocking(False)
-
-    async def steps() -> None:
-        while True:
-            try:
-                sock.do_handshake()
-                return
-            except ssl.SSLWantReadError:
-                await _readable(loop, sock)
-            except ssl.SSLWantWriteError:
-                await _readable(loop, sock, write=True)
-
-    try:
-        await asyncio.wait_for(steps(), timeout)
-    except TimeoutError:
-        raise PeerError(f"the TLS handshake did not finish in {timeout:g} s") from None
-    except (ssl.SSLError, OSError) as exc:
-        raise PeerError(str(exc)) from None
-    sock.settimeout(BULK_STALL)
-
-
 def _views(pool: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
     return [pool[off : off + size] for off, size in zip(offsets.tolist(), lengths.tolist(), strict=True)]
-
-
-def _frame_lengths(prefix: bytes | bytearray, limit: int | None) -> tuple[int, int]:
-    """(header, payload) lengths of a frame's prefix; raises ``FrameError`` past the codec's
-    limits and ``PeerError`` past ``limit`` bytes in all (before anything is allocated)."""
-    header_len, payload_len = PREFIX.unpack(prefix)
-    check_lengths(header_len, payload_len)
-    if limit is not None and header_len + payload_len > limit:
-        raise PeerError(f"a frame of {header_len + payload_len} bytes before authentication "
-                        f"(at most {limit})")
-    return header_len, payload_len
-
-
-async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                      limit: int | None = None) -> tuple[dict[str, Any], bytes]:
-    """One frame; with ``limit``, one of at most that many bytes (else ``PeerError``)."""
-    if isinstance(sock, ssl.SSLSocket):
-        if not sock.pending():
-            await _readable(loop, sock)
-        return await _in_thread(sock, _recv_frame_blocking, sock, limit)
-    prefix = bytearray(PREFIX.size)
-    await _recv_exact_into(loop, sock, memoryview(prefix))
-    header_len, payload_len = _frame_lengths(prefix, limit)
-    body = bytearray(header_len + payload_len)
-    await _recv_exact_into(loop, sock, memoryview(body))
-    return decode_header(bytes(body[:header_len])), bytes(body[header_len:])
-
-
-def _recv_frame_blocking(sock: socket.socket, limit: int | None = None) -> tuple[dict[str, Any], bytes]:
-    """``_recv_frame`` for a TLS socket, in a worker thread."""
-    prefix = bytearray(PREFIX.size)
-    _recv_views(sock, [memoryview(prefix)])
-    header_len, payload_len = _frame_lengths(prefix, limit)
-    body = bytearray(header_len + payload_len)
-    _recv_views(sock, [memoryview(body)])
-    return decode_header(bytes(body[:header_len])), bytes(body[header_len:])
 
 
 def _scratch_views(scratch: memoryview, nbytes: int) -> list[memoryview]:
@@ -500,13 +241,13 @@ def _lengths(raw: bytes, n: int) -> np.ndarray:
     return lengths
 
 
-async def _receive_blocks(sock: socket.socket, access: PoolAccess, ns: int, keys: KeyBatch,
+async def _receive_blocks(stream: PeerStream, access: PoolAccess, ns: int, keys: KeyBatch,
                           lengths: np.ndarray, scratch: memoryview, copy: bool) -> int:
     """Reserve, receive into the pool, commit; returns how many leading keys are now present.
     ``copy``: the blocks are copies this node fetched (``PoolAccess.reserve``).
 
     Blocks that are already present, or for which there is no space, are
-    read off the socket into ``scratch`` and dropped, keeping the stream in
+    read off the stream into ``scratch`` and dropped, keeping the stream in
     step. A failure mid-stream aborts what was reserved.
     """
     res = access.reserve(ns, keys, lengths, copy)
@@ -519,7 +260,7 @@ async def _receive_blocks(sock: socket.socket, access: PoolAccess, ns: int, keys
         else:
             views += _scratch_views(scratch, size)
     try:
-        await _bulk(sock, _recv_views, views)
+        await stream.recv_bulk(views)
     except BaseException:
         access.abort(res.handles[new])
         raise
@@ -536,7 +277,7 @@ class _Served:
     """One authenticated connection a ``PeerServer`` serves: what its requests share."""
 
     loop: asyncio.AbstractEventLoop
-    conn: socket.socket
+    conn: PeerStream
     scratch: memoryview  # where a PUT's blocks that are not kept are received
     control: ControlHandler | None = None  # made at the first RDMA control message
 
@@ -555,7 +296,7 @@ class PeerServer:
         self.tls = tls
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._conns: set[socket.socket] = set()
+        self._conns: set[PeerStream] = set()  # accepted connections not yet ended
         self.refused = 0  # connections that ended before authenticating (TLS, AUTH, malformed, silent)
         self.unauthenticated: collections.Counter[str] = collections.Counter()  # by source address
         self.refused_busy = 0  # connections closed at once: too many not yet authenticated
@@ -583,7 +324,7 @@ class PeerServer:
             self._listener.close()
             self._listener = None
         for conn in list(self._conns):
-            _hang_up(conn)
+            conn.hang_up()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -607,8 +348,9 @@ class PeerServer:
                 _hang_up(conn)
                 continue
             _tune(conn, self.socket_buffer)
-            self._conns.add(conn)
-            self._spawn(self._serve(conn, address))
+            stream = PlainStream(conn)
+            self._conns.add(stream)
+            self._spawn(self._serve(stream, address))
 
     def refusals(self) -> dict[str, int]:
         """Connections refused so far, by reason: failed TLS or AUTH ("auth"), or closed at once
@@ -643,7 +385,7 @@ class PeerServer:
         if self.unauthenticated[address] <= 0:
             del self.unauthenticated[address]
 
-    async def _serve(self, conn: socket.socket, address: str) -> None:
+    async def _serve(self, conn: PeerStream, address: str) -> None:
         loop = asyncio.get_running_loop()
         peer = "?"
         link: _Served | None = None
@@ -651,12 +393,12 @@ class PeerServer:
         try:
             if self.tls is not None:
                 conn = await self._tls_accept(conn)
-            peer = await asyncio.wait_for(self._authenticate(loop, conn), AUTH_TIMEOUT)
+            peer = await asyncio.wait_for(self._authenticate(conn), AUTH_TIMEOUT)
             pending = False
             self._authenticated(address)
             link = _Served(loop, conn, memoryview(bytearray(SCRATCH)))
             while True:
-                header, payload = await _recv_frame(loop, conn)
+                header, payload = await conn.recv_frame()
                 rid, op = header["id"], header.get("op")
                 try:
                     if FAULTS is not None:
@@ -665,13 +407,13 @@ class PeerServer:
                     if serve is not None:
                         await serve(self, link, rid, header, payload)
                     elif not header.get("bulk"):  # a newer peer's op: refuse it, stay in step
-                        await _send(loop, conn, {"id": rid, "st": int(Status.INVALID_ARGUMENT),
-                                                 "msg": f"unknown peer op {op!r}"})
+                        await conn.send_frame({"id": rid, "st": int(Status.INVALID_ARGUMENT),
+                                               "msg": f"unknown peer op {op!r}"})
                     else:  # raw bytes of unknown meaning follow: the stream cannot be kept in step
                         raise FrameError(f"unknown peer op {op!r} with bulk bytes")
                 except FrameError as exc:
                     # The stream may be out of step after a bad request: answer and drop it.
-                    await _send(loop, conn, {"id": rid, "st": int(exc.status), "msg": str(exc)})
+                    await conn.send_frame({"id": rid, "st": int(exc.status), "msg": str(exc)})
                     raise
         except (PeerError, FrameError, ConnectionError, TimeoutError, OSError) as exc:
             if pending:
@@ -684,19 +426,20 @@ class PeerServer:
             if link is not None and link.control is not None:
                 link.control.close()  # its pins and reservations go with the connection
             self._conns.discard(conn)
-            _hang_up(conn)
+            conn.hang_up()
 
-    async def _tls_accept(self, conn: socket.socket) -> ssl.SSLSocket:
+    async def _tls_accept(self, conn: PeerStream) -> TlsStream:
         """The TLS side of an accepted connection; raises ``PeerError`` if its handshake fails."""
         assert self.tls is not None
-        tls_conn = self.tls.server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        tls_conn = TlsStream(self.tls.server.wrap_socket(conn.sock, server_side=True,
+                                                         do_handshake_on_connect=False))
         self._conns.discard(conn)  # wrapping took over its descriptor
         self._conns.add(tls_conn)
         try:
-            await _tls_handshake(tls_conn, AUTH_TIMEOUT)
+            await tls_conn.handshake(AUTH_TIMEOUT)
         except PeerError as exc:
             self._conns.discard(tls_conn)
-            _hang_up(tls_conn)
+            tls_conn.hang_up()
             raise PeerError(f"TLS handshake failed: {exc}") from None
         return tls_conn
 
@@ -713,21 +456,21 @@ class PeerServer:
                 answer = {"st": int(Status.OK), **fields}
             except PeerRefused as exc:
                 answer, body = {"st": int(Status.INVALID_ARGUMENT), "msg": str(exc)}, b""
-        await _send(link.loop, link.conn, {"id": rid, **answer}, body)
+        await link.conn.send_frame({"id": rid, **answer}, body)
 
-    async def _authenticate(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> str:
+    async def _authenticate(self, conn: PeerStream) -> str:
         nonce = os.urandom(NONCE_BYTES)
-        await _send(loop, conn, {"op": PeerOp.CHALLENGE, "nonce": nonce, "proto": PEER_PROTOCOL})
-        header, _ = await _recv_frame(loop, conn, AUTH_FRAME_LIMIT)
+        await conn.send_frame({"op": PeerOp.CHALLENGE, "nonce": nonce, "proto": PEER_PROTOCOL})
+        header, _ = await conn.recv_frame(AUTH_FRAME_LIMIT)
         node, their, mac = header.get("node"), header.get("nonce"), header.get("mac")
         ok = (header.get("op") == PeerOp.AUTH and isinstance(node, str) and isinstance(their, bytes)
               and len(their) == NONCE_BYTES and isinstance(mac, bytes)
               and hmac.compare_digest(mac, _mac(self.secret, b"c", nonce, their, node.encode())))
         if not ok or not isinstance(their, bytes):
-            await _send(loop, conn, {"st": int(Status.INVALID_ARGUMENT), "msg": "authentication failed"})
+            await conn.send_frame({"st": int(Status.INVALID_ARGUMENT), "msg": "authentication failed"})
             raise PeerError("authentication failed")
-        await _send(loop, conn, {"st": int(Status.OK), "node": self.node_id,
-                                 "mac": _mac(self.secret, b"s", their, nonce, self.node_id.encode())})
+        await conn.send_frame({"st": int(Status.OK), "node": self.node_id,
+                               "mac": _mac(self.secret, b"s", their, nonce, self.node_id.encode())})
         return str(node)
 
     async def _get(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
@@ -741,9 +484,9 @@ class PeerServer:
         pinned = self.access.pin(ns, keys)
         try:
             lengths = pinned.lengths.astype("<u8")
-            await _send(link.loop, link.conn, {"id": rid, "st": int(Status.OK), "count": pinned.count,
-                                               "bulk": int(lengths.sum())}, lengths.tobytes())
-            await _bulk(link.conn, _send_views, _views(self.access.pool, pinned.offsets, pinned.lengths))
+            await link.conn.send_frame({"id": rid, "st": int(Status.OK), "count": pinned.count,
+                                        "bulk": int(lengths.sum())}, lengths.tobytes())
+            await link.conn.send_bulk(_views(self.access.pool, pinned.offsets, pinned.lengths))
         finally:
             store.release(pinned.handles)
 
@@ -752,18 +495,18 @@ class PeerServer:
         count = self.access.store.exists(ns, keys)
         if self.access.tiers is not None:
             count = self.access.tiers.exists(ns, keys, count)
-        await _send(link.loop, link.conn, {"id": rid, "st": int(Status.OK), "count": count})
+        await link.conn.send_frame({"id": rid, "st": int(Status.OK), "count": count})
 
     async def _drop(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
         ns_name = header.get("ns")
         if not isinstance(ns_name, str) or payload:
             raise FrameError("DROP takes a namespace name and nothing else")
         if self.access.drop_namespace is None:
-            await _send(link.loop, link.conn, {"id": rid, "st": int(Status.INVALID_ARGUMENT),
-                                               "msg": "this node cannot drop namespaces"})
+            await link.conn.send_frame({"id": rid, "st": int(Status.INVALID_ARGUMENT),
+                                        "msg": "this node cannot drop namespaces"})
             return
         dropped = self.access.drop_namespace(ns_name)
-        await _send(link.loop, link.conn, {"id": rid, "st": int(Status.OK), "dropped": dropped})
+        await link.conn.send_frame({"id": rid, "st": int(Status.OK), "dropped": dropped})
 
     def _keyed(self, header: dict[str, Any], payload: bytes) -> tuple[int, KeyBatch]:
         """(local namespace id, keys) of a GET or HAS: a namespace name and nothing after the keys."""
@@ -786,7 +529,7 @@ class PeerServer:
         ns = self.access.namespace_id(ns_name)
         stored = await _receive_blocks(link.conn, self.access, ns, keys, lengths, link.scratch,
                                        copy=False)
-        await _send(link.loop, link.conn, {"id": rid, "st": int(Status.OK), "stored": stored})
+        await link.conn.send_frame({"id": rid, "st": int(Status.OK), "stored": stored})
 
     # Each peer op and the method that serves it (an op not here is refused: see ``_serve``).
     _serving: ClassVar[dict[int, Callable[[PeerServer, _Served, int, dict[str, Any], bytes],
@@ -812,7 +555,7 @@ class PeerConnection:
         self.node_id = node_id
         self.secret = secret
         self.tls = tls
-        self.sock: socket.socket | None = None
+        self.stream: PeerStream | None = None  # PlainStream, or TlsStream with ``tls``
         self.peer_id = ""
         self._ids = 0
         self._lock = asyncio.Lock()
@@ -824,27 +567,28 @@ class PeerConnection:
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
+        stream: PeerStream = PlainStream(sock)
         try:
             _tune(sock, self.socket_buffer)
             await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
             if self.tls is not None:
-                sock = self.tls.client.wrap_socket(sock, do_handshake_on_connect=False)
-                await _tls_handshake(sock, timeout)
-            await asyncio.wait_for(self._authenticate(loop, sock), timeout)
+                stream = TlsStream(self.tls.client.wrap_socket(sock, do_handshake_on_connect=False))
+                await stream.handshake(timeout)
+            await asyncio.wait_for(self._authenticate(stream), timeout)
         except (OSError, TimeoutError, FrameError, PeerError) as exc:
-            _hang_up(sock)
+            stream.hang_up()
             raise PeerError(f"cannot connect to peer {host}:{port}: {exc}") from None
-        self.sock = sock
+        self.stream = stream
 
-    async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-        header, _ = await _recv_frame(loop, sock, AUTH_FRAME_LIMIT)
+    async def _authenticate(self, stream: PeerStream) -> None:
+        header, _ = await stream.recv_frame(AUTH_FRAME_LIMIT)
         theirs = header.get("nonce")
         if header.get("op") != PeerOp.CHALLENGE or not isinstance(theirs, bytes):
             raise PeerError("peer did not send a challenge")
         mine = os.urandom(NONCE_BYTES)
-        await _send(loop, sock, {"op": PeerOp.AUTH, "node": self.node_id, "nonce": mine,
+        await stream.send_frame({"op": PeerOp.AUTH, "node": self.node_id, "nonce": mine,
                                  "mac": _mac(self.secret, b"c", theirs, mine, self.node_id.encode())})
-        answer, _ = await _recv_frame(loop, sock, AUTH_FRAME_LIMIT)
+        answer, _ = await stream.recv_frame(AUTH_FRAME_LIMIT)
         node, mac = answer.get("node"), answer.get("mac")
         if answer.get("st") != Status.OK or not isinstance(node, str) or not isinstance(mac, bytes):
             raise PeerError(f"peer refused us: {answer.get('msg', 'no reason')}")
@@ -853,24 +597,30 @@ class PeerConnection:
         self.peer_id = node
 
     def close(self) -> None:
-        if self.sock is not None:
-            _hang_up(self.sock)
-            self.sock = None
+        if self.stream is not None:
+            self.stream.hang_up()
+            self.stream = None
 
     @property
     def closed(self) -> bool:
-        return self.sock is None
+        return self.stream is None
+
+    @property
+    def sock(self) -> socket.socket | None:
+        """The socket under the stream (None once closed), for socket options and tests; I/O
+        goes through ``stream``."""
+        return None if self.stream is None else self.stream.sock
 
     async def get(self, ns_name: str, keys: KeyBatch) -> int:
         """Fetch the leading blocks the peer has into the local pool; returns how many are now local."""
         async with self._lock:
-            loop, sock = self._ready()
+            stream = self._ready()
             rid = self._next_id()
             kt, raw = keys.to_wire()
             with self._closing_on_failure(f"GET from {self.peer_id}"):
-                await _send(loop, sock, {"id": rid, "op": PeerOp.GET, "ns": ns_name, "n": len(keys),
+                await stream.send_frame({"id": rid, "op": PeerOp.GET, "ns": ns_name, "n": len(keys),
                                          "kt": kt}, raw)
-                header, payload = await _recv_frame(loop, sock)
+                header, payload = await stream.recv_frame()
                 _check_id(header, rid)
                 if header.get("st") != Status.OK:
                     raise PeerError(f"GET refused: {header.get('msg')}")
@@ -882,7 +632,7 @@ class PeerConnection:
                     raise PeerError("GET answer's bulk does not match its lengths")
                 ns = self.access.namespace_id(ns_name)
                 self.last_bytes = int(lengths.sum())
-                return await _receive_blocks(sock, self.access, ns, keys.take(slice(0, count)),
+                return await _receive_blocks(stream, self.access, ns, keys.take(slice(0, count)),
                                              lengths, self._scratch, copy=True)
 
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
@@ -891,15 +641,15 @@ class PeerConnection:
         The caller keeps the blocks pinned until this returns.
         """
         async with self._lock:
-            loop, sock = self._ready()
+            stream = self._ready()
             rid = self._next_id()
             kt, raw = keys.to_wire()
             lengths = lengths.astype("<u8")
             with self._closing_on_failure(f"PUT to {self.peer_id}"):
-                await _send(loop, sock, {"id": rid, "op": PeerOp.PUT, "ns": ns_name, "n": len(keys), "kt": kt,
+                await stream.send_frame({"id": rid, "op": PeerOp.PUT, "ns": ns_name, "n": len(keys), "kt": kt,
                                          "bulk": int(lengths.sum())}, raw, lengths.tobytes())
-                await _bulk(sock, _send_views, _views(self.access.pool, offsets, lengths))
-                header, _ = await _recv_frame(loop, sock)
+                await stream.send_bulk(_views(self.access.pool, offsets, lengths))
+                header, _ = await stream.recv_frame()
                 _check_id(header, rid)
             if header.get("st") != Status.OK or type(header.get("stored")) is not int:
                 raise PeerError(f"PUT refused: {header.get('msg')}")
@@ -932,11 +682,11 @@ class PeerConnection:
         """One control request and its answer (RDMA set-up); raises ``PeerRefused`` for an error
         answer (the connection stays usable) and ``PeerError`` otherwise (the connection is closed)."""
         async with self._lock:
-            loop, sock = self._ready()
+            stream = self._ready()
             rid = self._next_id()
             with self._closing_on_failure(f"request {op} to {self.peer_id}"):
-                await _send(loop, sock, {"id": rid, "op": op, **fields}, *payload)
-                header, body = await _recv_frame(loop, sock)
+                await stream.send_frame({"id": rid, "op": op, **fields}, *payload)
+                header, body = await stream.recv_frame()
                 _check_id(header, rid)
         if header.get("st") != Status.OK:
             raise PeerRefused(f"{self.peer_id} refused request {op}: {header.get('msg', 'no reason')}")
@@ -956,10 +706,10 @@ class PeerConnection:
             self.close()
             raise
 
-    def _ready(self) -> tuple[asyncio.AbstractEventLoop, socket.socket]:
-        if self.sock is None:
+    def _ready(self) -> PeerStream:
+        if self.stream is None:
             raise PeerError("not connected")
-        return asyncio.get_running_loop(), self.sock
+        return self.stream
 
     def _next_id(self) -> int:
         self._ids += 1

@@ -7,12 +7,15 @@ not checked (peers are dialled by address, and the CA issues certificates
 for this cluster only). The cluster-secret challenge still runs inside the
 TLS session, so a peer needs both a certificate from the CA and the secret.
 
-How a TLS connection does its I/O (``emsd.transport.peer``): the handshake
-and every read and write run as blocking calls in the transport's worker
-threads, with a socket timeout bounding a silent peer; the event loop only
-waits for the raw socket to become readable before a frame is read, so an
-idle connection holds no thread. Session tickets are off: nothing arrives
-on a connection that is not an answer to what was sent.
+This module only makes the contexts; ``emsd.transport.peer`` wraps each
+connection's socket with them, and ``emsd.transport.stream.TlsStream`` does
+its I/O: the handshake in the event loop (non-blocking steps within one
+deadline, so a silent stranger holds a descriptor, never a thread), then
+every read and write as blocking calls in the transport's worker threads,
+with a socket timeout bounding a silent peer; the event loop only waits for
+the raw socket to become readable before a frame is read, so an idle
+connection holds no thread. Session tickets are off: nothing arrives on a
+connection that is not an answer to what was sent.
 """
 
 from __future__ import annotations

@@ -220,9 +220,9 @@ async def test_a_peer_that_dies_or_stalls_mid_transfer_leaves_nothing_reserved(
     """A PUT whose sender goes away (or falls silent past BULK_STALL) half-way through its
     blocks, moved by a bulk thread or on the event loop: the server drops the connection
     and keeps none of them."""
-    import emsd.transport.peer as peer
+    import emsd.transport.stream as stream
 
-    monkeypatch.setattr(peer, "BULK_STALL", 1)  # seconds: the loop's bound and the kernel's timeouts
+    monkeypatch.setattr(stream, "BULK_STALL", 1)  # seconds: the loop's bound and the kernel's timeouts
     a, b = Node("a"), Node("b")
     server, port = await serve(b)
     loop = asyncio.get_running_loop()
@@ -258,7 +258,8 @@ async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_th
     import os
 
     from emsd.transport.frames import PeerOp
-    from emsd.transport.peer import _mac, _recv_frame, _send
+    from emsd.transport.peer import _mac
+    from emsd.transport.stream import PlainStream
 
     a = Node("a")
     loop = asyncio.get_running_loop()
@@ -275,14 +276,15 @@ async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_th
 
     async def stall(conn: socket.socket) -> None:
         conn.setblocking(False)
+        stream = PlainStream(conn)
         nonce = os.urandom(32)
-        await _send(loop, conn, {"op": PeerOp.CHALLENGE, "nonce": nonce})
-        auth, _ = await _recv_frame(loop, conn)
+        await stream.send_frame({"op": PeerOp.CHALLENGE, "nonce": nonce})
+        auth, _ = await stream.recv_frame()
         assert auth["op"] == PeerOp.AUTH
-        await _send(loop, conn, {"st": 0, "node": "b", "mac": _mac(SECRET, b"s", auth["nonce"], nonce, b"b")})
-        req, _ = await _recv_frame(loop, conn)
+        await stream.send_frame({"st": 0, "node": "b", "mac": _mac(SECRET, b"s", auth["nonce"], nonce, b"b")})
+        req, _ = await stream.recv_frame()
         lengths = np.array([block, block], "<u8")
-        await _send(loop, conn, {"id": req["id"], "st": 0, "count": 2, "bulk": 2 * block}, lengths.tobytes())
+        await stream.send_frame({"id": req["id"], "st": 0, "count": 2, "bulk": 2 * block}, lengths.tobytes())
         await loop.sock_sendall(conn, b"\x07" * (block // 2))  # half a block, then silence
         stalled.set()
         await asyncio.sleep(30)
@@ -373,7 +375,7 @@ async def test_both_ends_of_a_link_use_the_configured_socket_buffer() -> None:
         (accepted,) = server._conns
         # Linux reports twice what was asked (both sizes are far below any rmem_max/wmem_max).
         assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 160 << 10
-        assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 192 << 10
+        assert accepted.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 192 << 10
         a.put_local("ns", [1], blocks(1, 4096, 1))
         pinned = a.store.pin(0, KeyBatch.from_user([1]))
         assert await conn.put("ns", KeyBatch.from_user([1]), pinned.offsets, pinned.lengths) == 1

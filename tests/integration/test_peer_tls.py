@@ -202,7 +202,8 @@ async def test_a_tls_get_cancelled_mid_transfer_leaves_nothing_reserved(pki: Pki
     import numpy as np
 
     from emsd.transport.frames import PeerOp
-    from emsd.transport.peer import _in_thread, _mac, _recv_frame, _send, _send_views
+    from emsd.transport.peer import _mac
+    from emsd.transport.stream import TlsStream
 
     a = Node("a")
     loop = asyncio.get_running_loop()
@@ -215,21 +216,20 @@ async def test_a_tls_get_cancelled_mid_transfer_leaves_nothing_reserved(pki: Pki
 
     async def stalling_owner() -> None:
         raw, _ = await loop.sock_accept(listener)
-        conn = server_tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
-        with conn:
-            conn.settimeout(10)
-            await _in_thread(conn, conn.do_handshake)
+        conn = TlsStream(server_tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False))
+        with conn.sock:
+            await conn.handshake(10)
             nonce = os.urandom(32)
-            await _send(loop, conn, {"op": PeerOp.CHALLENGE, "nonce": nonce})
-            auth, _ = await _recv_frame(loop, conn)
+            await conn.send_frame({"op": PeerOp.CHALLENGE, "nonce": nonce})
+            auth, _ = await conn.recv_frame()
             assert auth["op"] == PeerOp.AUTH
             mac = _mac(SECRET, b"s", auth["nonce"], nonce, b"b")
-            await _send(loop, conn, {"st": 0, "node": "b", "mac": mac})
-            req, _ = await _recv_frame(loop, conn)
+            await conn.send_frame({"st": 0, "node": "b", "mac": mac})
+            req, _ = await conn.recv_frame()
             lengths = np.array([1 << 20, 1 << 20], "<u8")
             answer = {"id": req["id"], "st": 0, "count": 2, "bulk": 2 << 20}
-            await _send(loop, conn, answer, lengths.tobytes())
-            await _in_thread(conn, _send_views, conn, [memoryview(b"\x07" * (1 << 19))])  # half a block
+            await conn.send_frame(answer, lengths.tobytes())
+            await conn.send_bulk([memoryview(b"\x07" * (1 << 19))])  # half a block
             stalled.set()
             await asyncio.sleep(30)
 
