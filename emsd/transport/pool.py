@@ -31,7 +31,7 @@ from typing import Any
 from emsd.faults import FAULTS
 from emsd.metrics import Metrics
 from emsd.transport.link import Dialer, PeerLink
-from emsd.transport.peer import PeerError
+from emsd.transport.stream import PeerError
 
 log = logging.getLogger("emsd.cluster")
 
