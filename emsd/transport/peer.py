@@ -38,7 +38,8 @@ cannot drive an SSL socket; the loop only waits for readability before a
 frame, so an idle connection holds no thread.
 
 Requests (one at a time per connection; a daemon keeps several connections
-per peer for parallelism):
+per peer for parallelism; each request and answer is a value type of
+``emsd.protocol.peer``, which both ends encode and decode):
 
 - ``GET {ns, n, kt}`` + keys: the server pins the leading present blocks and
   answers ``{count, lengths}`` followed by their bytes, then releases the
@@ -80,8 +81,19 @@ from emsd.pool.checksum import Checksums
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore, Pinned, Reservation
 from emsd.pool.store import Status as SlotStatus
+from emsd.protocol.peer import (
+    DropAnswer,
+    DropRequest,
+    Encoded,
+    GetAnswer,
+    GetRequest,
+    HasAnswer,
+    HasRequest,
+    PutAnswer,
+    PutRequest,
+)
 from emsd.tenants import Quota
-from emsd.transport.frames import RDMA_OPS, FrameError, PeerOp, Status, split_keys
+from emsd.transport.frames import RDMA_OPS, FrameError, PeerOp, Status
 from emsd.transport.stream import BULK_STALL as BULK_STALL
 from emsd.transport.stream import JOIN_LIMIT as JOIN_LIMIT
 from emsd.transport.stream import LOOP_BULK as LOOP_BULK
@@ -107,7 +119,6 @@ AUTH_FRAME_LIMIT = 4096
 # source address; more are closed at once. A silent one costs a descriptor for AUTH_TIMEOUT.
 MAX_UNAUTHENTICATED = 64
 MAX_UNAUTHENTICATED_PER_ADDRESS = 16
-MAX_BULK = 1 << 34  # 16 GiB in one answer: far above any batch, far below a wrap
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
 PROMOTE_BUDGET = 1.0  # seconds a GET may spend reading blocks from the disk tier (then: misses)
 # JOIN_LIMIT, LOOP_BULK, SOCKET_BUFFER, BULK_STALL, PeerError and _tune live in
@@ -227,18 +238,15 @@ async def _inject_serving() -> None:
         raise FrameError("injected fault at peer.serve: error")
 
 
+async def _answer(link: _Served, rid: int, answer: GetAnswer | PutAnswer | HasAnswer | DropAnswer) -> None:
+    """Send an OK answer to request ``rid``."""
+    header, parts = answer.encode()
+    await link.conn.send_frame({**header, "id": rid}, *parts)
+
+
 def _check_id(header: dict[str, Any], rid: int) -> None:
     if header.get("id") != rid:
         raise PeerError(f"answer {header.get('id')!r} does not match request {rid}")
-
-
-def _lengths(raw: bytes, n: int) -> np.ndarray:
-    if len(raw) != 8 * n:
-        raise FrameError("lengths must be n little-endian u64")
-    lengths = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
-    if n and (int(lengths.min()) == 0 or int(lengths.sum()) > MAX_BULK):
-        raise FrameError("block lengths out of range")
-    return lengths
 
 
 async def _receive_blocks(stream: PeerStream, access: PoolAccess, ns: int, keys: KeyBatch,
@@ -474,7 +482,8 @@ class PeerServer:
         return str(node)
 
     async def _get(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
-        ns, keys = self._keyed(header, payload)
+        req = GetRequest.decode(header, payload)
+        ns, keys = self.access.namespace_id(req.ns), req.keys
         store = self.access.store
         tiers = self.access.tiers
         if tiers is not None:  # blocks only on this node's disk are read into the pool first
@@ -483,53 +492,33 @@ class PeerServer:
                 await tiers.promote(ns, keys, count, link.loop.time() + PROMOTE_BUDGET)
         pinned = self.access.pin(ns, keys)
         try:
-            lengths = pinned.lengths.astype("<u8")
-            await link.conn.send_frame({"id": rid, "st": int(Status.OK), "count": pinned.count,
-                                        "bulk": int(lengths.sum())}, lengths.tobytes())
+            await _answer(link, rid, GetAnswer(pinned.count, pinned.lengths))
             await link.conn.send_bulk(_views(self.access.pool, pinned.offsets, pinned.lengths))
         finally:
             store.release(pinned.handles)
 
     async def _has(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
-        ns, keys = self._keyed(header, payload)
+        req = HasRequest.decode(header, payload)
+        ns, keys = self.access.namespace_id(req.ns), req.keys
         count = self.access.store.exists(ns, keys)
         if self.access.tiers is not None:
             count = self.access.tiers.exists(ns, keys, count)
-        await link.conn.send_frame({"id": rid, "st": int(Status.OK), "count": count})
+        await _answer(link, rid, HasAnswer(count))
 
     async def _drop(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
-        ns_name = header.get("ns")
-        if not isinstance(ns_name, str) or payload:
-            raise FrameError("DROP takes a namespace name and nothing else")
+        req = DropRequest.decode(header, payload)
         if self.access.drop_namespace is None:
             await link.conn.send_frame({"id": rid, "st": int(Status.INVALID_ARGUMENT),
                                         "msg": "this node cannot drop namespaces"})
             return
-        dropped = self.access.drop_namespace(ns_name)
-        await link.conn.send_frame({"id": rid, "st": int(Status.OK), "dropped": dropped})
-
-    def _keyed(self, header: dict[str, Any], payload: bytes) -> tuple[int, KeyBatch]:
-        """(local namespace id, keys) of a GET or HAS: a namespace name and nothing after the keys."""
-        ns_name = header.get("ns")
-        if not isinstance(ns_name, str):
-            raise FrameError("ns must be a namespace name")
-        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
-        if rest:
-            raise FrameError("unexpected bytes after the keys")
-        return self.access.namespace_id(ns_name), keys
+        await _answer(link, rid, DropAnswer(self.access.drop_namespace(req.ns)))
 
     async def _put(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
-        ns_name = header.get("ns")
-        if not isinstance(ns_name, str):
-            raise FrameError("ns must be a namespace name")
-        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
-        lengths = _lengths(rest, len(keys))
-        if header.get("bulk") != int(lengths.sum()):
-            raise FrameError("bulk does not match the lengths")
-        ns = self.access.namespace_id(ns_name)
-        stored = await _receive_blocks(link.conn, self.access, ns, keys, lengths, link.scratch,
+        req = PutRequest.decode(header, payload)
+        ns = self.access.namespace_id(req.ns)
+        stored = await _receive_blocks(link.conn, self.access, ns, req.keys, req.lengths, link.scratch,
                                        copy=False)
-        await link.conn.send_frame({"id": rid, "st": int(Status.OK), "stored": stored})
+        await _answer(link, rid, PutAnswer(stored))
 
     # Each peer op and the method that serves it (an op not here is refused: see ``_serve``).
     _serving: ClassVar[dict[int, Callable[[PeerServer, _Served, int, dict[str, Any], bytes],
@@ -615,25 +604,15 @@ class PeerConnection:
         """Fetch the leading blocks the peer has into the local pool; returns how many are now local."""
         async with self._lock:
             stream = self._ready()
-            rid = self._next_id()
-            kt, raw = keys.to_wire()
             with self._closing_on_failure(f"GET from {self.peer_id}"):
-                await stream.send_frame({"id": rid, "op": PeerOp.GET, "ns": ns_name, "n": len(keys),
-                                         "kt": kt}, raw)
-                header, payload = await stream.recv_frame()
-                _check_id(header, rid)
+                header, payload = await self._exchange(stream, GetRequest(ns_name, keys).encode())
                 if header.get("st") != Status.OK:
                     raise PeerError(f"GET refused: {header.get('msg')}")
-                count = header.get("count")
-                if type(count) is not int or not 0 <= count <= len(keys):
-                    raise PeerError("GET answer has a bad count")
-                lengths = _lengths(payload, count)
-                if header.get("bulk") != int(lengths.sum()):
-                    raise PeerError("GET answer's bulk does not match its lengths")
+                answer = GetAnswer.decode(header, payload, len(keys))
                 ns = self.access.namespace_id(ns_name)
-                self.last_bytes = int(lengths.sum())
-                return await _receive_blocks(stream, self.access, ns, keys.take(slice(0, count)),
-                                             lengths, self._scratch, copy=True)
+                self.last_bytes = int(answer.lengths.sum())
+                return await _receive_blocks(stream, self.access, ns, keys.take(slice(0, answer.count)),
+                                             answer.lengths, self._scratch, copy=True)
 
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
         """Send local blocks (pool ``offsets``/``lengths``) to the peer; returns its leading stored count.
@@ -643,54 +622,61 @@ class PeerConnection:
         async with self._lock:
             stream = self._ready()
             rid = self._next_id()
-            kt, raw = keys.to_wire()
-            lengths = lengths.astype("<u8")
             with self._closing_on_failure(f"PUT to {self.peer_id}"):
-                await stream.send_frame({"id": rid, "op": PeerOp.PUT, "ns": ns_name, "n": len(keys), "kt": kt,
-                                         "bulk": int(lengths.sum())}, raw, lengths.tobytes())
+                header, parts = PutRequest(ns_name, keys, lengths).encode()
+                await stream.send_frame({**header, "id": rid}, *parts)
                 await stream.send_bulk(_views(self.access.pool, offsets, lengths))
-                header, _ = await stream.recv_frame()
+                header, payload = await stream.recv_frame()
                 _check_id(header, rid)
-            if header.get("st") != Status.OK or type(header.get("stored")) is not int:
-                raise PeerError(f"PUT refused: {header.get('msg')}")
-            return int(header["stored"])
+                if header.get("st") != Status.OK:
+                    raise PeerError(f"PUT refused: {header.get('msg')}")
+                return PutAnswer.decode(header, payload, len(keys)).stored
 
     async def exists(self, ns_name: str, keys: KeyBatch) -> int:
         """How many leading ``keys`` the peer holds; no bytes move."""
-        kt, raw = keys.to_wire()
         try:
-            header, _ = await self.call(PeerOp.HAS, {"ns": ns_name, "n": len(keys), "kt": kt}, raw)
+            header, payload = await self.request(HasRequest(ns_name, keys).encode())
+            return HasAnswer.decode(header, payload, len(keys)).count
         except PeerRefused as exc:
             raise PeerError(str(exc)) from None
-        count = header.get("count")
-        if type(count) is not int or not 0 <= count <= len(keys):
-            raise PeerError(f"EXISTS answer from {self.peer_id} has a bad count")
-        return count
+        except FrameError as exc:
+            raise PeerError(f"EXISTS answer from {self.peer_id}: {exc}") from None
 
     async def drop(self, ns_name: str) -> int:
         """Have the peer drop namespace ``ns_name``: 1 once it has, 0 if it refused (a node
         that cannot drop, or of a version without DROP; logged, and the peer is still up).
         Raises ``PeerError`` if the link fails."""
         try:
-            await self.call(PeerOp.DROP, {"ns": ns_name})
+            await self.request(DropRequest(ns_name).encode())
         except PeerRefused as exc:
             log.warning("namespace %r not dropped: %s", ns_name, exc)
             return 0
         return 1
 
     async def call(self, op: int, fields: dict[str, Any], *payload: bytes) -> tuple[dict[str, Any], bytes]:
-        """One control request and its answer (RDMA set-up); raises ``PeerRefused`` for an error
+        """One control request (RDMA set-up) and its answer: ``request`` of a header map."""
+        return await self.request(({"op": op, **fields}, list(payload)))
+
+    async def request(self, encoded: Encoded) -> tuple[dict[str, Any], bytes]:
+        """One request without bulk bytes and its answer; raises ``PeerRefused`` for an error
         answer (the connection stays usable) and ``PeerError`` otherwise (the connection is closed)."""
+        op = encoded[0].get("op")
         async with self._lock:
             stream = self._ready()
-            rid = self._next_id()
             with self._closing_on_failure(f"request {op} to {self.peer_id}"):
-                await stream.send_frame({"id": rid, "op": op, **fields}, *payload)
-                header, body = await stream.recv_frame()
-                _check_id(header, rid)
+                header, body = await self._exchange(stream, encoded)
         if header.get("st") != Status.OK:
             raise PeerRefused(f"{self.peer_id} refused request {op}: {header.get('msg', 'no reason')}")
         return header, body
+
+    async def _exchange(self, stream: PeerStream, encoded: Encoded) -> tuple[dict[str, Any], bytes]:
+        """Send a request frame under the next id and read its answer (the lock held)."""
+        rid = self._next_id()
+        header, parts = encoded
+        await stream.send_frame({**header, "id": rid}, *parts)
+        answer, body = await stream.recv_frame()
+        _check_id(answer, rid)
+        return answer, body
 
     @contextlib.contextmanager
     def _closing_on_failure(self, what: str) -> Iterator[None]:

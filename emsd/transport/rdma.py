@@ -54,6 +54,7 @@ import numpy as np
 
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import Status as SlotStatus
+from emsd.protocol.peer import block_lengths
 from emsd.transport.frames import FrameError, PeerOp, split_keys
 from emsd.transport.peer import (
     BULK_STALL,
@@ -61,7 +62,6 @@ from emsd.transport.peer import (
     PeerError,
     PeerRefused,
     PoolAccess,
-    _lengths,
 )
 from emsd.transport.rdma_desc import DescriptorError, RdmaDescriptor, qp_from_wire, qp_to_wire
 from emsd.transport.rdma_plan import DEFAULT_CHUNK, Chunk, chunk_region, plan, segments
@@ -247,7 +247,7 @@ class RdmaServing:
 
     def _reserve(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
         keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
-        lengths = _lengths(rest, len(keys))
+        lengths = block_lengths(rest, len(keys))
         tok = self._next_token()
         res = self.access.reserve(self._ns(header), keys, lengths, copy=False)
         self._reserved[tok] = (res.status, res.handles)

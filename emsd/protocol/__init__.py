@@ -1,0 +1,10 @@
+"""The messages daemons and clients exchange, as value types with their encoding and limits.
+
+The frame codec (``emsd.transport.frames``) turns a header map and payload
+bytes into frames and back; the modules here turn those into typed messages
+and back, checking every field against its limits on the way in, so that a
+transport never reads a header field or a payload offset by hand.
+
+- ``emsd.protocol.peer``: the data ops between daemons (GET, PUT, HAS, DROP)
+  and their answers.
+"""

@@ -1,0 +1,205 @@
+"""The data ops between daemons and their answers: value types with encode, decode and limits.
+
+Each request is a frozen dataclass with ``encode()``, which gives the
+frame's header map (the sender adds the request ``id``) and payload parts,
+and ``decode(header, payload)``, which checks a received frame and raises
+``FrameError`` (INVALID_ARGUMENT) on anything out of bounds: a server answers
+that once and hangs up. Each answer has ``encode()`` for an OK answer and
+``decode(header, payload, asked)`` given the request's key count; a client
+turns its ``FrameError`` into a failed link. An error answer (``st`` not OK)
+is not decoded: the caller reads its ``msg``. Block bytes do not travel in
+these frames: a GET's answer and a PUT announce them in ``bulk`` and they
+follow the frame on the stream.
+
+Layouts (keys as ``emsd.pool.keys`` puts them on the wire; lengths u64 LE):
+
+- ``GetRequest``  ``{op: GET, ns, n, kt}`` + keys.
+  ``GetAnswer``   ``{count, bulk}`` + lengths x count, then the blocks' bytes.
+- ``PutRequest``  ``{op: PUT, ns, n, kt, bulk}`` + keys + lengths x n, then the bytes.
+  ``PutAnswer``   ``{stored}``: leading keys now held by the server.
+- ``HasRequest``  ``{op: HAS, ns, n, kt}`` + keys.   ``HasAnswer``  ``{count}``.
+- ``DropRequest`` ``{op: DROP, ns}``.                ``DropAnswer`` ``{dropped}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from emsd.pool.keys import KeyBatch
+from emsd.transport.frames import FrameError, PeerOp, Status, split_keys
+
+MAX_BULK = 1 << 34  # block bytes in one request or answer: far above any batch, far below a wrap
+MAX_NAME = 8192  # characters of a namespace name (a client's 4,096 and its tenant's prefix)
+
+Encoded = tuple[dict[str, Any], list[bytes]]
+
+
+def _name(header: dict[str, Any]) -> str:
+    ns = header.get("ns")
+    if not isinstance(ns, str) or not 0 < len(ns) <= MAX_NAME:
+        raise FrameError(f"ns must be a namespace name of 1..{MAX_NAME} characters")
+    return ns
+
+
+def _count(header: dict[str, Any], field: str, most: int) -> int:
+    value = header.get(field)
+    if type(value) is not int or not 0 <= value <= most:
+        raise FrameError(f"{field} must be an int in 0..{most} (got {value!r})")
+    return value
+
+
+def block_lengths(raw: bytes, n: int) -> np.ndarray:
+    """``n`` block lengths (u64 LE, each at least 1, at most ``MAX_BULK`` in all) from ``raw``,
+    which holds exactly them; raises ``FrameError``."""
+    if len(raw) != 8 * n:
+        raise FrameError("lengths must be n little-endian u64")
+    lengths = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+    if n and (int(lengths.min()) == 0 or int(lengths.sum()) > MAX_BULK):
+        raise FrameError("block lengths out of range")
+    return lengths
+
+
+def _bulk(header: dict[str, Any], lengths: np.ndarray) -> None:
+    if header.get("bulk") != int(lengths.sum()):
+        raise FrameError("bulk does not match the lengths")
+
+
+def _keyed(op: PeerOp, ns: str, keys: KeyBatch) -> Encoded:
+    kt, raw = keys.to_wire()
+    return {"op": op, "ns": ns, "n": len(keys), "kt": kt}, [raw]
+
+
+def _keys_only(header: dict[str, Any], payload: bytes) -> tuple[str, KeyBatch]:
+    ns = _name(header)
+    keys, _ = split_keys(header.get("n"), header.get("kt"), payload, exact=True)
+    return ns, keys
+
+
+@dataclass(frozen=True)
+class GetRequest:
+    """The leading blocks of ``keys`` that the server holds, with their bytes."""
+
+    ns: str
+    keys: KeyBatch
+
+    def encode(self) -> Encoded:
+        return _keyed(PeerOp.GET, self.ns, self.keys)
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes) -> GetRequest:
+        return cls(*_keys_only(header, payload))
+
+
+@dataclass(frozen=True)
+class GetAnswer:
+    """``count`` leading blocks pinned on the server, of ``lengths`` bytes; the bytes follow."""
+
+    count: int
+    lengths: np.ndarray  # u64 x count
+
+    def encode(self) -> Encoded:
+        lengths = self.lengths.astype("<u8")
+        return ({"st": int(Status.OK), "count": self.count, "bulk": int(lengths.sum())},
+                [lengths.tobytes()])
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> GetAnswer:
+        count = _count(header, "count", asked)
+        lengths = block_lengths(payload, count)
+        _bulk(header, lengths)
+        return cls(count, lengths)
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """Store blocks of ``lengths`` bytes under ``keys``; their bytes follow the frame."""
+
+    ns: str
+    keys: KeyBatch
+    lengths: np.ndarray  # u64 x n
+
+    def encode(self) -> Encoded:
+        header, parts = _keyed(PeerOp.PUT, self.ns, self.keys)
+        lengths = self.lengths.astype("<u8")
+        header["bulk"] = int(lengths.sum())
+        return header, [*parts, lengths.tobytes()]
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes) -> PutRequest:
+        ns = _name(header)
+        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
+        lengths = block_lengths(rest, len(keys))
+        _bulk(header, lengths)
+        return cls(ns, keys, lengths)
+
+
+@dataclass(frozen=True)
+class PutAnswer:
+    """How many leading keys of the PUT the server now holds."""
+
+    stored: int
+
+    def encode(self) -> Encoded:
+        return {"st": int(Status.OK), "stored": self.stored}, []
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> PutAnswer:
+        return cls(_count(header, "stored", asked))
+
+
+@dataclass(frozen=True)
+class HasRequest:
+    """How many leading ``keys`` the server holds; nothing moves, nothing is pinned."""
+
+    ns: str
+    keys: KeyBatch
+
+    def encode(self) -> Encoded:
+        return _keyed(PeerOp.HAS, self.ns, self.keys)
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes) -> HasRequest:
+        return cls(*_keys_only(header, payload))
+
+
+@dataclass(frozen=True)
+class HasAnswer:
+    count: int
+
+    def encode(self) -> Encoded:
+        return {"st": int(Status.OK), "count": self.count}, []
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> HasAnswer:
+        return cls(_count(header, "count", asked))
+
+
+@dataclass(frozen=True)
+class DropRequest:
+    """Drop namespace ``ns`` on the server (a cluster-wide DROP)."""
+
+    ns: str
+
+    def encode(self) -> Encoded:
+        return {"op": PeerOp.DROP, "ns": self.ns}, []
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes) -> DropRequest:
+        if payload:
+            raise FrameError("DROP takes a namespace name and nothing else")
+        return cls(_name(header))
+
+
+@dataclass(frozen=True)
+class DropAnswer:
+    dropped: int  # blocks the server evicted
+
+    def encode(self) -> Encoded:
+        return {"st": int(Status.OK), "dropped": self.dropped}, []
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes, asked: int = 0) -> DropAnswer:
+        return cls(_count(header, "dropped", MAX_BULK))
