@@ -120,6 +120,7 @@ AUTH_FRAME_LIMIT = 4096
 MAX_UNAUTHENTICATED = 64
 MAX_UNAUTHENTICATED_PER_ADDRESS = 16
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
+_NO_SCRATCH = memoryview(b"")  # what a closed connection holds instead
 PROMOTE_BUDGET = 1.0  # seconds a GET may spend reading blocks from the disk tier (then: misses)
 # JOIN_LIMIT, LOOP_BULK, SOCKET_BUFFER, BULK_STALL, PeerError and _tune live in
 # emsd.transport.stream (the streams use them; patch them there) and are imported from here too.
@@ -216,7 +217,10 @@ def _views(pool: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> list[m
 
 
 def _scratch_views(scratch: memoryview, nbytes: int) -> list[memoryview]:
-    """Views of ``scratch`` that together take ``nbytes`` off the stream (and are thrown away)."""
+    """Views of ``scratch`` that together take ``nbytes`` off the stream (and are thrown away);
+    ``PeerError`` if the connection has let its scratch go (closed)."""
+    if nbytes and not len(scratch):
+        raise PeerError("connection closed")
     out = []
     while nbytes > 0:
         step = min(nbytes, len(scratch))
@@ -431,8 +435,10 @@ class PeerServer:
         finally:
             if pending:
                 self._authenticated(address)
-            if link is not None and link.control is not None:
-                link.control.close()  # its pins and reservations go with the connection
+            if link is not None:
+                link.scratch = _NO_SCRATCH  # now, not when a cycle holding the link is collected
+                if link.control is not None:
+                    link.control.close()  # its pins and reservations go with the connection
             self._conns.discard(conn)
             conn.hang_up()
 
@@ -548,7 +554,7 @@ class PeerConnection:
         self.peer_id = ""
         self._ids = 0
         self._lock = asyncio.Lock()
-        self._scratch = memoryview(bytearray(SCRATCH))
+        self._scratch = _NO_SCRATCH  # SCRATCH bytes while connected
         self.last_bytes = 0  # block bytes the last GET answered with
 
     async def connect(self, host: str, port: int, timeout: float = 5.0) -> None:
@@ -568,6 +574,7 @@ class PeerConnection:
             stream.hang_up()
             raise PeerError(f"cannot connect to peer {host}:{port}: {exc}") from None
         self.stream = stream
+        self._scratch = memoryview(bytearray(SCRATCH))
 
     async def _authenticate(self, stream: PeerStream) -> None:
         header, _ = await stream.recv_frame(AUTH_FRAME_LIMIT)
@@ -586,9 +593,12 @@ class PeerConnection:
         self.peer_id = node
 
     def close(self) -> None:
+        """Hang up and let the scratch buffer go now: a closed link may live on in a reference
+        cycle (a failed request's traceback) until the collector's next full pass."""
         if self.stream is not None:
             self.stream.hang_up()
             self.stream = None
+        self._scratch = _NO_SCRATCH
 
     @property
     def closed(self) -> bool:

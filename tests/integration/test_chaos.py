@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(zk.available() is not None, reason=str(zk.availa
 SEED = int(os.environ.get("EMS_CHAOS_SEED", "7"))
 RUN_SECONDS = 24.0
 TIMEOUT_MS = 2000
-RSS_BOUND = memory.allowed_growth(3, 2)  # 3 nodes, 2 connections per peer (the default): 80 MiB
+RSS_BOUND = memory.allowed_growth(3, 2)  # 3 nodes, 2 connections per peer (the default): 64 MiB
 
 WORKER = textwrap.dedent("""
     import json, random, sys, time, torch
