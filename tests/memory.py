@@ -11,7 +11,7 @@ its idle baseline once a cluster has carried load: one scratch buffer
 (its own links to each peer, and each peer's links to it), plus ``SLACK``
 for the Python heap and the allocator. Measured on the 3-node chaos runs
 (2 connections per peer, so 32 MiB of scratch): 33 MiB above the baseline
-on every node, in five runs of both chaos tests on 2026-11-26. Before that
+on every node, in four runs of the two chaos tests on 2026-11-26. Before that
 day a closed peer link kept its 4 MiB scratch buffer until the garbage
 collector's next full pass (a failed request's traceback holds the link in
 a reference cycle), and the node that lived through its peers' restarts
