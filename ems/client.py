@@ -43,6 +43,7 @@ from emsd.transport.frames import (
     Status,
     encode_parts,
 )
+from emsd.transport.pollwindow import next_window
 
 DEFAULT_SOCKET_DIR = "/dev/shm/ems"
 SOCKET_DIR_ENV = "EMS_SOCKET_DIR"
@@ -129,7 +130,8 @@ class DaemonClient:
         self._rbuf = bytearray(RECV_BUFFER)
         self._rview = memoryview(self._rbuf)
         self.grants = Grants(self)  # chunks granted to this connection for its next saves
-        self.busy_poll = busy_poll_budget()
+        self.busy_poll = busy_poll_budget()  # the cap of the poll window
+        self.poll_window = self.busy_poll  # seconds the next wait polls (emsd.transport.pollwindow)
         self._poller: select.poll | None = None  # the socket, for the busy poll (under _read_lock)
 
     # -- connection -------------------------------------------------------------
@@ -338,10 +340,13 @@ class DaemonClient:
             if remaining is not None and remaining <= 0:
                 return
             try:
-                if self.busy_poll:
-                    self._poll_briefly(sock)
+                start = time.perf_counter()
+                caught = self._poll_briefly(sock) if self.poll_window else False
                 sock.settimeout(remaining)
                 got = sock.recv_into(self._rbuf)
+                if self.busy_poll:
+                    self.poll_window = next_window(self.poll_window, self.busy_poll, caught,
+                                                   time.perf_counter() - start)
             except TimeoutError:
                 return
             except OSError as exc:
@@ -358,16 +363,20 @@ class DaemonClient:
             for frame in frames:
                 self._dispatch(frame.header, frame.payload)
 
-    def _poll_briefly(self, sock: socket.socket) -> None:
-        """Poll ``sock`` for up to ``busy_poll`` seconds (``poll`` with no timeout, which lets
-        go of the GIL), so that an answer arriving meanwhile is read without sleeping."""
+    def _poll_briefly(self, sock: socket.socket) -> bool:
+        """Poll ``sock`` for up to ``poll_window`` seconds (``poll`` with no timeout, which lets
+        go of the GIL), so that an answer arriving meanwhile is read without sleeping; whether
+        one did."""
         poller = self._poller
         if poller is None:
             poller = self._poller = select.poll()
             poller.register(sock, select.POLLIN | select.POLLRDHUP)
-        end = time.perf_counter() + self.busy_poll
-        while not poller.poll(0) and time.perf_counter() < end:
+        end = time.perf_counter() + self.poll_window
+        while not poller.poll(0):
+            if time.perf_counter() >= end:
+                return False
             os.sched_yield()  # with more runnable threads than cores, the daemon's goes first
+        return True
 
     def _dispatch(self, header: dict[str, Any], payload: bytes) -> None:
         rid = header.get("id", 0)

@@ -17,6 +17,12 @@ client never waits for the window to close. ``node.busy_poll`` sets the budget
 (microseconds; 0 turns it off). The SDK polls its side the same way while it waits
 for an answer (``ems.client``).
 
+The window adapts (``emsd.transport.pollwindow``): a poll that a request ends, or
+a request that comes soon after an idle poll, keeps it at the budget; requests that
+come later than twice the budget shrink it, down to no polling at all, so that a
+daemon whose clients are slow to send (more busy processes than cores) does not
+spin in vain on a core they need. The next request that comes soon grows it again.
+
 Timers, peer connections and the HTTP endpoint wait for at most ``budget`` meanwhile.
 """
 
@@ -26,12 +32,16 @@ import asyncio
 import select
 import time
 
+from emsd.transport.pollwindow import next_window
+
 
 class BusyPoll:
     """Keeps one event loop awake for ``budget`` seconds after answers (see the module)."""
 
     def __init__(self, budget: float) -> None:
         self.budget = budget
+        self.window = budget  # seconds the next poll lasts (at most the budget; adapts)
+        self._slept_at: float | None = None  # when the loop went to sleep after an idle poll
         self._poller = select.poll()
         self._fds: set[int] = set()
         self._due = False
@@ -56,14 +66,24 @@ class BusyPoll:
             self._due = True
             asyncio.get_running_loop().call_soon(self._spin)
 
+    def heard(self) -> None:
+        """A request has arrived: after an idle poll, adapt the window to how long it took."""
+        if self._slept_at is not None:
+            waited = time.perf_counter() - self._slept_at
+            self.window = next_window(self.window, self.budget, False, waited)
+            self._slept_at = None
+
     def _spin(self) -> None:
         self._due = False
-        end = time.perf_counter() + self.budget
+        start = time.perf_counter()
+        end = start + self.window
         poll = self._poller.poll
         while True:
             if poll(0):
                 self.spins += 1
+                self.window = next_window(self.window, self.budget, True, 0.0)
                 return
             if time.perf_counter() >= end:
                 self.idle += 1
+                self._slept_at = start
                 return

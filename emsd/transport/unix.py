@@ -126,6 +126,8 @@ class ControlProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
         self.heard = time.monotonic()
+        if self.busy is not None:
+            self.busy.heard()
         try:
             frames = self.decoder.feed(data)
         except FrameError as exc:

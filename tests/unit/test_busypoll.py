@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 
 from ems.client import BUSY_POLL_DEFAULT_US, BUSY_POLL_ENV, busy_poll_budget
 from emsd.config import ConfigError, config_from_dict
 from emsd.transport.busypoll import BusyPoll
+from emsd.transport.pollwindow import FLOOR
 
 
 async def test_the_poll_ends_when_any_client_connection_has_a_request() -> None:
@@ -51,6 +53,32 @@ async def test_the_poll_gives_up_after_its_budget_and_a_removed_connection_is_no
         assert (busy.spins, busy.idle) == (1, 2)
     finally:
         for s in (a, b, c, d):
+            s.close()
+
+
+async def test_the_window_shrinks_while_requests_come_late_and_grows_when_they_come_soon() -> None:
+    a, b = socket.socketpair()
+    try:
+        busy = BusyPoll(0.001)
+        busy.add(a.fileno())
+        shrinks = 0
+        while busy.window > 0:  # every request comes 3 ms after an idle poll of at most 1 ms
+            busy.after_answer()
+            await asyncio.sleep(0)
+            time.sleep(0.003)
+            busy.heard()
+            shrinks += 1
+            assert shrinks <= 8  # halving from 1 ms to below 10 us
+        busy.after_answer()  # no window: one look, then sleep
+        await asyncio.sleep(0)
+        busy.heard()  # the next request came at once: polling would have caught it
+        assert busy.window == FLOOR
+        b.send(b"a request already waiting")
+        busy.after_answer()
+        await asyncio.sleep(0)
+        assert busy.window == 2 * FLOOR and busy.spins == 1
+    finally:
+        for s in (a, b):
             s.close()
 
 
