@@ -34,6 +34,8 @@ import numpy as np
 
 from ems.common.exception import EmsErrorCode, EmsException
 from ems.grants import Grants
+from emsd.pool.shared_index import SharedIndexReader
+from emsd.pool.shared_index import available as shared_index_built
 from emsd.transport.frames import (
     PROTOCOL_VERSION,
     SOCKET_NAME,
@@ -53,8 +55,16 @@ CONNECT_TIMEOUT = 2.0
 _MADV_POPULATE_WRITE = 23
 _MAP_NORESERVE = 0x4000  # Linux: no swap or hugepage reservation for the mapping
 RECV_BUFFER = 64 * 1024
+SHARED_INDEX_ENV = "EMS_SHARED_INDEX"  # "0": never read the daemon's shared index (ask it instead)
 
 Late = Callable[[dict[str, Any], bytes], None]
+
+
+def shared_index_wanted() -> bool:
+    """Whether to ask the daemon for its shared index (``$EMS_SHARED_INDEX`` is not "0" and
+    the C table is built): loads and ``exists`` of blocks in the pool then need no round
+    trip (``emsd.pool.shared_index``)."""
+    return os.environ.get(SHARED_INDEX_ENV, "1") != "0" and shared_index_built()
 
 
 def busy_poll_budget() -> float:
@@ -133,6 +143,8 @@ class DaemonClient:
         self.busy_poll = busy_poll_budget()  # the cap of the poll window
         self.poll_window = self.busy_poll  # seconds the next wait polls (emsd.transport.pollwindow)
         self._poller: select.poll | None = None  # the socket, for the busy poll (under _read_lock)
+        self.index: SharedIndexReader | None = None  # the daemon's shared index, when it offers one
+        self._later: list[bytes] = []  # frames for the next write (``send_later``), under _send_lock
 
     # -- connection -------------------------------------------------------------
 
@@ -143,14 +155,19 @@ class DaemonClient:
         try:
             sock.connect(str(self.path))
             header = {"v": PROTOCOL_VERSION, "id": 0, "op": int(Op.HELLO), "pid": os.getpid(), **hello}
+            if shared_index_wanted():
+                header["idx"] = True
             sock.sendall(b"".join(encode_parts(header)))
-            answer, fd = _recv_hello(sock)
+            answer, fd, index_fd = _recv_hello(sock)
         except (OSError, FrameError) as exc:
             sock.close()
             raise EmsException(EmsErrorCode.EMS_IO_ERROR,
                                f"cannot reach emsd at {self.path}: {exc}") from None
+        index = _shared_index(answer, index_fd)
         if answer.get("st") != Status.OK or fd is None:
             sock.close()
+            if index is not None:
+                index.close()
             if fd is not None:
                 os.close(fd)
             raise _error(answer.get("st", Status.INTERNAL), str(answer.get("msg", "HELLO refused")))
@@ -162,6 +179,8 @@ class DaemonClient:
                                   mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, KeyError, ValueError) as exc:
             sock.close()
+            if index is not None:
+                index.close()
             raise EmsException(EmsErrorCode.EMS_IO_ERROR, f"cannot map the pool: {exc}") from None
         finally:
             os.close(fd)
@@ -176,6 +195,7 @@ class DaemonClient:
         self._mapped_pages = set()
         self._populator = None if sparse else _Populator(self.pool_addr, size)
         self.info = answer
+        self.index = index
         self.sock = sock
         self._poller = None
         self.broken = False
@@ -231,6 +251,9 @@ class DaemonClient:
         if self._populator is not None:  # before the pool is unmapped under it
             self._populator.stop()
             self._populator = None
+        if self.index is not None:
+            self.index.close()
+            self.index = None
         if self.pool_addr:
             from ems.layout import unregister_pool_for_cuda
 
@@ -286,6 +309,15 @@ class DaemonClient:
         """Fire-and-forget request (the daemon answers only if it fails)."""
         self._send(0, op, {**fields, "nr": True}, payload)
 
+    def send_later(self, op: Op, fields: dict[str, Any], payload: Sequence[bytes] = ()) -> None:
+        """A fire-and-forget request that goes out in the same write as the next request sent
+        on this connection: no wake-up of the daemon of its own (a write that wakes a sleeping
+        daemon costs 100 us and more on a virtual machine)."""
+        data = b"".join(encode_parts({"v": PROTOCOL_VERSION, "id": 0, "op": int(op), **fields, "nr": True},
+                                     *payload))
+        with self._send_lock:
+            self._later.append(data)
+
     def _send(self, rid: int, op: Op, fields: dict[str, Any], payload: Sequence[bytes]) -> None:
         if self.broken or self.sock is None:
             with self._cond:
@@ -295,6 +327,9 @@ class DaemonClient:
                                      *payload))
         try:
             with self._send_lock:
+                if self._later:
+                    data = b"".join((*self._later, data))
+                    self._later.clear()
                 self.sock.sendall(data)
         except OSError as exc:
             self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, f"emsd connection lost: {exc}"))
@@ -460,20 +495,36 @@ class _Populator:
         self._thread.join()
 
 
-def _recv_hello(sock: socket.socket) -> tuple[dict[str, Any], int | None]:
-    """Read the HELLO answer and the descriptor sent with it."""
+def _recv_hello(sock: socket.socket) -> tuple[dict[str, Any], int | None, int | None]:
+    """Read the HELLO answer and the descriptors sent with it: the pool's, and the shared
+    index's when the daemon offers one."""
     decoder = FrameDecoder()
-    fd: int | None = None
-    while True:
-        data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 1)
-        if fds:
-            if fd is not None:
-                os.close(fd)
-            fd = fds[0]
-            for extra in fds[1:]:
-                os.close(extra)
-        if not data:
-            raise ConnectionError("emsd closed the connection during HELLO")
-        frames = decoder.feed(data)
-        if frames:
-            return frames[0].header, fd
+    got: list[int] = []
+    try:
+        while True:
+            data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 2)
+            got += fds
+            if not data:
+                raise ConnectionError("emsd closed the connection during HELLO")
+            frames = decoder.feed(data)
+            if frames:
+                fd, index_fd = (got + [None, None])[:2]
+                got = got[2:]
+                return frames[0].header, fd, index_fd
+    finally:
+        for extra in got:
+            os.close(extra)
+
+
+def _shared_index(answer: dict[str, Any], fd: int | None) -> SharedIndexReader | None:
+    """The shared index the HELLO answer offers (``idx``: its size) mapped read-only from
+    ``fd`` (closed here), or None; a table that cannot be mapped is left unused."""
+    if fd is None:
+        return None
+    try:
+        size = answer.get("idx")
+        return SharedIndexReader(fd, size) if type(size) is int and answer.get("st") == Status.OK else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)

@@ -54,7 +54,8 @@ from ems.namespace import namespace_name
 from ems.profiling import Profiler
 from ems.requests import BatchRequest, exists_keys, hash_request, token_request
 from ems.result import CcFuture, CcResult
-from emsd.pool.keys import KT_INT
+from ems.touches import Touches
+from emsd.pool.keys import KT_INT, KeyBatch
 from emsd.transport.frames import MAX_BATCH_KEYS, Op
 
 _NEW, _PRESENT, _FAILED = 0, 1, 2
@@ -76,6 +77,7 @@ class ContextCaching:
         # Saves into granted chunks copy a key that is stored already for nothing: not for
         # MLA namespaces, which every TP rank fills with the same keys (see ems.grants).
         self._granted = cc_config.kvcache_type != KVCacheType.MLA
+        self._touches = Touches()  # keys loaded through the shared index, not told to the daemon yet
 
     def close(self) -> None:
         """Wait for async calls in flight, then close the profiling record file."""
@@ -161,7 +163,12 @@ class ContextCaching:
         client = self._connected()
         deadline = _deadline(opt)
         ns = self._ns(client, deadline)
+        if client.index is not None and _all_published(client, ns, KeyBatch.from_wire(kt, raw, n)):
+            result = CcResult(n, n)  # all in this node's pool: nothing to ask
+            self._profiler.record("exists", start, result)
+            return result
         query = {"ns": ns, "n": n, "kt": kt, "lo": opt.read_local_only, **_budget(deadline)}
+        self._touches.send_with_next(client)
         header, _ = client.call(Op.EXISTS, query, [raw], timeout=_remaining(deadline))
         result = CcResult(int(header["count"]), n)
         self._profiler.record("exists", start, result)
@@ -184,6 +191,7 @@ class ContextCaching:
         client, deadline = self._connected(), _deadline(opt)
         ns = self._ns(client, deadline)
         header, _ = client.call(Op.DROP, {"ns": ns, **_budget(deadline)}, timeout=_remaining(deadline))
+        self._ns_for = None  # the name has a new id now: ask for it (the shared index knows only it)
         missed = header.get("missed", 0)
         if missed:
             raise EmsException(EmsErrorCode.EMS_IO_ERROR,
@@ -231,6 +239,7 @@ class ContextCaching:
             return CcResult(0, req.total)
         layout, client, deadline = self.layout, self._connected(), _deadline(opt)
         ns = self._ns(client, deadline)
+        self._touches.send_with_next(client)
         sizes = layout.block_bytes(req.counts).astype("<u8")
         kt, raw = req.keys.to_wire()
         _remaining(deadline)  # a call whose time is up reserves nothing
@@ -314,6 +323,9 @@ class ContextCaching:
         layout, client, deadline = self.layout, self._connected(), _deadline(opt)
         ns = self._ns(client, deadline)
         kt, raw = req.keys.to_wire()
+        if client.index is not None and self._load_published(req, client, ns, kt, raw):
+            return CcResult(n, req.total)
+        self._touches.send_with_next(client)
         pin = {"ns": ns, "n": n, "kt": kt, "lo": opt.read_local_only, "wr": opt.write_rcache,
                **_budget(deadline), **_prev(req)}
         _remaining(deadline)  # a call whose time is up pins nothing
@@ -344,6 +356,29 @@ class ContextCaching:
                 client.send_noreply(Op.RELEASE, {}, [handles])
         return CcResult(hits, req.total)
 
+    def _load_published(self, req: BatchRequest, client: DaemonClient, ns: int, kt: int, raw: bytes) -> bool:
+        """A load without a round trip, when every key is in the shared index
+        (``emsd.pool.shared_index``): copy the blocks, then check that none was retracted
+        meanwhile and that the daemon is still up; then send the keys as ``TOUCH`` (LRU,
+        metrics) without waiting. False when any key is not found or the check fails: the
+        caller asks the daemon (slots may have been written by this try then, as a load
+        writes slots it then reports as not loaded)."""
+        assert client.index is not None
+        n = len(req.keys)
+        found = client.index.find(ns, req.keys, client.pool_size)
+        if found.offsets.size < n:
+            return False
+        layout = self.layout
+        if not np.array_equal(found.lengths, layout.block_bytes(req.counts)):
+            return False  # a block of another size: the daemon's answer says what loads
+        plan = layout.plan(req.slots, req.counts, req.skip)
+        segs = layout.place(plan, client.pool_addr, found.offsets, None, pool_size=client.pool_size)
+        layout.copy(segs, client.pool_addr, client.pool_size, to_pool=False)
+        if not client.index.check(found.slots, found.seqs) or client.hung_up():
+            return False
+        self._touches.add(client, ns, kt, n, raw)
+        return True
+
     # -- connection helpers ----------------------------------------------------------
 
     def _connected(self) -> DaemonClient:
@@ -362,6 +397,12 @@ class ContextCaching:
                                     timeout=_remaining(deadline))
             self._ns_for = (client, int(header["ns"]))
             return self._ns_for[1]
+
+
+def _all_published(client: DaemonClient, ns: int, keys: KeyBatch) -> bool:
+    """Whether every key is in the shared index (present in this node's pool)."""
+    assert client.index is not None
+    return client.index.find(ns, keys, client.pool_size).offsets.size == len(keys)
 
 
 def _int_keys_wire(hashes: Any) -> bytes | None:

@@ -59,6 +59,7 @@ class PoolConfig:
     admit_after: int = 1  # store a block from its N-th save on; 1: admission off
     admit_after_namespaces: tuple[tuple[str, int], ...] = ()  # (namespace glob, N), first match wins
     grants: bool = True  # hand clients chunks for their next saves: one round trip a save (emsd.service)
+    shared_index: bool = True  # clients find READY blocks themselves (emsd.pool.shared_index)
     connection_uncommitted: int = 0  # bytes a connection may hold reserved + granted; 0: half of size
     read_cache_share: float = 1 / 16  # of the pool, fetched copies may take from owned blocks (store)
 
@@ -288,7 +289,7 @@ def _node(t: dict[str, Any]) -> NodeConfig:
 def _pool(t: dict[str, Any]) -> PoolConfig:
     _only(t, "pool", {"size", "hugepages", "page_size", "prefault", "warm_restart", "state_dir",
                       "checksum", "eviction", "admit_after", "admit_after_namespaces", "grants",
-                      "connection_uncommitted", "read_cache_share"})
+                      "connection_uncommitted", "read_cache_share", "shared_index"})
     d = PoolConfig()
     size = parse_size("pool.size", t.get("size", d.size))
     if size < MIN_POOL:
@@ -318,6 +319,9 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     grants = t.get("grants", d.grants)
     if not isinstance(grants, bool):
         raise ConfigError("pool.grants", f"must be true or false (got {grants!r})")
+    shared = t.get("shared_index", d.shared_index)
+    if not isinstance(shared, bool):
+        raise ConfigError("pool.shared_index", f"must be true or false (got {shared!r})")
     uncommitted = parse_size("pool.connection_uncommitted",
                              t.get("connection_uncommitted", d.connection_uncommitted))
     share = t.get("read_cache_share", d.read_cache_share)
@@ -332,8 +336,8 @@ def _pool(t: dict[str, Any]) -> PoolConfig:
     return PoolConfig(size=size, hugepages=huge, page_size=min(page, size), prefault=prefault,
                       warm_restart=warm, state_dir=Path(state) if state else None,
                       eviction=eviction, admit_after=admit, admit_after_namespaces=patterns,
-                      checksum=checksum, grants=grants, connection_uncommitted=uncommitted,
-                      read_cache_share=float(share))
+                      checksum=checksum, grants=grants, shared_index=shared,
+                      connection_uncommitted=uncommitted, read_cache_share=float(share))
 
 
 def _admit_count(key: str, value: Any) -> int:

@@ -36,11 +36,12 @@ from emsd.config import Config, ConfigError
 from emsd.files import UnsafePath, check_dir
 from emsd.http import HttpEndpoint
 from emsd.metrics import Metrics
-from emsd.pool import prefault
+from emsd.pool import prefault, shared_index
 from emsd.pool.admission import AdmissionRule
 from emsd.pool.checksum import Checksums
 from emsd.pool.ledger import Geometry, Ledger, LedgerBusy
 from emsd.pool.region import Region
+from emsd.pool.shared_index import SharedIndex
 from emsd.pool.slab import SlabError
 from emsd.pool.store import BlockStore
 from emsd.pool.tenancy import TenantMemory, stop_tenant_keeper
@@ -71,6 +72,7 @@ class Daemon:
         self.metrics = Metrics()
         self.region: Region | None = None
         self.memory: TenantMemory | None = None  # with tenants: each tenant's own memfd
+        self.shared: SharedIndex | None = None  # READY blocks for clients to find (pool.shared_index)
         self.service: Service | None = None
         self.control = UnixControlServer(
             config.socket_path,
@@ -280,7 +282,20 @@ class Daemon:
         store.copy_floor = int(size * cfg.read_cache_share)
         if cfg.checksum:
             store.enable_checksums()  # before a warm restart's attach: it restores the digests
+        store.shared = self._shared_index(size)
         return store
+
+    def _shared_index(self, size: int) -> SharedIndex | None:
+        """A new, empty shared index for a new store (the last one's is closed), or None where
+        none is offered: ``pool.shared_index`` off, tenants (a client would see other tenants'
+        keys), ``pool.checksum`` (the daemon checks digests on a load), or no C extension."""
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+        cfg = self.config.pool
+        if cfg.shared_index and not cfg.checksum and self.memory is None and shared_index.available():
+            self.shared = SharedIndex(shared_index.slots_for(size))
+        return self.shared
 
     def _attach(self, region: Region, tenants: Tenants) -> tuple[BlockStore, dict[int, str]]:
         """The store over ``region``: with warm restart, re-indexing what the ledger holds.
@@ -469,6 +484,9 @@ class Daemon:
         if self.memory is not None:
             self.memory.close()
             self.memory = None
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
         if self.region is not None:
             try:
                 self.region.close()

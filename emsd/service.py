@@ -23,6 +23,8 @@ Payload layouts (little-endian, n keys; see ``emsd.pool.keys`` for keys):
 - PIN      request: keys. response header ``count``; payload offsets u64,
            lengths u64, handles u32, each x count.
 - RELEASE  request: handles u32 x n.
+- TOUCH    request: keys (``pk`` as PIN's). response header ``count``: the leading READY keys,
+           stamped as a PIN and its RELEASE would (a client read them through the shared index).
 - EXISTS   request: keys (``lo``: this node only; ``to``: ms). response header ``count``: leading
            keys held here or, in a cluster, by their owners (asked after the local look).
 - GRANT    request header ``size`` (block bytes), ``k`` and ``need`` (default 1); payload:
@@ -193,9 +195,12 @@ class Service:
         session.tenant = tenant
         session.authenticated = True
         self.sessions += 1
-        return {"node": self.node_id, "pool_size": self.store.stats().capacity,
+        info = {"node": self.node_id, "pool_size": self.store.stats().capacity,
                 "region": self.region_kind, "server_pid": os.getpid(), "grants": self.grants,
                 "sparse": self.sparse, "page": self.store.page_size}
+        if header.get("idx") is True and self.store.shared is not None:
+            info["idx"] = self.store.shared.size  # its fd follows the pool's
+        return info
 
     def handle(self, session: Session, header: dict[str, Any], payload: bytes) -> Response:
         """Answer one request; never raises for bad input (answers with a status)."""
@@ -915,6 +920,14 @@ class Service:
             pinned.handles.astype("<u4").tobytes(),
         ]
 
+    def _touch(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+        ns, keys, rest = self._keys(s, h, p)
+        if rest:
+            raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
+        count, nbytes = self.store.touch(ns, keys, _prev_key(h))
+        self.metrics.looked_up("pin", count, 0, nbytes)  # loads, whichever way they read
+        return {"count": count}, []
+
     def pin_checked(self, ns: int, keys: KeyBatch, prev: KeyBatch | None = None) -> Pinned:
         """``store.pin``, cut before the first block whose checksum fails (``pool.checksum``)."""
         pinned = self.store.pin(ns, keys, prev)
@@ -1093,6 +1106,7 @@ class Service:
         Op.GRANT: _grant,
         Op.PUT: _put,
         Op.PLACEMENT: _placement,
+        Op.TOUCH: _touch,
     }
 
 

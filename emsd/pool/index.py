@@ -451,7 +451,7 @@ class BlockIndex:
                     if live.size and self._c_probe():
                         self._place_c(live)
                     elif live.size:
-                        self._place(live, hash_keys(self._words(live), self.nstag[live]))
+                        self._place(live, hash_keys(self.words_of(live), self.nstag[live]))
                 return
             except _Crowded:
                 self._tail *= 2
@@ -482,7 +482,7 @@ class BlockIndex:
             if ids.size and int(out.min()) < 0:
                 raise ValueError("an entry is missing from the table")
             return out
-        h = hash_keys(self._words(ids), self.rest[ids, 6])
+        h = hash_keys(self.words_of(ids), self.rest[ids, 6])
         start = (h >> self._shift).astype(np.int64)
         hit = self._windows[start] == ids[:, None]
         col = hit.argmax(axis=1)
@@ -509,9 +509,10 @@ class BlockIndex:
 
     def keys_of(self, ids: np.ndarray) -> KeyBatch:
         """The keys of entries, as a batch."""
-        return KeyBatch(self._words(ids), (self.nstag[ids] & 0xFF).astype(np.uint8))
+        return KeyBatch(self.words_of(ids), (self.nstag[ids] & 0xFF).astype(np.uint8))
 
-    def _words(self, ids: np.ndarray) -> np.ndarray:
+    def words_of(self, ids: np.ndarray) -> np.ndarray:
+        """The four canonical key words of entries, (n, 4) uint64, C order."""
         words = np.empty((ids.size, 4), dtype=np.uint64)
         words[:, 0] = self.w0[ids]
         words.view(np.uint32)[:, 2:] = self.rest[ids, :6]

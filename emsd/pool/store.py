@@ -103,6 +103,7 @@ from emsd.pool.eviction import copies_first, lru_victims, page_ages, recency, st
 from emsd.pool.index import EMPTY, FIRST_ID, PENDING, READY, BlockIndex, first_occurrences
 from emsd.pool.keys import KeyBatch
 from emsd.pool.ledger import Ledger
+from emsd.pool.shared_index import SharedIndex
 from emsd.pool.slab import SlabAllocator, SlabError
 
 try:  # the eviction scan's filter in C (with the index's loops); numpy gives the same ids
@@ -232,12 +233,17 @@ class BlockStore:
         # Called with (ids, reason) before evicted entries go, while their bytes are still in
         # their chunks (the disk tier copies them for demotion: emsd.tier.stack). Must not call back.
         self.on_evict: Callable[[np.ndarray, str], None] | None = None
+        # READY blocks published for clients to find themselves (emsd.pool.shared_index):
+        # published at commit, retracted before an entry goes (before its chunk can be reused).
+        self.shared: SharedIndex | None = None
 
     # -- the contract -------------------------------------------------------------
 
     def name_namespace(self, ns: int, name: str) -> None:
         """Take namespace ``ns``'s admission threshold from its ``name`` (``self.admission``)."""
         self.set_admit_after(ns, self.admission.threshold(name))
+        if self.shared is not None:  # an id given a name (again): its blocks may be published
+            self.shared.show(ns)
 
     def set_group(self, ns: int, group: int) -> None:
         """Namespace ``ns``'s blocks go on pages of slab group ``group`` (0 by default): the
@@ -399,6 +405,8 @@ class BlockStore:
         if h.size == 0:
             return 0
         self.index.state[h] = READY
+        if self.shared is not None:
+            self.shared.publish(self.index, h, int(self._unit))
         self.recency.committed(self.index, h, self._tick)
         self._ns_add(h, 1)
         self._pending -= h.size
@@ -556,6 +564,19 @@ class BlockStore:
         self.recency.released(idx, np.array((i,), dtype=np.uint32), self._tick)
         return 1
 
+    def touch(self, ns: int, keys: KeyBatch, prev: KeyBatch | None = None) -> tuple[int, int]:
+        """The leading READY keys count as used now, as a pin and its release would stamp
+        them (a client read them itself: ``emsd.pool.shared_index``). Returns (how many,
+        their bytes); pins nothing."""
+        ids = self.index.find(ns, keys, prefix=True)
+        count = _leading(self.index.state.take(ids) == _READY)
+        if count == 0:
+            return 0, 0
+        h = ids[:count]
+        self.recency.pinned(self.index, h, self._tick, lambda: self._below(ns, prev))
+        self.recency.released(self.index, np.unique(h) if count > 1 else h, self._tick)
+        return count, int(self.index.length[h].astype(np.int64).sum())
+
     def exists(self, ns: int, keys: KeyBatch) -> int:
         """Number of leading keys that are READY; touches nothing (no LRU, no pin)."""
         ids = self.index.find(ns, keys, prefix=True)
@@ -605,6 +626,9 @@ class BlockStore:
         returns how many. Pinned and PENDING entries are left to age out like any other."""
         if not namespaces:
             return 0
+        if self.shared is not None:  # pinned ones too: no client may find them again
+            for ns in namespaces:
+                self.shared.hide(ns)
         ids = self._evictable()
         ids = ids[np.isin(self.index.ns_of(ids), namespaces)]
         if ids.size:
@@ -666,6 +690,8 @@ class BlockStore:
                 raise SlabError("a key is recorded twice")
             ids = self.index.insert_new(ns, keys, rows["offset"][sel], rows["length"][sel], READY, stamp)
             self.index.cached[ids] = rows["cached"][sel]
+            if self.shared is not None:
+                self.shared.publish(self.index, ids, int(self._unit))
             if self.sums is not None:
                 self._set_sums(ids, rows["sum"][sel])
             self._ns_add(ids, 1)
@@ -955,6 +981,8 @@ class BlockStore:
         """
         if self.on_evict is not None:
             self.on_evict(ids, reason)
+        if self.shared is not None:  # first: from here on the chunks may be handed out again
+            self.shared.retract(self.index, ids)
         if self.ledger is not None:
             self.ledger.forget(ids)  # first: a crash from here on must not bring them back
         self._ns_add(ids, -1)

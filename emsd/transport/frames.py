@@ -41,7 +41,7 @@ SOCKET_NAME = "emsd.sock"
 class Op(IntEnum):
     """Request opcodes. One line each: what it asks."""
 
-    HELLO = 1  # authenticate; the response carries the pool's fd (SCM_RIGHTS)
+    HELLO = 1  # authenticate; the response carries the pool's fd (and the shared index's: SCM_RIGHTS)
     NAMESPACE = 2  # map a namespace name to its id for this connection
     RESERVE = 3  # places for (key, size) x n; PENDING until committed
     COMMIT = 4  # make reserved blocks readable (and abort others)
@@ -56,6 +56,7 @@ class Op(IntEnum):
     GRANT = 13  # chunks of one size held for this connection's next saves (and give some back)
     PUT = 14  # store (key, size) x n in granted chunks already written, committed at once
     PLACEMENT = 15  # rewrite the cluster's placement record: vnodes, replicas (emsctl placement set)
+    TOUCH = 16  # the leading present blocks count as used now (read through the shared index)
 
 
 class PeerOp(IntEnum):

@@ -312,8 +312,12 @@ class UnixControlServer:
                 return
             info = service.hello(session, header)
             fd = self._pool_fd(session.tenant)  # the memory of the client's tenant alone
+            fds = [] if fd is None else [fd]
+            shared = service.store.shared
+            if fds and shared is not None and "idx" in info:
+                fds.append(shared.fd)  # read-only to clients (emsd.pool.shared_index)
             info.update(v=PROTOCOL_VERSION, id=header["id"], st=int(Status.OK))
-            self._send(conn, info, fd)
+            self._send(conn, info, fds)
         except (FrameError, RequestError) as exc:
             status = exc.status
             self._send(conn, {"id": 0, "st": int(status), "msg": str(exc)})
@@ -343,14 +347,14 @@ class UnixControlServer:
         return decode_header(await _recv_exact(loop, conn, header_len))
 
     @staticmethod
-    def _send(conn: socket.socket, header: dict[str, Any], fd: int | None = None) -> None:
+    def _send(conn: socket.socket, header: dict[str, Any], fds: list[int] | None = None) -> None:
         header.setdefault("v", PROTOCOL_VERSION)
         data = encode(header)
         try:
-            if fd is None:
+            if not fds:
                 conn.sendall(data)
             else:
-                conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+                conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         except OSError:
             pass
 

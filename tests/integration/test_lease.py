@@ -22,7 +22,8 @@ LEASE = 2
 ROOT = Path(__file__).resolve().parents[2]
 # A client that keeps its pins (its RELEASEs are dropped) and its granted chunks, then waits.
 HOLDER = """
-import time, torch
+import os, time, torch
+os.environ["EMS_SHARED_INDEX"] = "0"  # its load pins through the daemon (the shared index pins nothing)
 from ems import CcConfig, Ems, EmsConfig
 from ems.client import DaemonClient
 from emsd.transport.frames import Op

@@ -1,0 +1,84 @@
+"""Keys the SDK loaded through the shared index, told to the daemon in batches (``TOUCH``).
+
+A load that reads its blocks through the shared index (``emsd.pool.shared_index``)
+does not ask the daemon, so the daemon's LRU and hit counters do not see it.
+``Touches`` collects such loads' keys and sends them as one ``TOUCH`` request,
+without waiting for an answer: in the same write as this object's next request
+to the daemon (``DaemonClient.send_later``), or on its own once ``TOUCH_KEYS``
+keys or ``TOUCH_DELAY`` seconds have gathered. A write of its own wakes a
+sleeping daemon, which costs 100 us and more on a virtual machine: as much as
+the rest of the load.
+
+What it costs: blocks read this way count as used up to ``TOUCH_DELAY`` late
+(or at the next load or request after it) and, batched, as one load of all
+the batch's keys (the ``prefix`` policy stamps them head newest, as one call's).
+Touches are hints: ones not sent when a connection is lost are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ems.client import DaemonClient
+from ems.common.exception import EmsException
+from emsd.transport.frames import Op
+
+TOUCH_KEYS = 64  # keys that make a batch go on its own
+TOUCH_DELAY = 0.02  # seconds after which a batch goes with the next load
+
+
+class Touches:
+    """One namespace's pending touches on one connection (another connection, namespace id or
+    key type starts a new batch; the last one goes out first). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._client: DaemonClient | None = None
+        self._ns = self._kt = -1
+        self._raw: list[bytes] = []
+        self._n = 0
+        self._since = 0.0
+
+    def add(self, client: DaemonClient, ns: int, kt: int, n: int, raw: bytes) -> None:
+        """``n`` keys (wire form ``kt``: ``raw``) of namespace id ``ns`` were loaded on ``client``."""
+        now = time.monotonic()
+        with self._lock:
+            done = None
+            if self._n and (client is not self._client or ns != self._ns or kt != self._kt):
+                done = self._take()
+            if not self._n:
+                self._client, self._ns, self._kt, self._since = client, ns, kt, now
+            self._raw.append(raw)
+            self._n += n
+            full = self._n >= TOUCH_KEYS or now - self._since >= TOUCH_DELAY
+            ready = self._take() if full else None
+        for batch in (done, ready):
+            if batch is not None:
+                _send(batch, later=False)
+
+    def send_with_next(self, client: DaemonClient) -> None:
+        """Queue the pending batch to go out with ``client``'s next request (one write)."""
+        with self._lock:
+            batch = self._take() if self._n else None
+        if batch is not None:
+            _send(batch, later=batch[0] is client)
+
+    def _take(self) -> tuple[DaemonClient, dict[str, int], bytes]:
+        assert self._client is not None
+        batch = (self._client, {"ns": self._ns, "n": self._n, "kt": self._kt}, b"".join(self._raw))
+        self._raw, self._n, self._client = [], 0, None
+        return batch
+
+
+def _send(batch: tuple[DaemonClient, dict[str, int], bytes], later: bool) -> None:
+    client, fields, raw = batch
+    if client.broken:
+        return  # a lost connection's touches are dropped: they are hints
+    try:
+        if later:
+            client.send_later(Op.TOUCH, fields, [raw])
+        else:
+            client.send_noreply(Op.TOUCH, fields, [raw])
+    except EmsException:
+        pass
