@@ -3,8 +3,9 @@
  *
  * The table is a byte buffer: a 64-byte header, then (1 << bits) + WINDOW slots of
  * 64 bytes. Header: magic u64 (MAGIC), bits u32, window u32, the rest reserved.
- * Slot: seq u64, key words w[4] u64, nstag u32 (ns << 8 | tag; EMPTY_NSTAG when the slot
- * is free), length u32, offset u64 (bytes into the pool), 8 bytes unused.
+ * Slot: seq u64, key words w[4] u64, tag u32 (~(ns << 8 | tag), so that 0, a new file's
+ * bytes, is a free slot: no key has nstag 0xFFFFFFFF), length u32, offset u64 (bytes
+ * into the pool), 8 bytes unused.
  *
  * Only the daemon writes (publish, retract, retract_ns); clients read (find, check).
  * Every slot is a sequence lock: the writer makes seq odd, writes the fields, makes seq
@@ -39,7 +40,7 @@
 #define HEADER 64
 #define SLOT 64
 #define WINDOW 8
-#define EMPTY_NSTAG 0xFFFFFFFFu
+#define EMPTY_NSTAG 0xFFFFFFFFu /* no key has it: a slot written with it is free (tag 0) */
 #define REST_COLS 7 /* emsd.pool.index: w1..w3 as uint32 halves, then nstag */
 
 static const uint64_t MUL[4] = {0x9E3779B97F4A7C15ULL, 0xBF58476D1CE4E5B9ULL,
@@ -49,7 +50,7 @@ static const uint64_t FINAL = 0xFF51AFD7ED558CCDULL;
 typedef struct {
     uint64_t seq;
     uint64_t w[4];
-    uint32_t nstag;
+    uint32_t tag; /* ~nstag; 0: free */
     uint32_t length;
     uint64_t offset;
     uint64_t unused;
@@ -86,7 +87,7 @@ static Py_ssize_t home(const table_t *t, const uint64_t *k, uint32_t nstag) {
 }
 
 static int same_key(const slot_t *s, const uint64_t *k, uint32_t nstag) {
-    return __atomic_load_n(&s->nstag, __ATOMIC_RELAXED) == nstag &&
+    return __atomic_load_n(&s->tag, __ATOMIC_RELAXED) == ~nstag &&
            __atomic_load_n(&s->w[0], __ATOMIC_RELAXED) == k[0] &&
            __atomic_load_n(&s->w[1], __ATOMIC_RELAXED) == k[1] &&
            __atomic_load_n(&s->w[2], __ATOMIC_RELAXED) == k[2] &&
@@ -102,7 +103,7 @@ static void write_slot(slot_t *s, const uint64_t *k, uint32_t nstag, uint32_t le
         __atomic_store_n(&s->w[j], k[j], __ATOMIC_RELAXED);
     __atomic_store_n(&s->length, length, __ATOMIC_RELAXED);
     __atomic_store_n(&s->offset, offset, __ATOMIC_RELAXED);
-    __atomic_store_n(&s->nstag, nstag, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->tag, ~nstag, __ATOMIC_RELAXED);
     __atomic_store_n(&s->seq, seq + 2, __ATOMIC_RELEASE);
 }
 
@@ -158,6 +159,23 @@ static int entry_bufs(PyObject **obj, Py_buffer *buf, int n) {
     return 0;
 }
 
+/* The slot of key k's window that holds it, or -1; *free_at: the window's first free slot,
+ * or -1. The writer's view (only it writes, so no seq is needed). */
+static Py_ssize_t slot_of(const table_t *t, const uint64_t *k, uint32_t nstag, Py_ssize_t *free_at) {
+    Py_ssize_t s0 = home(t, k, nstag);
+    *free_at = -1;
+    for (Py_ssize_t s = s0; s < s0 + WINDOW && s < t->n; s++) {
+        const slot_t *sl = &t->slots[s];
+        if (sl->tag == 0) {
+            if (*free_at < 0)
+                *free_at = s;
+        } else if (same_key(sl, k, nstag)) {
+            return s;
+        }
+    }
+    return -1;
+}
+
 static PyObject *publish(PyObject *self, PyObject *args) {
     PyObject *obj[6];
     unsigned long long unit;
@@ -173,17 +191,9 @@ static PyObject *publish(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; t.n && i < n; i++) {
         uint64_t k[4];
         uint32_t nstag = entry_key(w0, rest, ids[i], k);
-        Py_ssize_t s0 = home(&t, k, nstag), at = -1;
-        for (Py_ssize_t s = s0; s < s0 + WINDOW && s < t.n; s++) {
-            slot_t *sl = &t.slots[s];
-            if (sl->nstag == EMPTY_NSTAG) {
-                if (at < 0)
-                    at = s;
-            } else if (same_key(sl, k, nstag)) {
-                at = s; /* published already: written again with these fields */
-                break;
-            }
-        }
+        Py_ssize_t free_at, at = slot_of(&t, k, nstag, &free_at);
+        if (at < 0) /* else published already: written again with these fields */
+            at = free_at;
         if (at >= 0) {
             write_slot(&t.slots[at], k, nstag, length[ids[i]], (uint64_t)offset[ids[i]] * unit);
             done++;
@@ -207,13 +217,10 @@ static PyObject *retract(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; t.n && i < n; i++) {
         uint64_t k[4];
         uint32_t nstag = entry_key(w0, rest, ids[i], k);
-        Py_ssize_t s0 = home(&t, k, nstag);
-        for (Py_ssize_t s = s0; s < s0 + WINDOW && s < t.n; s++) {
-            if (same_key(&t.slots[s], k, nstag)) {
-                write_slot(&t.slots[s], ZERO_KEY, EMPTY_NSTAG, 0, 0);
-                gone++;
-                break;
-            }
+        Py_ssize_t free_at, at = slot_of(&t, k, nstag, &free_at);
+        if (at >= 0) {
+            write_slot(&t.slots[at], ZERO_KEY, EMPTY_NSTAG, 0, 0);
+            gone++;
         }
     }
     release_all(buf, 4);
@@ -231,8 +238,8 @@ static PyObject *retract_ns(PyObject *self, PyObject *args) {
     table_t t = table_of(&buf);
     Py_ssize_t gone = 0;
     for (Py_ssize_t s = 0; s < t.n; s++) {
-        uint32_t nstag = t.slots[s].nstag;
-        if (nstag != EMPTY_NSTAG && (nstag >> 8) == ns) {
+        uint32_t tag = t.slots[s].tag;
+        if (tag != 0 && (~tag >> 8) == ns) {
             write_slot(&t.slots[s], ZERO_KEY, EMPTY_NSTAG, 0, 0);
             gone++;
         }

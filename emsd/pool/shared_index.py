@@ -62,11 +62,10 @@ MAGIC = 0x3130584449534D45  # "EMSIDX01"
 HEADER = 64
 SLOT = 64
 WINDOW = 8
-EMPTY_NSTAG = 0xFFFFFFFF
 MIN_BITS, MAX_BITS = 12, 24
 F_SEAL_FUTURE_WRITE = 0x10
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL | F_SEAL_FUTURE_WRITE
-_SLOT = np.dtype([("seq", "<u8"), ("w", "<u8", (4,)), ("nstag", "<u4"), ("length", "<u4"),
+_SLOT = np.dtype([("seq", "<u8"), ("w", "<u8", (4,)), ("tag", "<u4"), ("length", "<u4"),
                   ("offset", "<u8"), ("unused", "<u8")])
 assert _SLOT.itemsize == SLOT
 
@@ -110,8 +109,7 @@ class SharedIndex:
         head = self.table[:HEADER].view(np.uint32)
         head[:2] = (MAGIC & 0xFFFFFFFF, MAGIC >> 32)
         head[2:4] = (bits, WINDOW)
-        self.slots = self.table[HEADER:].view(_SLOT)
-        self.slots["nstag"] = EMPTY_NSTAG
+        self.slots = self.table[HEADER:].view(_SLOT)  # a new file reads 0: every slot free
         self.unpublished = 0
         self._hidden: set[int] = set()
 
@@ -141,7 +139,7 @@ class SharedIndex:
 
     def published(self) -> int:
         """Slots in use (a scan: for tests and stats, not the request path)."""
-        return int(np.count_nonzero(self.slots["nstag"] != EMPTY_NSTAG))
+        return int(np.count_nonzero(self.slots["tag"]))
 
     def close(self) -> None:
         self.slots = self.table = None  # type: ignore[assignment]

@@ -23,6 +23,7 @@ BLOCKS, TOKENS = 8, 4
 SLOTS = list(range(BLOCKS * TOKENS))
 KEYS = [900 + k for k in range(BLOCKS)]
 OFFSETS = [TOKENS] * BLOCKS
+KEY = "KeyA0123456789abcdefghijklmnopqrstuvwxyz"  # a tenant's access key
 
 
 def ops(d: Any, op: str) -> float:
@@ -224,11 +225,11 @@ def test_where_the_table_is_not_offered_loads_ask_the_daemon(emsd_factory: Any, 
 def test_with_tenants_no_client_gets_the_table(emsd_factory: Any, tmp_path: Any) -> None:
     """The table shows every block's key: with tenants, that is other tenants' keys."""
     f = tmp_path / "tenants.toml"
-    f.write_text('[[tenant]]\naccess_id = "team-a"\naccess_key = "KeyA0123456789abcdefghijklmnopqrstuvwxyz"\n')
+    f.write_text(f'[[tenant]]\naccess_id = "team-a"\naccess_key = "{KEY}"\n')
     f.chmod(0o600)
     d = emsd_factory(tenants={"file": str(f)})
     client = DaemonClient(d.socket_dir / "emsd.sock")
-    client.connect({"access_id": "team-a", "access_key": "KeyA0123456789abcdefghijklmnopqrstuvwxyz"})
+    client.connect({"access_id": "team-a", "access_key": KEY})
     try:
         assert client.index is None and "idx" not in client.info
     finally:
