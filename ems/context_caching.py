@@ -359,9 +359,9 @@ class ContextCaching:
     def _load_published(self, req: BatchRequest, client: DaemonClient, ns: int, kt: int, raw: bytes) -> bool:
         """A load without a round trip, when every key is in the shared index
         (``emsd.pool.shared_index``): copy the blocks, then check that none was retracted
-        meanwhile and that the daemon is still up; then send the keys as ``TOUCH`` (LRU,
-        metrics) without waiting. False when any key is not found or the check fails: the
-        caller asks the daemon (slots may have been written by this try then, as a load
+        meanwhile and that the daemon is still up; the keys go to the daemon later, batched
+        (``ems.touches``: LRU, metrics). False when any key is not found or the check fails:
+        the caller asks the daemon (slots may have been written by this try then, as a load
         writes slots it then reports as not loaded)."""
         assert client.index is not None
         n = len(req.keys)

@@ -23,8 +23,8 @@ Payload layouts (little-endian, n keys; see ``emsd.pool.keys`` for keys):
 - PIN      request: keys. response header ``count``; payload offsets u64,
            lengths u64, handles u32, each x count.
 - RELEASE  request: handles u32 x n.
-- TOUCH    request: keys (``pk`` as PIN's). response header ``count``: the leading READY keys,
-           stamped as a PIN and its RELEASE would (a client read them through the shared index).
+- TOUCH    request: keys (``pk`` as PIN's). response header ``count``: the keys READY here, each
+           stamped as a PIN and its RELEASE would (clients read them through the shared index).
 - EXISTS   request: keys (``lo``: this node only; ``to``: ms). response header ``count``: leading
            keys held here or, in a cluster, by their owners (asked after the local look).
 - GRANT    request header ``size`` (block bytes), ``k`` and ``need`` (default 1); payload:

@@ -565,17 +565,17 @@ class BlockStore:
         return 1
 
     def touch(self, ns: int, keys: KeyBatch, prev: KeyBatch | None = None) -> tuple[int, int]:
-        """The leading READY keys count as used now, as a pin and its release would stamp
-        them (a client read them itself: ``emsd.pool.shared_index``). Returns (how many,
-        their bytes); pins nothing."""
-        ids = self.index.find(ns, keys, prefix=True)
-        count = _leading(self.index.state.take(ids) == _READY)
-        if count == 0:
+        """The READY ones of ``keys`` count as used now, as a pin and its release would stamp
+        them (clients read them themselves: ``emsd.pool.shared_index``; a batch may join
+        several loads, so a key not READY any more does not stop the rest). Returns (how
+        many, their bytes); pins nothing."""
+        ids = self.index.find(ns, keys)
+        h = ids[self.index.state.take(ids) == _READY]
+        if h.size == 0:
             return 0, 0
-        h = ids[:count]
         self.recency.pinned(self.index, h, self._tick, lambda: self._below(ns, prev))
-        self.recency.released(self.index, np.unique(h) if count > 1 else h, self._tick)
-        return count, int(self.index.length[h].astype(np.int64).sum())
+        self.recency.released(self.index, np.unique(h), self._tick)
+        return int(h.size), int(self.index.length[h].astype(np.int64).sum())
 
     def exists(self, ns: int, keys: KeyBatch) -> int:
         """Number of leading keys that are READY; touches nothing (no LRU, no pin)."""

@@ -208,6 +208,20 @@ def test_pin_takes_the_leading_ready_keys_only() -> None:
     assert store.release(p.handles) == 2
 
 
+@pytest.mark.parametrize("eviction", ["lru", "prefix"])
+def test_touch_stamps_every_ready_key_of_a_batch_and_pins_nothing(eviction: str) -> None:
+    store = BlockStore(8 * PAGE, PAGE, eviction=eviction)
+    save(store, 0, [1, 2, 4])
+    store.reserve(0, kb(5), sizes(1))  # PENDING
+    ids = store.index.lookup(0, kb(1, 2, 4))
+    before = store.index.last_used[ids].copy()
+    assert store.touch(0, kb(1, 3, 5, 4)) == (2, 2048)  # 3 absent, 5 PENDING: 1 and 4 still count
+    after = store.index.last_used[ids]
+    assert after[0] > before[0] and after[2] > before[2] and after[1] == before[1]
+    assert store.stats().pinned == 0
+    assert store.touch(1, kb(1, 2)) == (0, 0)  # another namespace
+
+
 def test_release_never_takes_pins_below_zero() -> None:
     store = BlockStore(8 * PAGE, PAGE)
     save(store, 0, [1])
