@@ -91,6 +91,8 @@ def test_loads_and_exists_of_blocks_in_the_pool_need_no_round_trip(emsd: Any, mo
     client.call(Op.PING, {}, timeout=5)  # the TOUCH sent without waiting is handled before this
     assert ops(emsd, "touch") == touches + 1
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') >= BLOCKS
+    _, body = emsd.http("/metrics")
+    assert "\nemsd_shared_index_unpublished_total 0.0\n" in body.decode()  # every block had a slot
 
 
 def test_a_load_that_is_not_all_in_the_table_asks_the_daemon(emsd: Any, monkeypatch: Any) -> None:
