@@ -80,8 +80,10 @@ class ContextCaching:
         self._touches = Touches()  # keys loaded through the shared index, not told to the daemon yet
 
     def close(self) -> None:
-        """Wait for async calls in flight, then close the profiling record file."""
+        """Wait for async calls in flight, send the loads' pending touches (``ems.touches``),
+        then close the profiling record file."""
         self._executor.shutdown(wait=True)
+        self._touches.close()
         self._profiler.close()
 
     # -- registration ------------------------------------------------------------

@@ -5,14 +5,15 @@ does not ask the daemon, so the daemon's LRU and hit counters do not see it.
 ``Touches`` collects such loads' keys and sends them as one ``TOUCH`` request,
 without waiting for an answer: in the same write as this object's next request
 to the daemon (``DaemonClient.send_later``), or on its own once ``TOUCH_KEYS``
-keys or ``TOUCH_DELAY`` seconds have gathered. A write of its own wakes a
-sleeping daemon, which costs 100 us and more on a virtual machine: as much as
-the rest of the load.
+keys have gathered or ``TOUCH_DELAY`` seconds have passed since the batch's
+first load (a thread of its own sends it then, off the loads' path). A write
+of its own per load would wake the sleeping daemon each time, which costs 100
+us and more on a virtual machine: as much as the rest of the load.
 
 What it costs: blocks read this way count as used up to ``TOUCH_DELAY`` late
-(or at the next load or request after it) and, batched, as one load of all
-the batch's keys (the ``prefix`` policy stamps them head newest, as one call's).
-Touches are hints: ones not sent when a connection is lost are dropped.
+and, batched, as one load of all the batch's keys (the ``prefix`` policy
+stamps them head newest, as one call's). Touches are hints: a batch pending
+when its connection is lost, or when the process is killed, is dropped.
 """
 
 from __future__ import annotations
@@ -25,53 +26,90 @@ from ems.common.exception import EmsException
 from emsd.transport.frames import Op
 
 TOUCH_KEYS = 64  # keys that make a batch go on its own
-TOUCH_DELAY = 0.02  # seconds after which a batch goes with the next load
+TOUCH_DELAY = 0.02  # seconds after a batch's first load that it goes at the latest
+
+Batch = tuple[DaemonClient, dict[str, int], bytes]
 
 
 class Touches:
     """One namespace's pending touches on one connection (another connection, namespace id or
-    key type starts a new batch; the last one goes out first). Thread-safe."""
+    key type starts a new batch; the last one goes out first). Thread-safe; ``close`` sends
+    what is pending and stops the thread that sends late batches."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._client: DaemonClient | None = None
         self._ns = self._kt = -1
         self._raw: list[bytes] = []
         self._n = 0
         self._since = 0.0
+        self._closed = False
+        self._thread: threading.Thread | None = None  # started with the first batch
 
     def add(self, client: DaemonClient, ns: int, kt: int, n: int, raw: bytes) -> None:
         """``n`` keys (wire form ``kt``: ``raw``) of namespace id ``ns`` were loaded on ``client``."""
         now = time.monotonic()
-        with self._lock:
+        with self._cond:
             done = None
             if self._n and (client is not self._client or ns != self._ns or kt != self._kt):
                 done = self._take()
             if not self._n:
                 self._client, self._ns, self._kt, self._since = client, ns, kt, now
+                self._start()
+                self._cond.notify()  # the sender thread times the new batch
             self._raw.append(raw)
             self._n += n
-            full = self._n >= TOUCH_KEYS or now - self._since >= TOUCH_DELAY
-            ready = self._take() if full else None
+            ready = self._take() if self._n >= TOUCH_KEYS else None
         for batch in (done, ready):
             if batch is not None:
                 _send(batch, later=False)
 
     def send_with_next(self, client: DaemonClient) -> None:
         """Queue the pending batch to go out with ``client``'s next request (one write)."""
-        with self._lock:
+        with self._cond:
             batch = self._take() if self._n else None
         if batch is not None:
             _send(batch, later=batch[0] is client)
 
-    def _take(self) -> tuple[DaemonClient, dict[str, int], bytes]:
+    def close(self) -> None:
+        """Send what is pending, on its own, and stop the sender thread."""
+        with self._cond:
+            batch = self._take() if self._n else None
+            self._closed = True
+            self._cond.notify()
+        if batch is not None:
+            _send(batch, later=False)
+        if self._thread is not None:
+            self._thread.join()
+
+    def _start(self) -> None:
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._run, name="ems-touches", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        """Send each batch still pending ``TOUCH_DELAY`` after its first load."""
+        while True:
+            with self._cond:
+                while not self._n and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                due = self._since + TOUCH_DELAY
+                while self._n and not self._closed and time.monotonic() < due:
+                    self._cond.wait(due - time.monotonic())
+                batch = self._take() if self._n and time.monotonic() >= self._since + TOUCH_DELAY else None
+            if batch is not None:
+                _send(batch, later=False)
+
+    def _take(self) -> Batch:
         assert self._client is not None
         batch = (self._client, {"ns": self._ns, "n": self._n, "kt": self._kt}, b"".join(self._raw))
         self._raw, self._n, self._client = [], 0, None
         return batch
 
 
-def _send(batch: tuple[DaemonClient, dict[str, int], bytes], later: bool) -> None:
+def _send(batch: Batch, later: bool) -> None:
     client, fields, raw = batch
     if client.broken:
         return  # a lost connection's touches are dropped: they are hints

@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import time
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,19 @@ def test_loads_and_exists_of_blocks_in_the_pool_need_no_round_trip(emsd: Any, mo
     assert emsd.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') >= BLOCKS
     _, body = emsd.http("/metrics")
     assert "\nemsd_shared_index_unpublished_total 0.0\n" in body.decode()  # every block had a slot
+
+
+def test_the_daemon_counts_loads_read_through_the_table_without_another_call(emsd: Any,
+                                                                          monkeypatch: Any) -> None:
+    cc, kv = connect(emsd, monkeypatch)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=OFFSETS).success == BLOCKS
+    for _ in range(3):
+        assert cc.load(SLOTS, hashes=KEYS, offsets=OFFSETS).success == BLOCKS
+    deadline = time.monotonic() + 5
+    while emsd.metric("emsd_lookup_keys_total", 'op="pin",result="hit"') < 3 * BLOCKS:
+        assert time.monotonic() < deadline, "the loads' touches never reached the daemon"
+        time.sleep(0.01)
+    assert ops(emsd, "pin") == 0
 
 
 def test_a_load_that_is_not_all_in_the_table_asks_the_daemon(emsd: Any, monkeypatch: Any) -> None:
