@@ -166,6 +166,7 @@ class ContextCaching:
         deadline = _deadline(opt)
         ns = self._ns(client, deadline)
         if client.index is not None and _all_published(client, ns, KeyBatch.from_wire(kt, raw, n)):
+            self._touches.add(client, ns, kt, 0, b"", exists=n)  # counted by the daemon later
             result = CcResult(n, n)  # all in this node's pool: nothing to ask
             self._profiler.record("exists", start, result)
             return result

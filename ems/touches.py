@@ -1,8 +1,10 @@
 """Keys the SDK loaded through the shared index, told to the daemon in batches (``TOUCH``).
 
 A load that reads its blocks through the shared index (``emsd.pool.shared_index``)
-does not ask the daemon, so the daemon's LRU and hit counters do not see it.
-``Touches`` collects such loads' keys and sends them as one ``TOUCH`` request,
+does not ask the daemon, so the daemon's LRU and hit counters do not see it, nor
+do they see an ``exists`` answered from the table. ``Touches`` collects such
+loads' keys (and the count of such exists' keys, field ``x``) and sends them as
+one ``TOUCH`` request,
 without waiting for an answer: in the same write as this object's next request
 to the daemon (``DaemonClient.send_later``), or on its own once ``TOUCH_KEYS``
 keys have gathered or ``TOUCH_DELAY`` seconds have passed since the batch's
@@ -42,23 +44,26 @@ class Touches:
         self._ns = self._kt = -1
         self._raw: list[bytes] = []
         self._n = 0
+        self._x = 0  # keys that exists found in the table
         self._since = 0.0
         self._closed = False
         self._thread: threading.Thread | None = None  # started with the first batch
 
-    def add(self, client: DaemonClient, ns: int, kt: int, n: int, raw: bytes) -> None:
-        """``n`` keys (wire form ``kt``: ``raw``) of namespace id ``ns`` were loaded on ``client``."""
+    def add(self, client: DaemonClient, ns: int, kt: int, n: int, raw: bytes, exists: int = 0) -> None:
+        """``n`` keys (wire form ``kt``: ``raw``) of namespace id ``ns`` were loaded on ``client``,
+        and ``exists`` keys were found by an ``exists``."""
         now = time.monotonic()
         with self._cond:
             done = None
-            if self._n and (client is not self._client or ns != self._ns or kt != self._kt):
+            if self._pending() and (client is not self._client or ns != self._ns or kt != self._kt):
                 done = self._take()
-            if not self._n:
+            if not self._pending():
                 self._client, self._ns, self._kt, self._since = client, ns, kt, now
                 self._start()
                 self._cond.notify()  # the sender thread times the new batch
             self._raw.append(raw)
             self._n += n
+            self._x += exists
             ready = self._take() if self._n >= TOUCH_KEYS else None
         for batch in (done, ready):
             if batch is not None:
@@ -67,14 +72,14 @@ class Touches:
     def send_with_next(self, client: DaemonClient) -> None:
         """Queue the pending batch to go out with ``client``'s next request (one write)."""
         with self._cond:
-            batch = self._take() if self._n else None
+            batch = self._take() if self._pending() else None
         if batch is not None:
             _send(batch, later=batch[0] is client)
 
     def close(self) -> None:
         """Send what is pending, on its own, and stop the sender thread."""
         with self._cond:
-            batch = self._take() if self._n else None
+            batch = self._take() if self._pending() else None
             self._closed = True
             self._cond.notify()
         if batch is not None:
@@ -91,21 +96,28 @@ class Touches:
         """Send each batch still pending ``TOUCH_DELAY`` after its first load."""
         while True:
             with self._cond:
-                while not self._n and not self._closed:
+                while not self._pending() and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
                 due = self._since + TOUCH_DELAY
-                while self._n and not self._closed and time.monotonic() < due:
+                while self._pending() and not self._closed and time.monotonic() < due:
                     self._cond.wait(due - time.monotonic())
-                batch = self._take() if self._n and time.monotonic() >= self._since + TOUCH_DELAY else None
+                late = self._pending() and time.monotonic() >= self._since + TOUCH_DELAY
+                batch = self._take() if late else None
             if batch is not None:
                 _send(batch, later=False)
 
+    def _pending(self) -> bool:
+        return bool(self._n or self._x)
+
     def _take(self) -> Batch:
         assert self._client is not None
-        batch = (self._client, {"ns": self._ns, "n": self._n, "kt": self._kt}, b"".join(self._raw))
-        self._raw, self._n, self._client = [], 0, None
+        fields = {"ns": self._ns, "n": self._n, "kt": self._kt}
+        if self._x:
+            fields["x"] = self._x
+        batch = (self._client, fields, b"".join(self._raw))
+        self._raw, self._n, self._x, self._client = [], 0, 0, None
         return batch
 
 

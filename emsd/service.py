@@ -23,8 +23,9 @@ Payload layouts (little-endian, n keys; see ``emsd.pool.keys`` for keys):
 - PIN      request: keys. response header ``count``; payload offsets u64,
            lengths u64, handles u32, each x count.
 - RELEASE  request: handles u32 x n.
-- TOUCH    request: keys (``pk`` as PIN's). response header ``count``: the keys READY here, each
-           stamped as a PIN and its RELEASE would (clients read them through the shared index).
+- TOUCH    request: keys (``pk`` as PIN's; ``x``: keys exists found in the shared index, counted
+           as exists hits). response header ``count``: the keys READY here, each stamped as a
+           PIN and its RELEASE would (clients read them through the shared index).
 - EXISTS   request: keys (``lo``: this node only; ``to``: ms). response header ``count``: leading
            keys held here or, in a cluster, by their owners (asked after the local look).
 - GRANT    request header ``size`` (block bytes), ``k`` and ``need`` (default 1); payload:
@@ -924,8 +925,12 @@ class Service:
         ns, keys, rest = self._keys(s, h, p)
         if rest:
             raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
+        found = h.get("x", 0)
+        if type(found) is not int or not 0 <= found <= 1 << 32:
+            raise RequestError(Status.INVALID_ARGUMENT, f"x must be a count of keys (got {found!r})")
         count, nbytes = self.store.touch(ns, keys, _prev_key(h))
         self.metrics.looked_up("pin", count, 0, nbytes)  # loads, whichever way they read
+        self.metrics.looked_up("exists", found, 0, 0)
         return {"count": count}, []
 
     def pin_checked(self, ns: int, keys: KeyBatch, prev: KeyBatch | None = None) -> Pinned:

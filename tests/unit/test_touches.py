@@ -97,3 +97,17 @@ def test_close_sends_what_is_pending_and_a_lost_connection_drops_it() -> None:
     t2.add(lost, 0, 0, 1, keys(9))  # type: ignore[arg-type]
     t2.close()
     assert lost.sent == []
+
+
+def test_exists_found_in_the_table_are_counted_in_the_batch() -> None:
+    c, t = Recorder(), Touches()
+    try:
+        t.add(c, 4, 0, 0, b"", exists=5)  # type: ignore[arg-type]
+        t.add(c, 4, 0, 1, keys(7), exists=0)  # type: ignore[arg-type]
+        t.send_with_next(c)  # type: ignore[arg-type]
+        assert c.sent == [("later", {"ns": 4, "n": 1, "kt": 0, "x": 5}, keys(7))]
+        t.add(c, 4, 0, 0, b"", exists=2)  # type: ignore[arg-type]
+        wait_for(lambda: len(c.sent) == 2)
+        assert c.sent[1] == ("alone", {"ns": 4, "n": 0, "kt": 0, "x": 2}, b"")
+    finally:
+        t.close()
