@@ -327,10 +327,13 @@ class DaemonClient:
                                      *payload))
         try:
             with self._send_lock:
+                sock = self.sock  # once: another thread may close the connection meanwhile
+                if sock is None:
+                    raise OSError("the connection was closed")
                 if self._later:
                     data = b"".join((*self._later, data))
                     self._later.clear()
-                self.sock.sendall(data)
+                sock.sendall(data)
         except OSError as exc:
             self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, f"emsd connection lost: {exc}"))
             raise EmsException(EmsErrorCode.EMS_IO_ERROR, f"emsd connection lost: {exc}") from None
