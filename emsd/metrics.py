@@ -152,13 +152,6 @@ class Metrics:
         from ``progress()`` at each scrape."""
         self.registry.register(PrefaultCollector(progress))
 
-    def watch_shared_index(self, unpublished: Callable[[], int]) -> None:
-        """Publish ``emsd_shared_index_unpublished_total``: blocks the shared index had no slot
-        for (``emsd.pool.shared_index``), read from ``unpublished()`` at each scrape."""
-        self.registry.register(_CounterCollector(
-            "emsd_shared_index_unpublished",
-            "Blocks the shared index had no free slot for (their loads ask the daemon)", unpublished))
-
     def watch_peer_refusals(self, counts: Callable[[], dict[str, int]]) -> None:
         """Publish ``emsd_peer_connections_refused_total`` by reason, read from ``counts()`` at
         each scrape (``PeerServer.refusals``)."""
@@ -296,6 +289,9 @@ class PoolCollector(Collector):
         for reason, n in sorted(st.evictions.items()):
             ev.add_metric([reason], n)
         yield ev
+        yield CounterMetricFamily("emsd_shared_index_unpublished",
+                                  "Blocks the shared index had no free slot for (their loads ask the daemon)",
+                                  value=st.unpublished)
         by_name: dict[str, int] = {}  # a dropped namespace's old id has the same name as its new one
         for ns_id, n in st.ns_bytes.items():
             name = self._ns_name(ns_id)
@@ -368,19 +364,6 @@ class PrefaultCollector(Collector):
         fam.add_metric(["done"], done)
         fam.add_metric(["total"], total)
         yield fam
-
-
-class _CounterCollector(Collector):
-    """One counter without labels, read from ``value()`` at scrape time."""
-
-    def __init__(self, name: str, doc: str, value: Callable[[], int]) -> None:
-        self._name, self._doc, self._value = name, doc, value
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily(self._name, self._doc, value=self._value())
 
 
 class RefusalCollector(Collector):

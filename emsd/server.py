@@ -142,9 +142,6 @@ class Daemon:
             service.connection_uncommitted = cfg.pool.connection_uncommitted
         service.restore_namespaces(names)
         self.metrics.watch_pool(store.stats, service.namespace_name, cfg.metrics.namespace_labels)
-        if store.shared is not None:
-            shared = store.shared
-            self.metrics.watch_shared_index(lambda: shared.unpublished)
         if cfg.disk.enabled:
             service.tiers = await loop.run_in_executor(None, self._open_disk, store, service)
         self.metrics.restart.labels(self.restart_outcome.split(":")[0]).set(1)

@@ -182,6 +182,7 @@ class StoreStats:
     classes: list[ClassStats] = field(default_factory=list)
     cached: int = 0  # READY entries that are read-cache copies of blocks owned elsewhere
     granted: int = 0  # bytes of chunks granted to clients (``BlockStore.grant``), not yet used
+    unpublished: int = 0  # blocks the shared index had no slot for (``emsd.pool.shared_index``)
 
 
 @dataclass
@@ -741,6 +742,7 @@ class BlockStore:
             evictions=dict(self._evictions),
             ns_bytes=dict(self._ns_bytes),
             classes=classes,
+            unpublished=0 if self.shared is None else self.shared.unpublished,
             granted=self.granted_bytes,
         )
 
