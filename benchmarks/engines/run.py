@@ -86,6 +86,10 @@ MODEL = {"num_hidden_layers": 8, "hidden_size": 1024, "intermediate_size": 2816,
          "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 16384}
 
 
+# EmsStoreConnector's counters of the wall time of its hooks on the step's path, microseconds.
+HOOK_TIMES = ("lookup_us", "load_us", "save_issue_us")
+
+
 # Log lines that mean a connector did not work although the engine served every request.
 CONNECTOR_FAILURES = {
     "No supported cpu connector found": "LMCache 0.5.6 moves KV between its buffers and the engine's "
@@ -217,12 +221,16 @@ def watch(proc: subprocess.Popen[bytes], own: psutil.Process, log: Path, connect
 
 
 def connector_totals(log: str) -> dict[str, int]:
-    """The counters EmsStoreConnector logs when its engine shuts down (empty without it)."""
-    mark = "EmsStoreConnector worker totals: "
-    for line in reversed(log.splitlines()):
-        if mark in line:
-            return {k: int(v) for k, v in json.loads(line.split(mark, 1)[1]).items()}
-    return {}
+    """The counters EmsStoreConnector's scheduler and worker sides log when their engine shuts
+    down, merged (empty without it): blocks loaded and saved, and the wall time of its hooks on
+    the step's path (``lookup_us``, ``load_us``, ``save_issue_us``)."""
+    totals: dict[str, int] = {}
+    for mark in ("EmsStoreConnector scheduler totals: ", "EmsStoreConnector worker totals: "):
+        for line in reversed(log.splitlines()):
+            if mark in line:
+                totals |= {k: int(v) for k, v in json.loads(line.split(mark, 1)[1]).items()}
+                break
+    return totals
 
 
 def taken_over(trace: list[EngineRequest]) -> list[EngineRequest]:
@@ -294,15 +302,20 @@ def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: st
     env = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(max(1, pool >> 30)),
            "LMCACHE_CHUNK_SIZE": str(BLOCK * 8)} if system == "lmcache" else {}
     served: dict[str, dict[str, Any]] = {}
-    extras: dict[str, Any] = {"init_seconds": [], "loaded_blocks": 0, "other_cpu_seconds": 0.0}
+    extras: dict[str, Any] = {"init_seconds": [], "loaded_blocks": 0, "other_cpu_seconds": 0.0,
+                              "hook_seconds": 0.0}
     try:
         for i, engine in enumerate(("A", "B")):
+            if not any(r.engine == engine for r in trace):
+                continue
             reqs = resolve([warmup_request(engine)] + [r.as_json(bench.answer_tokens) for r in trace
                                                        if r.engine == engine], served)
             out = run_engine(work, f"{system}-{engine}", bench, reqs, connector,
                              {**env, **(emsd.env(i) if emsd else {})}, python)
             extras["init_seconds"].append(out["init_seconds"])
-            extras["loaded_blocks"] += out["connector_totals"].get("loaded_blocks", 0)
+            totals = out["connector_totals"]
+            extras["loaded_blocks"] += totals.get("loaded_blocks", 0)
+            extras["hook_seconds"] += sum(totals.get(k, 0) for k in HOOK_TIMES) / 1e6
             extras["other_cpu_seconds"] += out["other_cpu_seconds"]
             served |= {x["id"]: x for x in out["requests"] if not x["id"].startswith("warmup")}
             print(f"[engines] {system}: engine {engine} served {len(reqs) - 1} requests", flush=True)
@@ -335,18 +348,31 @@ def length_sweep(work: Path, bench: Bench, lengths: list[int], systems: list[str
     return out
 
 
-def connector_cost(work: Path, bench: Bench, lengths: list[int], pool: int) -> dict[str, Any]:
-    """With nothing to find: the same new prompts through an engine without a connector and
-    one with EmsStoreConnector on an empty emsd (after each engine's warm-up)."""
-    prompts = [to_vocab(range(n * 5 + 1, n * 6 + 1)) for n in lengths]
-    trace = [EngineRequest(f"new{n}", "A", i, False, p, answer=SWEEP_ANSWER)
-             for i, (n, p) in enumerate(zip(lengths, prompts, strict=True))]
-    res: dict[str, Any] = {"lengths": lengths}
-    for system in ("cold", "emsd"):
-        served, _ = serve_trace(work / f"cost-{system}", bench, trace, system, pool)
-        res[system] = [served[r.id]["ttft"] for r in trace]
-    res["ratio"] = [e / c for e, c in zip(res["emsd"], res["cold"], strict=True)]
-    return res
+def connector_cost(work: Path, bench: Bench, lengths: list[int], rounds: int,
+                   pool: int) -> dict[str, Any]:
+    """With nothing to find: the same new prompts (two of each length, each engine's prompts
+    distinct) through an engine without a connector and one with EmsStoreConnector on an empty
+    emsd, in ``rounds`` rounds whose order alternates (cold first, then emsd first, ...), so that
+    the machine's drift falls on both alike. Per prompt and round, the ratio of the two TTFTs;
+    reported: their median and quartiles, and the wall time of the connector's hooks on the
+    engine's path (its lookups, its issuing of saves) against the TTFT it is part of."""
+    prompts = [(n, to_vocab(range(n * 5 + k * 7, n * 6 + k * 7))) for n in lengths for k in range(2)]
+    trace = [EngineRequest(f"new{n}-{i}", "A", i, False, p, answer=SWEEP_ANSWER)
+             for i, (n, p) in enumerate(prompts)]
+    ttft: dict[str, list[float]] = {"cold": [], "emsd": []}
+    hook = 0.0
+    for r in range(rounds):
+        for system in (("cold", "emsd") if r % 2 == 0 else ("emsd", "cold")):
+            served, extras = serve_trace(work / f"cost-{r}-{system}", bench, trace, system, pool)
+            ttft[system] += [served[q.id]["ttft"] for q in trace]
+            hook += extras["hook_seconds"]
+            print(f"[engines] cost round {r + 1}/{rounds}: {system} done", flush=True)
+    ratios = [e / c for e, c in zip(ttft["emsd"], ttft["cold"], strict=True)]
+    return {"lengths": lengths, "rounds": rounds, "pairs": len(ratios),
+            "ratio_median": percentile(ratios, 0.5), "ratio_q1": percentile(ratios, 0.25),
+            "ratio_q3": percentile(ratios, 0.75), "cold_ttft_sum": sum(ttft["cold"]),
+            "emsd_ttft_sum": sum(ttft["emsd"]), "hook_seconds": hook,
+            "hook_share": hook / sum(ttft["emsd"])}
 
 
 def fmt(x: float | None) -> str:
@@ -379,10 +405,11 @@ def report(results: dict[str, Any]) -> str:
                              f"{s['throughput_tok_s'] / cold['throughput_tok_s']:.2f}x")
     if "cost" in results:
         c = results["cost"]
-        lines.append("\nWith nothing to find (TTFT s, cold engine / with EmsStoreConnector, ratio): "
-                     + ", ".join(f"{n}: {a:.3f} / {b:.3f} ({r:.3f}x)"
-                                 for n, a, b, r in zip(c["lengths"], c["cold"], c["emsd"], c["ratio"],
-                                                       strict=True)))
+        lines.append(f"\nWith nothing to find ({c['pairs']} prompts of {c['lengths']} tokens, {c['rounds']} "
+                     f"rounds in alternating order): TTFT with EmsStoreConnector / without, median "
+                     f"{c['ratio_median']:.3f}x (quartiles {c['ratio_q1']:.3f}-{c['ratio_q3']:.3f}x); "
+                     f"the connector's hooks on the engine's path: {c['hook_seconds'] * 1e3:.1f} ms "
+                     f"in all, {100 * c['hook_share']:.2f}% of those prompts' TTFT")
     return "\n".join(lines)
 
 
@@ -437,6 +464,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,2048,4096,8192", help="'' skips the length sweep")
     ap.add_argument("--capacities", default="0.1,0.25,0.5,1.0",
                     help="emsd pool sizes as shares of the trace's distinct KV blocks ('' skips the sweep)")
+    ap.add_argument("--cost-rounds", type=int, default=4,
+                    help="rounds of the no-hit cost check (cold and emsd engines each; 0 skips it)")
     ap.add_argument("--engine-blocks", type=int, default=ENGINE_BLOCKS,
                     help="KV blocks of each engine's own cache (0: vLLM's default)")
     ap.add_argument("--out", default="benchmarks/engines/out")
@@ -448,7 +477,7 @@ def main() -> None:
     systems = [s for s in args.systems.split(",") if s]
     if args.quick:
         trace = quick_trace()
-        args.lengths, args.capacities = "", ""
+        args.lengths, args.capacities, args.cost_rounds = "", "", 0
     else:
         trace = engine_trace(args.sessions, args.seed)
     kv_bytes = distinct_blocks(trace, BLOCK) * BLOCK * KV_BYTES_PER_TOKEN  # all the trace could reuse
@@ -470,8 +499,8 @@ def main() -> None:
             baseline = served
         results["systems"][system] = summarise(trace, served, baseline) | extras
         print(f"[engines] {system}: {time.monotonic() - t0:.0f} s, {results['systems'][system]}", flush=True)
-    if not args.quick:
-        results["cost"] = connector_cost(work, bench, [1024, 2048, 4096], pool)
+    if args.cost_rounds:
+        results["cost"] = connector_cost(work, bench, [1024, 2048, 4096], args.cost_rounds, pool)
     if args.lengths:
         results["lengths"] = length_sweep(work, bench, [int(x) for x in args.lengths.split(",")],
                                           [s for s in ("cold", "emsd", "lmcache") if s in systems], 1 << 30)

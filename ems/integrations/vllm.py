@@ -87,6 +87,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -583,7 +584,7 @@ class SchedulerSide:
         self._lookup_opt = CcKvOption(timeout=settings.lookup_timeout_ms)
         self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (first block, hits)
         self._tracked: dict[str, _Tracked] = {}
-        self.stats = {"lookups": 0, "hit_blocks": 0, "matched_tokens": 0}
+        self.stats = {"lookups": 0, "hit_blocks": 0, "matched_tokens": 0, "lookup_us": 0}
 
     def _keys(self, request: Any, start: int, stop: int) -> list[bytes]:
         return kv_block_keys(request.block_hashes, self.geo.ratio, start, stop)
@@ -592,7 +593,15 @@ class SchedulerSide:
         return len(getattr(request, "block_hashes", None) or ()) // self.geo.ratio
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens after ``num_computed_tokens`` that emsd can supply (whole blocks), and False."""
+        """Tokens after ``num_computed_tokens`` that emsd can supply (whole blocks), and False.
+        Its wall time is added to ``stats["lookup_us"]``."""
+        start = time.perf_counter_ns()
+        try:
+            return self._matched(request, num_computed_tokens)
+        finally:
+            self.stats["lookup_us"] += (time.perf_counter_ns() - start) // 1000
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         req_id = request.request_id
         self._lookups.pop(req_id, None)
         cc = self.link.cc() if self.link is not None else None
@@ -838,8 +847,9 @@ class WorkerSide:
         self._had_save: set[str] = set()
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
+        # *_us: wall time in the hooks on the step's path (loads copied, saves only issued)
         self.stats = {"loaded_blocks": 0, "load_failed_blocks": 0, "saved_blocks": 0,
-                      "save_failed_blocks": 0, "save_dropped_blocks": 0}
+                      "save_failed_blocks": 0, "save_dropped_blocks": 0, "load_us": 0, "save_issue_us": 0}
 
     # -- registration -------------------------------------------------------------
 
@@ -863,9 +873,17 @@ class WorkerSide:
     # -- loads -----------------------------------------------------------------------
 
     def start_load_kv(self, meta: EmsConnectorMetadata) -> None:
-        """Copy this step's matched blocks into the KV cache; failures go to ``_load_errors``."""
+        """Copy this step's matched blocks into the KV cache; failures go to ``_load_errors``.
+        Its wall time is added to ``stats["load_us"]``."""
         if not meta.loads:
             return
+        start = time.perf_counter_ns()
+        try:
+            self._load(meta)
+        finally:
+            self.stats["load_us"] += (time.perf_counter_ns() - start) // 1000
+
+    def _load(self, meta: EmsConnectorMetadata) -> None:
         cc = self.link.cc() if self.link is not None else None
         if cc is None:
             for job in meta.loads:
@@ -912,9 +930,17 @@ class WorkerSide:
     # -- saves -----------------------------------------------------------------------
 
     def wait_for_save(self, meta: EmsConnectorMetadata) -> None:
-        """Issue this step's saves (``async_save``); never waits for emsd."""
+        """Issue this step's saves (``async_save``); never waits for emsd. Its wall time is
+        added to ``stats["save_issue_us"]`` (the copies run after it, on the SDK's thread)."""
         if not meta.saves:
             return
+        start = time.perf_counter_ns()
+        try:
+            self._issue_saves(meta)
+        finally:
+            self.stats["save_issue_us"] += (time.perf_counter_ns() - start) // 1000
+
+    def _issue_saves(self, meta: EmsConnectorMetadata) -> None:
         for job in meta.saves:
             self._had_save.add(job.req_id)
         cc = self.link.cc() if self.link is not None else None
@@ -1160,8 +1186,11 @@ class EmsStoreConnector(_ConnectorBase):
                 self._worker.shutdown()
             except Exception:  # noqa: BLE001
                 log.exception("EmsStoreConnector: shutdown failed")
-        if self._scheduler is not None and self._scheduler.link is not None:
-            self._scheduler.link.close()
+        if self._scheduler is not None:
+            totals = json.dumps(self._scheduler.stats, sort_keys=True)
+            log.info("EmsStoreConnector scheduler totals: %s", totals)
+            if self._scheduler.link is not None:
+                self._scheduler.link.close()
 
     # -- scheduler side ---------------------------------------------------------------
 
