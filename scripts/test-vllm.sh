@@ -6,5 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-vllm.sh
 scripts/setup-lmcache-vllm.sh  # LMCache beside vLLM for the quick run of benchmarks/engines
+scripts/setup-mooncake-vllm.sh  # and Mooncake Store beside vLLM, likewise
 echo "[test-vllm] pytest -m vllm tests/vllm"
 exec .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm "$@"

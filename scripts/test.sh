@@ -10,7 +10,8 @@ ENGINES=1
 if ((ENGINES)); then
     # The engine venvs install (mostly downloads) while the main suite runs.
     setup_log=$(mktemp)
-    (scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh && scripts/setup-engines.sh) >"$setup_log" 2>&1 &
+    (scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh && scripts/setup-mooncake-vllm.sh \
+        && scripts/setup-engines.sh) >"$setup_log" 2>&1 &
     setup_pid=$!
 fi
 echo "[test] ruff"

@@ -4,7 +4,7 @@ Run as a script in a fresh process, as a server would run (vLLM keeps
 process-wide state), with the .venv-vllm interpreter::
 
     python benchmarks/engines/engine.py --model DIR --requests FILE --out FILE
-        [--connector none|emsd|lmcache|offload] [--max-model-len N] [--engine-blocks N]
+        [--connector none|emsd|lmcache|offload|mooncake] [--max-model-len N] [--engine-blocks N]
 
 ``--requests`` is a JSON list of ``{"id", "parent", "prompt_token_ids",
 "max_tokens"}``; a request with a ``parent`` (an earlier request of the same
@@ -26,7 +26,12 @@ what a connector loaded).
 Connectors: ``emsd`` is ``EmsStoreConnector`` (``EMS_SOCKET_DIR`` from the
 environment), ``lmcache`` is vLLM's ``LMCacheConnectorV1`` configured by
 ``LMCACHE_*`` variables from the environment (its local CPU backend, or its
-remote server with ``LMCACHE_REMOTE_URL``).
+remote server with ``LMCACHE_REMOTE_URL``), ``mooncake`` is vLLM's own
+``MooncakeStoreConnector`` (venv ``.venv-mcvllm``, scripts/setup-mooncake-vllm.sh),
+configured by the file ``MOONCAKE_CONFIG_PATH`` names (master address, metadata
+server, protocol, mode, segment and buffer sizes) and by
+``MOONCAKE_REQUESTER_LOCAL_HOSTNAME`` and ``MOONCAKE_PREFERRED_SEGMENT``: all
+three as ``benchmarks.engines.mooncake_store.MooncakeStore.env`` gives them.
 """
 
 from __future__ import annotations
@@ -54,7 +59,13 @@ def transfer_config(connector: str) -> dict[str, Any] | None:
     if connector == "offload":  # vLLM's own offloading of KV blocks to CPU memory
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": 4 << 30}}
-    raise SystemExit(f"engine.py: unknown connector {connector!r} (none, emsd, lmcache, offload)")
+    if connector == "mooncake":  # vLLM's MooncakeStoreConnector: the store reads MOONCAKE_CONFIG_PATH
+        if not os.environ.get("MOONCAKE_CONFIG_PATH"):
+            raise SystemExit("engine.py: --connector mooncake needs MOONCAKE_CONFIG_PATH "
+                             "(benchmarks.engines.mooncake_store.MooncakeStore.env)")
+        return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {}}
+    raise SystemExit(f"engine.py: unknown connector {connector!r} (none, emsd, lmcache, offload, mooncake)")
 
 
 def serve(engine: Any, rid: str, prompt_ids: list[int], params: Any) -> dict[str, Any]:

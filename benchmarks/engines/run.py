@@ -36,6 +36,10 @@ Systems:
   (in the engine process: engine B cannot see what A stored). It runs in the
   venv ``.venv-lmvllm`` (``scripts/setup-lmcache-vllm.sh``); where it cannot
   run, the error is reported instead of figures;
+- ``mooncake``: vLLM's own ``MooncakeStoreConnector`` on a Mooncake Store of
+  one master and one store process on loopback (``mooncake_store.py``), as
+  large as emsd's pool; both engines use it, so engine B finds what A stored.
+  It runs in the venv ``.venv-mcvllm`` (``scripts/setup-mooncake-vllm.sh``);
 - ``offload``: vLLM's own ``OffloadingConnector`` (KV blocks offloaded to CPU
   memory in the engine process), where it runs.
 
@@ -70,12 +74,14 @@ from typing import Any
 import psutil
 
 from benchmarks.engines.engine import prompt_of
+from benchmarks.engines.mooncake_store import MooncakeStore
 from benchmarks.engines.trace import EngineRequest, distinct_blocks, engine_trace, to_vocab
 from benchmarks.workload import daemons
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = Path(__file__).with_name("engine.py")
 LMCACHE_VENV = ROOT / ".venv-lmvllm"
+MOONCAKE_VENV = ROOT / ".venv-mcvllm"
 BLOCK = 32  # vLLM block size, tokens
 # Each engine's own KV cache: 10,240 tokens, room for one long prompt and little else, as on a
 # GPU busy with other users' requests, whose prefix cache rarely still holds a session that
@@ -292,13 +298,16 @@ def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: st
     """Engines A then B of ``system`` over the trace; (request id -> result, extras)."""
     work.mkdir(parents=True, exist_ok=True)
     nodes = {"emsd": 1, "emsd-2node": 2}.get(system, 0)
-    emsd = Emsd(nodes, pool) if nodes else None
-    connector = "emsd" if nodes else (system if system in ("lmcache", "offload") else "none")
+    connector = "emsd" if nodes else (system if system in ("lmcache", "offload", "mooncake") else "none")
     python = sys.executable
-    if system == "lmcache":
-        python = str(LMCACHE_VENV / "bin" / "python")
+    venv = {"lmcache": (LMCACHE_VENV, "setup-lmcache-vllm.sh"),
+            "mooncake": (MOONCAKE_VENV, "setup-mooncake-vllm.sh")}.get(system)
+    if venv is not None:
+        python = str(venv[0] / "bin" / "python")
         if not Path(python).exists():
-            raise RuntimeError(f"{python} is missing: run scripts/setup-lmcache-vllm.sh")
+            raise RuntimeError(f"{python} is missing: run scripts/{venv[1]}")
+    emsd = Emsd(nodes, pool) if nodes else None
+    store = MooncakeStore(pool, venv=MOONCAKE_VENV) if system == "mooncake" else None  # emsd's size
     env = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(max(1, pool >> 30)),
            "LMCACHE_CHUNK_SIZE": str(BLOCK * 8)} if system == "lmcache" else {}
     served: dict[str, dict[str, Any]] = {}
@@ -311,7 +320,7 @@ def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: st
             reqs = resolve([warmup_request(engine)] + [r.as_json(bench.answer_tokens) for r in trace
                                                        if r.engine == engine], served)
             out = run_engine(work, f"{system}-{engine}", bench, reqs, connector,
-                             {**env, **(emsd.env(i) if emsd else {})}, python)
+                             {**env, **(emsd.env(i) if emsd else store.env(i) if store else {})}, python)
             extras["init_seconds"].append(out["init_seconds"])
             totals = out["connector_totals"]
             extras["loaded_blocks"] += totals.get("loaded_blocks", 0)
@@ -325,13 +334,15 @@ def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: st
     finally:
         if emsd is not None:
             emsd.stop()
+        if store is not None:
+            store.stop()
     return served, extras
 
 
 def length_sweep(work: Path, bench: Bench, lengths: list[int], systems: list[str],
                  pool: int) -> dict[str, Any]:
     """TTFT of one prompt per length: the cold engine's, and a second engine's after a first
-    engine saved it (emsd, lmcache)."""
+    engine saved it (emsd, lmcache, mooncake)."""
     out: dict[str, Any] = {"lengths": lengths}
     prompts = [to_vocab(range(n * 3, n * 4)) for n in lengths]
     pairs = list(enumerate(zip(lengths, prompts, strict=True)))
@@ -423,7 +434,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     sweep = results.get("lengths", {})
     ax = axes[0]
-    for system, style in (("cold", "o-"), ("emsd", "s-"), ("lmcache", "^-")):
+    for system, style in (("cold", "o-"), ("emsd", "s-"), ("lmcache", "^-"), ("mooncake", "v-")):
         s = sweep.get(system)
         if not s or "error" in s:
             continue
@@ -456,7 +467,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few short requests (CI)")
-    ap.add_argument("--systems", default="cold,emsd,emsd-2node,lmcache,offload")
+    ap.add_argument("--systems", default="cold,emsd,emsd-2node,mooncake,lmcache,offload")
     ap.add_argument("--sessions", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--answer-tokens", type=int, default=Bench.answer_tokens,
@@ -464,7 +475,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,2048,4096,8192", help="'' skips the length sweep")
     ap.add_argument("--capacities", default="0.1,0.25,0.5,1.0",
                     help="emsd pool sizes as shares of the trace's distinct KV blocks ('' skips the sweep)")
-    ap.add_argument("--cost-rounds", type=int, default=4,
+    ap.add_argument("--cost-rounds", type=int, default=2,
                     help="rounds of the no-hit cost check (cold and emsd engines each; 0 skips it)")
     ap.add_argument("--engine-blocks", type=int, default=ENGINE_BLOCKS,
                     help="KV blocks of each engine's own cache (0: vLLM's default)")
@@ -502,8 +513,9 @@ def main() -> None:
     if args.cost_rounds:
         results["cost"] = connector_cost(work, bench, [1024, 2048, 4096], args.cost_rounds, pool)
     if args.lengths:
-        results["lengths"] = length_sweep(work, bench, [int(x) for x in args.lengths.split(",")],
-                                          [s for s in ("cold", "emsd", "lmcache") if s in systems], 1 << 30)
+        swept = [s for s in ("cold", "emsd", "mooncake", "lmcache") if s in systems]
+        lengths = [int(x) for x in args.lengths.split(",")]
+        results["lengths"] = length_sweep(work, bench, lengths, swept, 1 << 30)
     if args.capacities and "emsd" in systems and "cold" in results["systems"]:
         fracs = [float(x) for x in args.capacities.split(",")]
         rows = []
