@@ -475,7 +475,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,2048,4096,8192", help="'' skips the length sweep")
     ap.add_argument("--capacities", default="0.1,0.25,0.5,1.0",
                     help="emsd pool sizes as shares of the trace's distinct KV blocks ('' skips the sweep)")
-    ap.add_argument("--cost-rounds", type=int, default=2,
+    ap.add_argument("--cost-rounds", type=int, default=4,
                     help="rounds of the no-hit cost check (cold and emsd engines each; 0 skips it)")
     ap.add_argument("--engine-blocks", type=int, default=ENGINE_BLOCKS,
                     help="KV blocks of each engine's own cache (0: vLLM's default)")
