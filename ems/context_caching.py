@@ -375,6 +375,7 @@ class ContextCaching:
         if not np.array_equal(found.lengths, layout.block_bytes(req.counts)):
             return False  # a block of another size: the daemon's answer says what loads
         plan = layout.plan(req.slots, req.counts, req.skip)
+        client.map_in(found.offsets)
         segs = layout.place(plan, client.pool_addr, found.offsets, None, pool_size=client.pool_size)
         layout.copy(segs, client.pool_addr, client.pool_size, to_pool=False)
         if not client.index.check(found.slots, found.seqs) or client.hung_up():
