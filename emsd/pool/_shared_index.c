@@ -159,15 +159,16 @@ static int entry_bufs(PyObject **obj, Py_buffer *buf, int n) {
     return 0;
 }
 
-/* The slot of key k's window that holds it, or -1; *free_at: the window's first free slot,
- * or -1. The writer's view (only it writes, so no seq is needed). */
+/* The slot of key k's window that holds it, or -1; unless free_at is NULL, *free_at: the
+ * window's first free slot, or -1. The writer's view (only it writes, so no seq is needed). */
 static Py_ssize_t slot_of(const table_t *t, const uint64_t *k, uint32_t nstag, Py_ssize_t *free_at) {
     Py_ssize_t s0 = home(t, k, nstag);
-    *free_at = -1;
+    if (free_at)
+        *free_at = -1;
     for (Py_ssize_t s = s0; s < s0 + WINDOW && s < t->n; s++) {
         const slot_t *sl = &t->slots[s];
         if (sl->tag == 0) {
-            if (*free_at < 0)
+            if (free_at && *free_at < 0)
                 *free_at = s;
         } else if (same_key(sl, k, nstag)) {
             return s;
@@ -217,7 +218,7 @@ static PyObject *retract(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; t.n && i < n; i++) {
         uint64_t k[4];
         uint32_t nstag = entry_key(w0, rest, ids[i], k);
-        Py_ssize_t free_at, at = slot_of(&t, k, nstag, &free_at);
+        Py_ssize_t at = slot_of(&t, k, nstag, NULL);
         if (at >= 0) {
             write_slot(&t.slots[at], ZERO_KEY, EMPTY_NSTAG, 0, 0);
             gone++;
