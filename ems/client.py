@@ -231,19 +231,14 @@ class DaemonClient:
         """Before a copy to or from the blocks at ``offsets`` (byte offsets just reserved,
         granted, pinned or found in the shared index): make the pool's pages cheap to touch.
 
-        A whole mapping: the first call starts ``_Populator``, which fills this process's
-        page tables for the whole pool in the background; a connection that never copies
-        (a connector's scheduler side, which only asks ``exists``) never spends on it.
+        A whole mapping: ``populate`` (a no-op once started).
         A sparse mapping (a tenant's memfd): the slab pages holding ``offsets`` (this
         tenant's, allocated by the daemon, so nothing new is allocated) are filled the
         first time a call uses each, one ``MADV_POPULATE_WRITE`` a page instead of a fault
         every 4 KiB. Where the kernel lacks it, pages fault in as they are touched."""
         page = self._sparse_page
         if not page:
-            if self._populator is None and self._may_populate:
-                with self._populate_lock:
-                    if self._populator is None and self._may_populate:
-                        self._populator = _Populator(self.pool_addr, self.pool_size)
+            self.populate()
             return
         if not len(offsets):
             return
@@ -259,6 +254,18 @@ class DaemonClient:
             self._mapped_pages.add(p)
             start = p * page
             _madvise(self.pool_addr + start, min(page, self.pool_size - start), _MADV_POPULATE_WRITE)
+
+    def populate(self) -> None:
+        """With a whole mapping, start filling this process's page tables for the pool in the
+        background (``_Populator``), once per connection: called when a ``ContextCaching``
+        registers KV caches (so the filling runs while an engine starts) and before every
+        copy. A connection that never copies, such as a connector's scheduler side, which
+        only asks ``exists``, never spends on it. A no-op with a sparse mapping or once
+        closed."""
+        if self._populator is None and self._may_populate:
+            with self._populate_lock:
+                if self._populator is None and self._may_populate:
+                    self._populator = _Populator(self.pool_addr, self.pool_size)
 
     def close(self) -> None:
         """Close the socket and unmap the pool. Call only with no copy in progress."""
@@ -493,14 +500,11 @@ class _Populator:
     through ctypes (which lets go of the GIL), a chunk a call, so that the
     first call does not wait for a large pool to be mapped, nor for pages
     the daemon is still prefaulting (this allocates them as it goes).
-    It starts at a connection's first copy (``map_in``) and runs at the
-    lowest CPU priority (nice 19), taking CPU that nothing else wants.
-    Before, every connection filled its page tables at once at normal
-    priority, the scheduler side's of a vLLM connector too, which never
-    copies: on a CPU engine, with a 1 GiB pool, the two fills competed
-    with the first prefills (in one pair of runs of benchmarks/engines'
-    cost prompts, the warm-up prompt's TTFT went from 1.89 s to 0.92 s and
-    the first 1,024-token prompt's from 3.65 s to 2.40 s).
+    It starts when a connection is to copy (``DaemonClient.populate``), not
+    at connect, and runs at the lowest CPU priority (nice 19), taking CPU
+    that nothing else wants: on a CPU engine, whose compute threads keep
+    both cores of this machine busy, a fill at normal priority slows them
+    (a 1 GiB pool is a few seconds of one core here).
     ``stop`` ends it after the chunk in flight: call it before unmapping.
     """
 

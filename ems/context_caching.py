@@ -89,8 +89,11 @@ class ContextCaching:
     # -- registration ------------------------------------------------------------
 
     def register_kvcache(self, kvcache: Any) -> None:
-        """Record the KV tensors' layout and addresses; no data moves."""
+        """Record the KV tensors' layout and addresses; no data moves. The connection, if
+        there is one, starts filling its page tables for the pool (``DaemonClient.populate``)."""
         self._layout = KvLayout.from_kvcache(kvcache)
+        with contextlib.suppress(EmsException):  # no connection yet: the first copy starts it
+            self._client().populate()
 
     @property
     def layout(self) -> KvLayout:
