@@ -123,7 +123,7 @@ class DaemonClient:
         self.pool: mmap.mmap | None = None
         self.pool_array: np.ndarray | None = None
         self.pool_addr = 0
-        self._populator: _Populator | None = None  # started by the first map_in of a whole mapping
+        self._populator: _Populator | None = None  # started by populate() (a whole mapping)
         self._populate_lock = threading.Lock()
         self._may_populate = False  # a whole mapping, not closed
         self._sparse_page = 0  # a sparse mapping's slab page (0: the mapping is not sparse)

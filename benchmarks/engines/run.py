@@ -24,8 +24,9 @@ slower than one without, before the connector did anything (measured here,
   saves into it pay for its page faults: up to +1.4 s on a 3,000-token
   prompt, 0.1-0.3 s on the next few; the daemons here run with the default
   (prefaulted), as a deployment does.
-With both out of the way, an engine with ``EmsStoreConnector`` and nothing to
-find runs within the noise of one without it (``cost`` in the results).
+What is left of an engine with ``EmsStoreConnector`` and nothing to find is
+measured by ``connector_cost`` (``cost`` in the results): paired prompts in
+alternating rounds, and the wall time of the connector's own hooks.
 
 Systems:
 - ``cold``: no connector (vLLM's own prefix cache only, as in every system);
@@ -307,7 +308,10 @@ def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: st
         if not Path(python).exists():
             raise RuntimeError(f"{python} is missing: run scripts/{venv[1]}")
     emsd = Emsd(nodes, pool) if nodes else None
-    store = MooncakeStore(pool, venv=MOONCAKE_VENV) if system == "mooncake" else None  # emsd's size
+    try:
+        store = MooncakeStore(pool, venv=MOONCAKE_VENV) if system == "mooncake" else None  # emsd's size
+    except (OSError, ValueError) as e:  # reported as this system's error, as a failed engine is
+        raise RuntimeError(f"mooncake: {e}") from e
     env = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(max(1, pool >> 30)),
            "LMCACHE_CHUNK_SIZE": str(BLOCK * 8)} if system == "lmcache" else {}
     served: dict[str, dict[str, Any]] = {}
