@@ -81,6 +81,7 @@ parallelism. The module imports without vLLM; the connector then raises
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -88,7 +89,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -573,6 +574,16 @@ class _Tracked:
     had_save: bool = False  # a save job went to the workers: free late (request_finished)
 
 
+@contextlib.contextmanager
+def _timed(stats: dict[str, int], key: str) -> Iterator[None]:
+    """Add the block's wall time, in microseconds, to ``stats[key]`` (however it ends)."""
+    start = time.perf_counter_ns()
+    try:
+        yield
+    finally:
+        stats[key] += (time.perf_counter_ns() - start) // 1000
+
+
 class SchedulerSide:
     """Lookups and the per-step plan; runs in vLLM's scheduler (engine core) process."""
 
@@ -595,11 +606,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens after ``num_computed_tokens`` that emsd can supply (whole blocks), and False.
         Its wall time is added to ``stats["lookup_us"]``."""
-        start = time.perf_counter_ns()
-        try:
+        with _timed(self.stats, "lookup_us"):
             return self._matched(request, num_computed_tokens)
-        finally:
-            self.stats["lookup_us"] += (time.perf_counter_ns() - start) // 1000
 
     def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         req_id = request.request_id
@@ -877,11 +885,8 @@ class WorkerSide:
         Its wall time is added to ``stats["load_us"]``."""
         if not meta.loads:
             return
-        start = time.perf_counter_ns()
-        try:
+        with _timed(self.stats, "load_us"):
             self._load(meta)
-        finally:
-            self.stats["load_us"] += (time.perf_counter_ns() - start) // 1000
 
     def _load(self, meta: EmsConnectorMetadata) -> None:
         cc = self.link.cc() if self.link is not None else None
@@ -934,11 +939,8 @@ class WorkerSide:
         added to ``stats["save_issue_us"]`` (the copies run after it, on the SDK's thread)."""
         if not meta.saves:
             return
-        start = time.perf_counter_ns()
-        try:
+        with _timed(self.stats, "save_issue_us"):
             self._issue_saves(meta)
-        finally:
-            self.stats["save_issue_us"] += (time.perf_counter_ns() - start) // 1000
 
     def _issue_saves(self, meta: EmsConnectorMetadata) -> None:
         for job in meta.saves:
