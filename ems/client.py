@@ -19,7 +19,6 @@ at once, and every later call too, until the SDK reconnects.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import mmap
 import os
@@ -123,9 +122,7 @@ class DaemonClient:
         self.pool: mmap.mmap | None = None
         self.pool_array: np.ndarray | None = None
         self.pool_addr = 0
-        self._populator: _Populator | None = None  # started by populate() (a whole mapping)
-        self._populate_lock = threading.Lock()
-        self._may_populate = False  # a whole mapping, not closed
+        self._populator: _Populator | None = None
         self._sparse_page = 0  # a sparse mapping's slab page (0: the mapping is not sparse)
         self._mapped_pages: set[int] = set()  # slab pages of a sparse mapping populated here
         self.pool_size = 0
@@ -196,8 +193,7 @@ class DaemonClient:
         sparse = bool(answer.get("sparse"))
         self._sparse_page = int(answer.get("page", 0)) if sparse else 0
         self._mapped_pages = set()
-        self._populator = None
-        self._may_populate = not sparse
+        self._populator = None if sparse else _Populator(self.pool_addr, size)
         self.info = answer
         self.index = index
         self.sock = sock
@@ -228,19 +224,13 @@ class DaemonClient:
         self._fail_all(EmsException(EmsErrorCode.EMS_IO_ERROR, "client closed"))
 
     def map_in(self, offsets: np.ndarray) -> None:
-        """Before a copy to or from the blocks at ``offsets`` (byte offsets just reserved,
-        granted, pinned or found in the shared index): make the pool's pages cheap to touch.
-
-        A whole mapping: ``populate`` (a no-op once started).
-        A sparse mapping (a tenant's memfd): the slab pages holding ``offsets`` (this
-        tenant's, allocated by the daemon, so nothing new is allocated) are filled the
-        first time a call uses each, one ``MADV_POPULATE_WRITE`` a page instead of a fault
-        every 4 KiB. Where the kernel lacks it, pages fault in as they are touched."""
+        """With a sparse mapping (a tenant's memfd), fill this process's page tables for the
+        slab pages holding ``offsets`` (byte offsets of blocks of this tenant, just reserved,
+        granted or pinned) the first time a call uses each: one ``MADV_POPULATE_WRITE`` a
+        page instead of a fault every 4 KiB. Those pages are this tenant's, allocated by the
+        daemon, so nothing new is allocated. A no-op otherwise, and where the kernel lacks it."""
         page = self._sparse_page
-        if not page:
-            self.populate()
-            return
-        if not len(offsets):
+        if not page or not len(offsets):
             return
         first = int(offsets[0]) // page
         if len(offsets) == 1 or first == int(offsets[-1]) // page:  # the usual call: one page
@@ -255,26 +245,12 @@ class DaemonClient:
             start = p * page
             _madvise(self.pool_addr + start, min(page, self.pool_size - start), _MADV_POPULATE_WRITE)
 
-    def populate(self) -> None:
-        """With a whole mapping, start filling this process's page tables for the pool in the
-        background (``_Populator``), once per connection: called when a ``ContextCaching``
-        registers KV caches (so the filling runs while an engine starts) and before every
-        copy. A connection that never copies, such as a connector's scheduler side, which
-        only asks ``exists``, never spends on it. A no-op with a sparse mapping or once
-        closed."""
-        if self._populator is None and self._may_populate:
-            with self._populate_lock:
-                if self._populator is None and self._may_populate:
-                    self._populator = _Populator(self.pool_addr, self.pool_size)
-
     def close(self) -> None:
         """Close the socket and unmap the pool. Call only with no copy in progress."""
         self.close_socket()
-        with self._populate_lock:  # before the pool is unmapped under it
-            self._may_populate = False
-            if self._populator is not None:
-                self._populator.stop()
-                self._populator = None
+        if self._populator is not None:  # before the pool is unmapped under it
+            self._populator.stop()
+            self._populator = None
         if self.index is not None:
             self.index.close()
             self.index = None
@@ -500,11 +476,6 @@ class _Populator:
     through ctypes (which lets go of the GIL), a chunk a call, so that the
     first call does not wait for a large pool to be mapped, nor for pages
     the daemon is still prefaulting (this allocates them as it goes).
-    It starts when a connection is to copy (``DaemonClient.populate``), not
-    at connect, and runs at the lowest CPU priority (nice 19), taking CPU
-    that nothing else wants: on a CPU engine, whose compute threads keep
-    both cores of this machine busy, a fill at normal priority slows them
-    (a 1 GiB pool is a few seconds of one core here).
     ``stop`` ends it after the chunk in flight: call it before unmapping.
     """
 
@@ -512,15 +483,11 @@ class _Populator:
 
     def __init__(self, address: int, size: int) -> None:
         self._address, self._size = address, size
-        self.priority: int | None = None  # the thread's nice value once it runs
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ems-populate", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        with contextlib.suppress(OSError):  # this thread only (Linux: a tid is a process id here)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            self.priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         for off in range(0, self._size, self.CHUNK):
             if self._stop.is_set() or _madvise(self._address + off, min(self.CHUNK, self._size - off),
                                                _MADV_POPULATE_WRITE) != 0:

@@ -89,11 +89,8 @@ class ContextCaching:
     # -- registration ------------------------------------------------------------
 
     def register_kvcache(self, kvcache: Any) -> None:
-        """Record the KV tensors' layout and addresses; no data moves. The connection, if
-        there is one, starts filling its page tables for the pool (``DaemonClient.populate``)."""
+        """Record the KV tensors' layout and addresses; no data moves."""
         self._layout = KvLayout.from_kvcache(kvcache)
-        with contextlib.suppress(EmsException):  # no connection yet: the first copy starts it
-            self._client().populate()
 
     @property
     def layout(self) -> KvLayout:
@@ -378,7 +375,6 @@ class ContextCaching:
         if not np.array_equal(found.lengths, layout.block_bytes(req.counts)):
             return False  # a block of another size: the daemon's answer says what loads
         plan = layout.plan(req.slots, req.counts, req.skip)
-        client.map_in(found.offsets)
         segs = layout.place(plan, client.pool_addr, found.offsets, None, pool_size=client.pool_size)
         layout.copy(segs, client.pool_addr, client.pool_size, to_pool=False)
         if not client.index.check(found.slots, found.seqs) or client.hung_up():
