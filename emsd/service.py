@@ -57,6 +57,7 @@ import heapq
 import logging
 import os
 import select
+import struct
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -94,6 +95,7 @@ DRAIN_BATCH = 256  # blocks pushed per step of a drain
 OWNER_KEYS = 1024  # keys an OWNER request may name
 # Slot statuses as numpy scalars: comparing an array with one skips the enum's slow lookup.
 _NEW, _FAILED, _PRESENT = (np.uint8(st) for st in (SlotStatus.NEW, SlotStatus.FAILED, SlotStatus.PRESENT))
+_AT_SIZE = struct.Struct("<QQ")  # a one-block PUT after its key: the granted chunk's offset, the block's size
 GRANT_SESSION_SHARE = 64  # a connection holds at most 1/64 of the pool in granted chunks
 GRANT_TOTAL_SHARE = 16  # all connections together at most 1/16
 CONNECTION_UNCOMMITTED_SHARE = 2  # default pool.connection_uncommitted: half the pool
@@ -752,6 +754,8 @@ class Service:
             raise RequestError(Status.INVALID_ARGUMENT, f"offsets and sizes: expected {16 * n} bytes, "
                                f"got {len(rest)}")
         s.put = None
+        if n == 1 and self.store.scalar_paths and self.tenants.quota(s.tenant) is None:
+            return self._put_one(s, h, ns, keys, rest)
         at = np.frombuffer(rest, dtype="<u8", count=n).astype(np.uint64)
         sizes = np.frombuffer(rest, dtype="<u8", count=n, offset=8 * n).astype(np.uint64)
         align = self.store.slabs.align
@@ -777,6 +781,28 @@ class Service:
         self.metrics.reserved(int(new.size), int(sizes[new].sum()),
                               int((res.status == _FAILED).sum()), "put")
         return {"n": n}, [np.asarray(res.status, dtype=np.uint8).tobytes()]
+
+    def _put_one(self, s: Session, h: dict[str, Any], ns: int, keys: KeyBatch, rest: bytes) -> Response:
+        """``_put`` of one block for a tenant without a quota (a one-block save): the same
+        checks, answer and effects in scalar steps."""
+        at, size = _AT_SIZE.unpack(rest)
+        chunk = _granted_chunks(s, [at])[0]
+        if not 0 < size <= chunk < size + self.store.slabs.align:
+            raise RequestError(Status.INVALID_ARGUMENT, f"a block of {size} bytes does not "
+                               f"fit its granted chunk of {chunk} exactly")
+        status, handle = self.store.reserve_granted_one(ns, keys, size, at, _prev_key(h))
+        new = status == _NEW
+        handles = np.array((handle,) if new else (), dtype=np.uint32)
+        if new:
+            s.forget_grants([at])
+            if self.checksums is not None:
+                self.checksums.seal(handles)  # written before the PUT was sent: digest before READY
+            self.store.commit_reserved(handles)
+        s.put = handles
+        answer = bytes((status,))
+        self._note_copies(s, ns, keys, np.frombuffer(answer, dtype=np.uint8))
+        self.metrics.reserved(int(new), size if new else 0, int(status == _FAILED), "put")
+        return {"n": 1}, [answer]
 
     def hold_quota(self, ns: int, nbytes: int) -> None:
         """Namespace ``ns``'s tenant holds ``nbytes`` more (or, negative, fewer) bytes reserved

@@ -165,6 +165,10 @@ class Recency(ABC):
         ``present``: the entries that were there (any state)."""
 
     @abstractmethod
+    def reserved_one(self, idx: BlockIndex, stamp: int, i: int, below: Below) -> None:
+        """``reserved`` of a one-key reserve whose key was absent and got entry ``i``."""
+
+    @abstractmethod
     def committed(self, idx: BlockIndex, h: np.ndarray, tick: Tick) -> None:
         """Stamp entries ``h`` just made READY."""
 
@@ -189,6 +193,9 @@ class LruRecency(Recency):
                  new: np.ndarray, handles: np.ndarray, cut: int, present: np.ndarray) -> None:
         if present.size:  # someone has just computed them again: used now
             idx.last_used[present[idx.state.take(present) == _READY]] = stamp
+
+    def reserved_one(self, idx: BlockIndex, stamp: int, i: int, below: Below) -> None:
+        return None  # a new entry carries the reserve's stamp already
 
     def committed(self, idx: BlockIndex, h: np.ndarray, tick: Tick) -> None:
         idx.last_used[h] = tick(1)
@@ -215,7 +222,7 @@ class PrefixRecency(Recency):
     def reserved(self, idx: BlockIndex, stamp: int, n: int, below: Below, ids: np.ndarray,
                  new: np.ndarray, handles: np.ndarray, cut: int, present: np.ndarray) -> None:
         if n == 1 and new.size:  # one new block (a one-block save)
-            idx.last_used[int(handles[0])] = chain_stamp(stamp, below())
+            self.reserved_one(idx, stamp, int(handles[0]), below)
             return
         stamps = chain_stamps(stamp, n, below())
         if new.size:
@@ -226,6 +233,9 @@ class PrefixRecency(Recency):
         pos = pos[idx.state.take(ids[pos]) == _READY]
         if pos.size:  # a key twice in the batch, or already newer, keeps the newer stamp
             np.maximum.at(idx.last_used, ids[pos], stamps[pos])
+
+    def reserved_one(self, idx: BlockIndex, stamp: int, i: int, below: Below) -> None:
+        idx.last_used[i] = chain_stamp(stamp, below())
 
     def committed(self, idx: BlockIndex, h: np.ndarray, tick: Tick) -> None:
         return None

@@ -290,31 +290,48 @@ class BlockIndex:
         """Insert keys known to be absent and distinct (the caller checked);
         returns their new entry ids (uint32)."""
         k = len(keys)
+        if k == 1:  # one key (a one-block save): the same writes, scalar
+            return np.array((self.insert_one(ns, keys, offsets[0], lengths[0], state, stamp),),
+                            dtype=np.uint32)
         knt = nstag_of(ns, keys.tags)
         self._make_room(k)
         words = np.ascontiguousarray(keys.words)
-        if k == 1:  # one key (a one-block save): the same writes, scalar
-            i = self._take_one()
-            ids = np.array([i], dtype=np.uint32)
-            self.w0[i] = words[0, 0]
-            self.rest[i, :6] = words[0].view(np.uint32)[2:]
-            self.rest[i, 6] = knt[0]
-            self.state[i] = state
-            self.offset[i] = offsets[0]
-            self.length[i] = lengths[0]
-            self.last_used[i] = stamp
-            self.cached[i] = 0
-        else:
-            ids = self._take_ids(k)
-            self.w0[ids] = words[:, 0]
-            self.rest[ids, :6] = words.view(np.uint32)[:, 2:]
-            self.rest[ids, 6] = knt
-            self.state[ids] = state  # pins are 0 already: never set, or cleared by remove
-            self.offset[ids] = offsets
-            self.length[ids] = lengths
-            self.last_used[ids] = stamp
-            self.cached[ids] = 0
+        ids = self._take_ids(k)
+        self.w0[ids] = words[:, 0]
+        self.rest[ids, :6] = words.view(np.uint32)[:, 2:]
+        self.rest[ids, 6] = knt
+        self.state[ids] = state  # pins are 0 already: never set, or cleared by remove
+        self.offset[ids] = offsets
+        self.length[ids] = lengths
+        self.last_used[ids] = stamp
+        self.cached[ids] = 0
         self._count += k
+        self._seat(ids, words, knt)
+        return ids
+
+    def insert_one(self, ns: int, keys: KeyBatch, offset: int | np.integer, length: int | np.integer,
+                   state: int, stamp: int) -> int:
+        """``insert_new`` of one key (absent: the caller checked); its new entry id."""
+        if not 0 <= ns <= MAX_NS:
+            raise ValueError(f"namespace id {ns} is outside 0..{MAX_NS}")
+        knt = ns << 8 | int(keys.tags[0])
+        self._make_room(1)
+        words = np.ascontiguousarray(keys.words)
+        i = self._take_one()
+        self.w0[i] = words[0, 0]
+        self.rest[i, :6] = words[0].view(np.uint32)[2:]
+        self.rest[i, 6] = knt
+        self.state[i] = state
+        self.offset[i] = offset
+        self.length[i] = length
+        self.last_used[i] = stamp
+        self.cached[i] = 0
+        self._count += 1
+        self._seat(np.array((i,), dtype=np.uint32), words, np.array((knt,), dtype=np.uint32))
+        return i
+
+    def _seat(self, ids: np.ndarray, words: np.ndarray, knt: np.ndarray) -> None:
+        """Put the new entries ``ids`` (keys ``words``, ``knt``) in the hash table."""
         try:
             if self._c_probe():
                 self._place_c(ids)
@@ -322,7 +339,6 @@ class BlockIndex:
                 self._place(ids, hash_keys(words, knt))
         except _Crowded:
             self._rebuild(self.home_size)
-        return ids
 
     def _c_probe(self) -> bool:
         """Whether the C loops (``_probe``) may stand in for the numpy ones: built, not

@@ -369,6 +369,27 @@ class BlockStore:
                                   handles, 1, _NO_U4)
         return Reservation(status, handles, offsets)
 
+    def reserve_granted_one(self, ns: int, keys: KeyBatch, size: int, at: int,
+                            prev: KeyBatch | None = None) -> tuple[int, int]:
+        """``reserve(ns, keys, [size], admit=True, prev=prev, at=[at])`` of one key (a PUT of
+        one block into granted chunk ``at``, of the size's class: the caller checked), as
+        (status, handle). Scalar steps when the key is absent and no admission threshold
+        counts it (the usual one-block save); the batch path otherwise. The same answer and
+        effects either way."""
+        ids = self.index.find(ns, keys)
+        if ids[0] != EMPTY or not self.scalar_paths or ns in self._admit_after:
+            res = self.reserve(ns, keys, np.array((size,), dtype=np.uint64), admit=True, prev=prev,
+                               at=np.array((at,), dtype=np.uint64))
+            return int(res.status[0]), int(res.handles[0])
+        stamp = self._tick(self.recency.reserve_ticks(1))
+        self.granted_bytes -= self._granted.pop(at)
+        i = self.index.insert_one(ns, keys, at // self.slabs.align, size, PENDING, stamp)
+        if self.sums is not None:
+            self._set_sums(np.array((i,), dtype=np.uint32), _NO_SUM)
+        self._pending += 1
+        self.recency.reserved_one(self.index, stamp, i, lambda: self._below(ns, prev))
+        return int(Status.NEW), i
+
     def _below(self, ns: int, prev: KeyBatch | None) -> int | None:
         """The stamp of ``prev`` (one key) if it is READY, else None: the bound a call
         that continues its chain must stay under (``eviction.chain_stamps``)."""
@@ -405,7 +426,11 @@ class BlockStore:
         checking them again. Returns how many were committed."""
         if h.size == 0:
             return 0
-        self.index.state[h] = READY
+        if h.size == 1:  # one block a call: scalar steps
+            i = int(h[0])
+            self.index.state[i] = READY
+        else:
+            self.index.state[h] = READY
         if self.shared is not None:
             self.shared.publish(self.index, h, int(self._unit))
         self.recency.committed(self.index, h, self._tick)
@@ -704,8 +729,9 @@ class BlockStore:
     def _record(self, ids: np.ndarray) -> None:
         if self.ledger is not None and ids.size:
             idx = self.index
-            self.ledger.record(ids, idx.w0[ids], idx.rest[ids], idx.offset[ids], idx.length[ids],
-                               idx.cached[ids], 0 if self.sums is None else self.sums_of(ids))
+            at = slice(int(ids[0]), int(ids[0]) + 1) if ids.size == 1 else ids  # one: views, not gathers
+            self.ledger.record(ids, idx.w0[at], idx.rest[at], idx.offset[at], idx.length[at],
+                               idx.cached[at], 0 if self.sums is None else self.sums_of(ids))
 
     def namespaces_in_use(self) -> set[int]:
         """Namespace ids with at least one entry (PENDING or READY); one scan of the index."""
@@ -1095,19 +1121,24 @@ class BlockStore:
         """Add (sign 1) or remove (sign -1) entries' lengths to their namespaces."""
         if ids.size == 0:
             return
-        for key, total in self._ns_totals(ids).items():
-            left = self._ns_bytes.get(key, 0) + sign * total
-            if left:
-                self._ns_bytes[key] = left
-            else:
-                self._ns_bytes.pop(key, None)
+        if ids.size == 1:  # one block a call: no dict of totals
+            i = int(ids[0])
+            self._ns_change(int(self.index.rest[i, 6]) >> 8, sign * int(self.index.length[i]))
+            return
+        for ns, total in self._ns_totals(ids).items():
+            self._ns_change(ns, sign * total)
+
+    def _ns_change(self, ns: int, delta: int) -> None:
+        """Namespace ``ns`` holds ``delta`` committed bytes more (or, negative, fewer)."""
+        left = self._ns_bytes.get(ns, 0) + delta
+        if left:
+            self._ns_bytes[ns] = left
+        else:
+            self._ns_bytes.pop(ns, None)
 
     def _ns_totals(self, ids: np.ndarray) -> dict[int, int]:
         """Namespace id -> total length of the entries ``ids`` (at least one) in it."""
         idx = self.index
-        if ids.size == 1:  # one block a call: scalars, not array reductions
-            i = int(ids[0])
-            return {int(idx.rest[i, 6]) >> 8: int(idx.length[i])}
         nstag = idx.rest[ids, 6]  # ns << 8 | tag: one namespace when min and max agree
         if int(nstag.min()) >> 8 == int(nstag.max()) >> 8:
             return {int(nstag[0]) >> 8: int(idx.length[ids].sum(dtype=np.int64))}

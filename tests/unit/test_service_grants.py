@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
@@ -193,3 +195,83 @@ def test_granted_chunks_are_never_evicted_and_their_page_never_stolen() -> None:
     assert not starts & set(at.tolist())  # no block was placed in a granted chunk
     assert _put(svc, s, ns, list(range(8)), at)[1].tolist() == [NEW] * 8
     assert _loadable(svc, ns, list(range(8))) == 8
+
+
+@pytest.mark.parametrize("case", ["not granted", "another session's", "wrong size", "size past its chunk",
+                                  "short payload"])
+def test_a_bad_one_block_put_is_refused_and_changes_nothing(case: str) -> None:
+    svc, s, ns = _setup()
+    other, _ = _session(svc)
+    mine, theirs = _grant(svc, s, 1), _grant(svc, other, 1)
+    at, sizes = mine, [BLOCK]
+    if case == "not granted":
+        at = mine + np.uint64(POOL)
+    elif case == "another session's":
+        at = theirs
+    elif case == "wrong size":
+        sizes = [BLOCK - 64]
+    elif case == "size past its chunk":
+        sizes = [BLOCK + 1]
+    before = svc.store.stats()
+    if case == "short payload":
+        resp, _ = svc.handle(s, {"op": int(Op.PUT), "ns": ns, "n": 1, "kt": 0, "id": 3},
+                             np.array([1], "<u8").tobytes() + mine.astype("<u8").tobytes())
+    else:
+        resp, _ = _put(svc, s, ns, [1], at, sizes)
+    assert resp["st"] == Status.INVALID_ARGUMENT and resp["msg"]
+    after = svc.store.stats()
+    assert (after.entries, after.granted, after.bytes_used) == \
+        (before.entries, before.granted, before.bytes_used)
+    assert list(s.granted) == mine.tolist() and _loadable(svc, ns, [1]) == 0
+    assert _put(svc, s, ns, [1], mine)[1].tolist() == [NEW]  # the chunk still works
+
+
+_PUT_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("grant"), st.integers(1, 3), st.sampled_from([BLOCK, 3000])),
+    st.tuples(st.just("put"), st.integers(0, 9), st.integers(0, 7), st.sampled_from([0, 1, -64, 1 << 30])),
+    st.tuples(st.just("pin"), st.integers(0, 9)),
+), max_size=40)
+
+
+def _run_puts(svc: Service, s: Session, ns: int, steps: list[tuple[int | str, ...]]) -> list[object]:
+    """Carry out ``steps`` (GRANTs, one-block PUTs into a granted chunk, of a size off by the
+    step's amount, or into an offset never granted; PINs); every answer and the state after."""
+    out: list[object] = []
+    granted: list[tuple[int, int]] = []  # (offset, block size) granted and not used
+    for op, *args in steps:
+        if op == "grant":
+            k, size = args
+            granted += [(int(o), size) for o in _grant(svc, s, k, size)]
+            out.append(len(granted))
+        elif op == "put":
+            key, pick, off = args
+            at, size = granted[pick % len(granted)] if granted else (0, BLOCK)
+            at = at + POOL if off == 1 << 30 else at
+            resp, status = _put(svc, s, ns, [key], np.array([at]), [size + off if off != 1 << 30 else size])
+            out.append((resp["st"], status.tolist()))
+            if status.tolist() == [NEW]:
+                granted.remove((at, size))
+        else:
+            p = svc.store.pin(ns, KeyBatch.from_user([args[0]]))
+            svc.store.release(p.handles)
+            out.append((p.count, p.offsets.tolist()))
+        st_ = svc.store.stats()
+        idx = svc.store.index
+        counts = svc.metrics.requests
+        out.append((st_.bytes_used, st_.pending, st_.granted, st_.ns_bytes, sorted(s.granted.items()),
+                    s.granted_bytes, counts.bytes.get("put", 0), counts.save_failed,
+                    [getattr(idx, f)[: idx.high_water].tolist()
+                     for f in ("w0", "state", "offset", "length", "last_used")]))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["lru", "prefix"]), _PUT_STEPS)
+def test_a_one_block_put_answers_and_changes_state_as_the_batch_path_does(policy: str, steps: list) -> None:
+    runs = []
+    for scalar in (True, False):
+        svc = Service(BlockStore(POOL, PAGE, eviction=policy), "t", "shm", Metrics())
+        svc.store.scalar_paths = scalar
+        s, ns = _session(svc)
+        runs.append(_run_puts(svc, s, ns, steps))
+    assert runs[0] == runs[1]

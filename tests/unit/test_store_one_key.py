@@ -1,5 +1,6 @@
-"""The store's one-key paths (a one-block save, pin and release in scalar steps) give the
-same answers and leave the same state as the batch path, under both eviction policies."""
+"""The store's one-key paths (a one-block save, a one-block PUT into a granted chunk, pin
+and release in scalar steps) give the same answers and leave the same state as the batch
+path, under both eviction policies."""
 
 from __future__ import annotations
 
@@ -54,12 +55,18 @@ def _run(store: BlockStore, script: list[tuple[Any, ...]]) -> list[Any]:
                 if chunks.size == 0:
                     continue
                 at = chunks
-            res = store.reserve(0, KeyBatch.from_user([k]), np.array([size], dtype=np.uint64),
-                                prev=_key(prev), at=at, copy=copy)
-            if at is not None and res.status[0] != Status.NEW:
+            if at is not None and not copy:  # as a one-block PUT: the scalar path, or the batch one
+                status, handle = store.reserve_granted_one(0, KeyBatch.from_user([k]), size,
+                                                           int(at[0]), _key(prev))
+                out.append((status, handle))
+                new = np.array([handle] if status == Status.NEW else [], dtype=np.uint32)
+            else:
+                res = store.reserve(0, KeyBatch.from_user([k]), np.array([size], dtype=np.uint64),
+                                    prev=_key(prev), at=at, copy=copy)
+                out.append((res.status.tolist(), res.handles.tolist(), res.offsets.tolist()))
+                new = res.handles[res.status == Status.NEW]
+            if at is not None and new.size == 0:
                 store.ungrant(at)
-            out.append((res.status.tolist(), res.handles.tolist(), res.offsets.tolist()))
-            new = res.handles[res.status == Status.NEW]
             if commit:  # as a PUT does
                 out.append(store.commit(new))
             else:  # as a RESERVE does: committed or aborted by a later step
