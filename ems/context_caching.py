@@ -246,7 +246,7 @@ class ContextCaching:
         sizes = layout.block_bytes(req.counts).astype("<u8")
         kt, raw = req.keys.to_wire()
         _remaining(deadline)  # a call whose time is up reserves nothing
-        size = int(sizes[0]) if self._granted and int(sizes.min()) == int(sizes.max()) else 0
+        size = int(sizes[0]) if self._granted and (n == 1 or int(sizes.min()) == int(sizes.max())) else 0
         at = client.grants.take(size, n, _left(deadline)) if size else None
         keyed = {"ns": ns, "n": n, "kt": kt}
         if at is not None:
@@ -278,11 +278,8 @@ class ContextCaching:
             if exc.status_code() != EmsErrorCode.EMS_IO_TIMEOUT:  # refused: nothing was stored
                 client.grants.give_back(size, at)
             raise  # (a late answer gives the unused chunks back: _unused_back)
-        status = _put_status(payload, n)
-        client.grants.give_back(size, at[status != _NEW])
-        failed = np.flatnonzero(status == _FAILED)
-        good = int(failed[0]) if failed.size else n
-        return CcResult(_reached(header, np.flatnonzero(status == _NEW), good), req.total)
+        done = _one_put_success if n == 1 else _put_success  # one block a call: scalar steps
+        return CcResult(done(header, payload, client, size, at), req.total)
 
     def _reserve_commit(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient,
                         deadline: float | None, keyed: dict[str, Any], raw: bytes,
@@ -488,6 +485,32 @@ def _put_status(payload: bytes, n: int) -> np.ndarray:
     if len(payload) != n:
         raise EmsException(EmsErrorCode.EMS_IO_ERROR, "malformed PUT answer from emsd")
     return np.frombuffer(payload, dtype=np.uint8)
+
+
+def _put_success(answer: dict[str, Any], payload: bytes, client: DaemonClient, size: int,
+                 at: np.ndarray) -> int:
+    """``success`` of a PUT of ``at.size`` blocks from its answer: the keys before the first
+    FAILED one, cut at the first NEW one that (in a cluster) did not reach its owner; the
+    chunks the blocks did not take go back to the grants."""
+    n = at.size
+    status = _put_status(payload, n)
+    client.grants.give_back(size, at[status != _NEW])
+    failed = np.flatnonzero(status == _FAILED)
+    good = int(failed[0]) if failed.size else n
+    return _reached(answer, np.flatnonzero(status == _NEW), good)
+
+
+def _one_put_success(answer: dict[str, Any], payload: bytes, client: DaemonClient, size: int,
+                     at: np.ndarray) -> int:
+    """``_put_success`` of a one-block PUT, in scalar steps: 1 when the block is stored
+    (PRESENT, or NEW and, in a cluster, at its owner), 0 when FAILED or not at its owner."""
+    if len(payload) != 1:
+        raise EmsException(EmsErrorCode.EMS_IO_ERROR, "malformed PUT answer from emsd")
+    status = payload[0]
+    if status != _NEW:
+        client.grants.give_back(size, at)
+        return int(status != _FAILED)
+    return 0 if answer.get("reached") == b"\0" else 1
 
 
 def _unused_back(client: DaemonClient, size: int, at: np.ndarray) -> Callable[[dict[str, Any], bytes], None]:

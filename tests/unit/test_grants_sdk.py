@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 from ems.common.exception import EmsErrorCode, EmsException
+from ems.context_caching import _one_put_success, _put_success
 from ems.grants import IDLE_AFTER_NONE, REFILL_BYTES, Grants, refill
 from emsd.transport.frames import Op
 
@@ -107,3 +109,30 @@ def test_a_daemon_with_grants_off_is_never_asked() -> None:
     d = FakeDaemon(lambda f: [0], grants=False)
     Grants(d).ask(64, 2)  # type: ignore[arg-type]
     assert d.asked == []
+
+
+class _Holder:
+    """What ``_put_success`` needs of a ``DaemonClient``: its grant pool."""
+
+    def __init__(self) -> None:
+        self.grants = Grants(FakeDaemon(lambda _f: []))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("status", [0, 1, 2])  # NEW, PRESENT, FAILED
+@pytest.mark.parametrize("reached", [None, b"\0", b"\1", b""])
+def test_a_one_block_put_answer_counts_and_gives_back_as_the_batch_tail_does(
+        status: int, reached: bytes | None) -> None:
+    answer = {} if reached is None else {"reached": reached}
+    results = []
+    for done in (_one_put_success, _put_success):
+        holder = _Holder()
+        success = done(answer, bytes((status,)), holder, 4096, np.array([8192], dtype=np.uint64))  # type: ignore[arg-type]
+        results.append((success, holder.grants.take(4096, 1, None) is not None))
+    assert results[0] == results[1]
+    assert results[0][1] == (status != 0)  # a chunk the block did not take is free again
+
+
+def test_a_malformed_one_block_put_answer_is_an_io_error() -> None:
+    with pytest.raises(EmsException) as err:
+        _one_put_success({}, b"", _Holder(), 4096, np.array([8192], dtype=np.uint64))  # type: ignore[arg-type]
+    assert err.value.status_code() == EmsErrorCode.EMS_IO_ERROR
