@@ -52,7 +52,7 @@ from ems.config import CcKvOption, resolve_option
 from ems.layout import KvLayout
 from ems.namespace import namespace_name
 from ems.profiling import Profiler
-from ems.requests import BatchRequest, exists_keys, hash_request, token_request
+from ems.requests import BatchRequest, exists_keys, hash_request, slots_within, token_request
 from ems.result import CcFuture, CcResult
 from ems.touches import Touches
 from emsd.pool.keys import KT_INT, KeyBatch
@@ -230,7 +230,8 @@ class ContextCaching:
             if hashes is None or offsets is None:
                 raise invalid("hash semantics need hashes and offsets")
             req = hash_request(slot_mapping, hashes, offsets)
-        layout.check_slots(req.slots)
+        if not slots_within(slot_mapping, layout.num_slots):
+            layout.check_slots(req.slots)  # names the first slot out of range
         return req
 
     def _save(self, req: BatchRequest, opt: CcKvOption) -> CcResult:
@@ -365,6 +366,8 @@ class ContextCaching:
         writes slots it then reports as not loaded)."""
         assert client.index is not None
         n = len(req.keys)
+        if n == 1:
+            return self._load_published_one(req, client, ns, kt, raw)
         found = client.index.find(ns, req.keys, client.pool_size)
         if found.offsets.size < n:
             return False
@@ -377,6 +380,24 @@ class ContextCaching:
         if not client.index.check(found.slots, found.seqs) or client.hung_up():
             return False
         self._touches.add(client, ns, kt, n, raw)
+        return True
+
+    def _load_published_one(self, req: BatchRequest, client: DaemonClient, ns: int, kt: int,
+                            raw: bytes) -> bool:
+        """``_load_published`` of one block (one block a call), in scalar steps."""
+        assert client.index is not None
+        found = client.index.find_one(ns, req.keys, client.pool_size)
+        layout = self.layout
+        if found is None or found[1] != int(req.counts[0]) * layout.slot_bytes:
+            return False  # not there, or a block of another size: the daemon's answer says what loads
+        offset, _, slot, seq = found
+        plan = layout.plan(req.slots, req.counts, req.skip)
+        segs = layout.place(plan, client.pool_addr, np.array((offset,), dtype=np.uint64), None,
+                            pool_size=client.pool_size)
+        layout.copy(segs, client.pool_addr, client.pool_size, to_pool=False)
+        if not client.index.check_one(slot, seq) or client.hung_up():
+            return False
+        self._touches.add(client, ns, kt, 1, raw)
         return True
 
     # -- connection helpers ----------------------------------------------------------
@@ -402,6 +423,8 @@ class ContextCaching:
 def _all_published(client: DaemonClient, ns: int, keys: KeyBatch) -> bool:
     """Whether every key is in the shared index (present in this node's pool)."""
     assert client.index is not None
+    if len(keys) == 1:
+        return client.index.find_one(ns, keys, client.pool_size) is not None
     return client.index.find(ns, keys, client.pool_size).offsets.size == len(keys)
 
 

@@ -249,9 +249,35 @@ def _one_int_key(slot_mapping: Any, hashes: Any, offsets: Any) -> BatchRequest |
         return None
     slots.setflags(write=False)
     word = h & _U64
-    keys = KeyBatch(np.array([[word, 0, 0, 0]], dtype=np.uint64), np.array([INT_TAG], dtype=np.uint8),
+    keys = KeyBatch(np.array([[word, 0, 0, 0]], dtype=np.uint64), _ONE_INT_TAG,
                     word.to_bytes(8, "little"))  # KeyBatch.from_ints, in fewer steps
-    return BatchRequest(keys, slots, _readonly(np.array([c], dtype=np.int64)), None, 1)
+    counts = _ONE_COUNT.get(c)
+    if counts is None:
+        counts = _readonly(np.array([c], dtype=np.int64))
+        if len(_ONE_COUNT) < 64:  # a connector uses one or two block sizes
+            _ONE_COUNT[c] = counts
+    return BatchRequest(keys, slots, counts, None, 1)
+
+
+# Read-only arrays the one-block requests share (nothing writes a request's arrays): the tag
+# of one int key, and the counts of one key by its slot count.
+_ONE_INT_TAG = _readonly(np.array([INT_TAG], dtype=np.uint8))
+_ONE_COUNT: dict[int, np.ndarray] = {}
+
+
+def slots_within(slot_mapping: Any, num_slots: int) -> bool:
+    """Whether ``slot_mapping``, a non-empty list of integers (``hash_request`` has checked
+    its entries), has its least and greatest entries ints in ``[0, num_slots)``: the slot
+    check of the usual one-block call's list in a few scalar steps. False for anything
+    else, valid or not: the caller then checks in full (``KvLayout.check_slots``), which
+    names what is wrong."""
+    if type(slot_mapping) is not list or not slot_mapping:
+        return False
+    try:
+        lo, hi = min(slot_mapping), max(slot_mapping)
+    except TypeError:
+        return False
+    return type(lo) is int and type(hi) is int and lo >= 0 and hi < num_slots
 
 
 def _mask_zeros(mask: np.ndarray) -> int:

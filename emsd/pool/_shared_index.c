@@ -27,6 +27,9 @@
  * check(table, slots, seqs) -> bool
  *     After the caller copied the blocks find gave: whether every slot still has the seq
  *     find saw, that is, no block was retracted (and its chunk possibly reused) since.
+ * find_one(table, w0, w1, w2, w3, nstag, limit) -> (offset, length, slot, seq) or None
+ * check_one(table, slot, seq) -> bool
+ *     find and check of one key (a one-block load), with scalars instead of arrays.
  *
  * Every slot index is bounds-checked against the buffer: a table too small for its
  * header reads as empty, never as an out-of-bounds access.
@@ -249,6 +252,38 @@ static PyObject *retract_ns(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(gone);
 }
 
+typedef struct {
+    uint64_t offset;
+    uint32_t length;
+    uint32_t slot;
+    uint64_t seq;
+} found_t;
+
+/* Look key k (nstag) up as a reader: whether it is published whole (not mid-write) with its
+ * block within ``limit`` bytes of the pool, and if so where (*f). */
+static int find_key(const table_t *t, const uint64_t *k, uint32_t nstag, uint64_t limit, found_t *f) {
+    Py_ssize_t s0 = home(t, k, nstag);
+    for (Py_ssize_t s = s0; s < s0 + WINDOW && s < t->n; s++) {
+        slot_t *sl = &t->slots[s];
+        uint64_t seq = __atomic_load_n(&sl->seq, __ATOMIC_ACQUIRE);
+        if (seq & 1 || !same_key(sl, k, nstag))
+            continue;
+        uint64_t off = __atomic_load_n(&sl->offset, __ATOMIC_RELAXED);
+        uint32_t len = __atomic_load_n(&sl->length, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&sl->seq, __ATOMIC_RELAXED) != seq)
+            continue; /* changed while read: as if absent (the daemon answers) */
+        if (len == 0 || off > limit || len > limit - off)
+            return 0;
+        f->offset = off;
+        f->length = len;
+        f->slot = (uint32_t)s;
+        f->seq = seq;
+        return 1;
+    }
+    return 0;
+}
+
 static PyObject *find(PyObject *self, PyObject *args) {
     PyObject *obj[7];
     unsigned long long limit;
@@ -272,28 +307,13 @@ static PyObject *find(PyObject *self, PyObject *args) {
     uint32_t *slots = buf[5].buf;
     Py_ssize_t count = 0;
     for (; t.n && count < n; count++) {
-        const uint64_t *k = kw + 4 * count;
-        Py_ssize_t s0 = home(&t, k, nst[count]), at = -1;
-        for (Py_ssize_t s = s0; s < s0 + WINDOW && s < t.n && at < 0; s++) {
-            slot_t *sl = &t.slots[s];
-            uint64_t seq = __atomic_load_n(&sl->seq, __ATOMIC_ACQUIRE);
-            if (seq & 1 || !same_key(sl, k, nst[count]))
-                continue;
-            uint64_t off = __atomic_load_n(&sl->offset, __ATOMIC_RELAXED);
-            uint32_t len = __atomic_load_n(&sl->length, __ATOMIC_RELAXED);
-            __atomic_thread_fence(__ATOMIC_ACQUIRE);
-            if (__atomic_load_n(&sl->seq, __ATOMIC_RELAXED) != seq)
-                continue; /* changed while read: as if absent (the daemon answers) */
-            if (len == 0 || off > limit || len > limit - off)
-                break;
-            offsets[count] = off;
-            lengths[count] = len;
-            slots[count] = (uint32_t)s;
-            seqs[count] = seq;
-            at = s;
-        }
-        if (at < 0)
+        found_t f;
+        if (!find_key(&t, kw + 4 * count, nst[count], limit, &f))
             break;
+        offsets[count] = f.offset;
+        lengths[count] = f.length;
+        slots[count] = f.slot;
+        seqs[count] = f.seq;
     }
     result = PyLong_FromSsize_t(count);
 done:
@@ -328,12 +348,50 @@ done:
     return result;
 }
 
+static PyObject *find_one(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    uint64_t k[4];
+    unsigned int nstag;
+    unsigned long long limit;
+    if (!PyArg_ParseTuple(args, "OKKKKIK", &obj, &k[0], &k[1], &k[2], &k[3], &nstag, &limit))
+        return NULL;
+    Py_buffer buf;
+    if (get(obj, &buf, 0) < 0)
+        return NULL;
+    table_t t = table_of(&buf);
+    found_t f;
+    int hit = t.n && find_key(&t, k, nstag, limit, &f);
+    PyBuffer_Release(&buf);
+    if (!hit)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(KkkK)", (unsigned long long)f.offset, (unsigned long)f.length,
+                         (unsigned long)f.slot, (unsigned long long)f.seq);
+}
+
+static PyObject *check_one(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    unsigned long long slot, seq;
+    if (!PyArg_ParseTuple(args, "OKK", &obj, &slot, &seq))
+        return NULL;
+    Py_buffer buf;
+    if (get(obj, &buf, 0) < 0)
+        return NULL;
+    table_t t = table_of(&buf);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the copy's loads come before the load below */
+    int ok = slot < (unsigned long long)t.n && __atomic_load_n(&t.slots[slot].seq, __ATOMIC_RELAXED) == seq;
+    PyBuffer_Release(&buf);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
     {"publish", publish, METH_VARARGS, "publish(table, w0, rest, ids, offset, length, unit) -> published"},
     {"retract", retract, METH_VARARGS, "retract(table, w0, rest, ids) -> retracted"},
     {"retract_ns", retract_ns, METH_VARARGS, "retract_ns(table, ns) -> slots retracted"},
     {"find", find, METH_VARARGS, "find(table, words, nstag, limit, offsets, lengths, slots, seqs) -> count"},
     {"check", check, METH_VARARGS, "check(table, slots, seqs) -> whether no slot changed"},
+    {"find_one", find_one, METH_VARARGS,
+     "find_one(table, w0, w1, w2, w3, nstag, limit) -> (offset, length, slot, seq) or None"},
+    {"check_one", check_one, METH_VARARGS, "check_one(table, slot, seq) -> whether the slot did not change"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shared_index",

@@ -186,6 +186,17 @@ class SharedIndexReader:
         """Whether every slot ``find`` gave still holds what it held then (call after the copy)."""
         return bool(_c.check(self._buf, slots, seqs))
 
+    def find_one(self, ns: int, keys: KeyBatch, limit: int) -> tuple[int, int, int, int] | None:
+        """``find`` of a batch of one key, in scalars: (offset, length, slot, seq) when it is
+        published, else None."""
+        w = keys.words[0]
+        return _c.find_one(self._buf, int(w[0]), int(w[1]), int(w[2]), int(w[3]),
+                           int(keys.tags[0]) | ns << 8, limit)
+
+    def check_one(self, slot: int, seq: int) -> bool:
+        """``check`` of the one slot ``find_one`` gave."""
+        return bool(_c.check_one(self._buf, slot, seq))
+
     def close(self) -> None:
         self._buf.release()
         try:

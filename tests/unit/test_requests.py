@@ -17,6 +17,7 @@ from ems.requests import (
     as_int_array,
     exists_keys,
     hash_request,
+    slots_within,
     token_request,
 )
 from ems.tokens import chunk_keys
@@ -313,6 +314,17 @@ def test_a_one_block_request_is_the_same_through_the_scalar_path(h: int, c: int,
     assert fast.slots.tolist() == slow.slots.tolist() and fast.counts.tolist() == slow.counts.tolist()
     assert (fast.total, fast.skip, fast.prev) == (slow.total, slow.skip, slow.prev)
     assert not fast.slots.flags.writeable and not fast.counts.flags.writeable
+    assert not fast.keys.tags.flags.writeable  # shared by one-block requests: never written
+
+
+@given(slots=st.lists(st.one_of(st.integers(-3, 20), st.integers(-3, 20).map(np.int64)), max_size=6))
+def test_slots_within_is_never_wrong_and_says_yes_for_ints_in_range(slots: list) -> None:
+    inside = bool(slots) and all(0 <= int(s) < 16 for s in slots)
+    if slots_within(slots, 16):
+        assert inside
+    if inside and all(type(s) is int for s in slots):
+        assert slots_within(slots, 16)
+    assert not slots_within(tuple(slots), 16) and not slots_within(np.array(slots, dtype=np.int64), 16)
 
 
 @pytest.mark.parametrize("args", [([-1], [5], [1]), ([0], [1 << 64], [1]), ([0, 1], [5], [1]),

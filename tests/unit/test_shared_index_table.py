@@ -114,6 +114,19 @@ class Table(RuleBasedStateMachine):
                 assert self.reader.find(ns, one(key), LIMIT).offsets.size == 0
 
     @invariant()
+    def one_key_lookups_agree_with_the_batch_ones(self) -> None:
+        if not hasattr(self, "ids"):
+            return
+        for ns, key in [*self.ids, (0, -1 & 0xFFFF_FFFF_FFFF_FFFF)]:
+            f = self.reader.find(ns, one(key), LIMIT)
+            whole = None if f.offsets.size == 0 else \
+                (int(f.offsets[0]), int(f.lengths[0]), int(f.slots[0]), int(f.seqs[0]))
+            assert self.reader.find_one(ns, one(key), LIMIT) == whole
+        for _, slot, seq in self.seen:
+            assert self.reader.check_one(slot, seq) == \
+                self.reader.check(np.array([slot], np.uint32), np.array([seq], np.uint64))
+
+    @invariant()
     def checks_fail_once_the_slot_changed(self) -> None:
         if not hasattr(self, "seen"):
             return
@@ -153,6 +166,9 @@ def test_blocks_past_the_pool_are_not_found(table: tuple[SharedIndex, SharedInde
     writer.publish(idx, ids, UNIT)
     assert reader.find(0, keys, 10 * UNIT + 64).offsets.size == 1
     assert reader.find(0, keys, 10 * UNIT + 63).offsets.size == 0  # a client never copies past its map
+    assert reader.find_one(0, keys, 10 * UNIT + 64) is not None
+    assert reader.find_one(0, keys, 10 * UNIT + 63) is None
+    assert not reader.check_one(1 << 40, 0)  # a slot past the table: changed, never read
 
 
 def test_a_full_window_leaves_keys_unpublished_and_counted() -> None:
