@@ -20,7 +20,10 @@ reference's at the same client count.
 
 One block a call (``--batch 1 --sizes 65536``) is the single-block mode: the
 calls a second in all, half saves and half loads, are what the request-path
-issue asks 10,000 of from 4 clients.
+issue asks 10,000 of from 4 clients. Each emsd line also gives the CPU time
+(user and system) per save-and-load of the daemon and of the client processes
+together, from their start to their exit (connecting and registering
+included): on 2 cores their sum bounds the rate.
 
 The machine is shared and has 2 cores here: with more processes than cores
 the reference and emsd both share them, and the daemon's own thread is one
@@ -34,6 +37,7 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -41,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -107,9 +112,14 @@ def client(mode: str, sock: str | None, rank: int, size: int, n: int, seconds: f
     results.put({"batches": r, **{op: moved[op] / spent[op] for op in OPS}})
 
 
-def run(mode: str, clients: int, size: int, n: int, seconds: float, sock: str | None) -> dict[str, float]:
-    """Aggregate GB/s of ``clients`` processes side by side, and batches a second."""
+def run(mode: str, clients: int, size: int, n: int, seconds: float, sock: str | None,
+        daemon: psutil.Process | None = None) -> dict[str, float]:
+    """Aggregate GB/s of ``clients`` processes side by side, and batches a second; with
+    ``daemon``, also the CPU microseconds per batch of the daemon and of the clients
+    (user and system, the clients' from their start to their exit)."""
     ctx = mp.get_context("fork")
+    mine0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    daemon0 = daemon.cpu_times() if daemon is not None else None
     start, results = ctx.Barrier(clients), ctx.Queue()
     procs = [ctx.Process(target=client, args=(mode, sock, i, size, n, seconds, start, results))
              for i in range(clients)]
@@ -124,6 +134,13 @@ def run(mode: str, clients: int, size: int, n: int, seconds: float, sock: str | 
             raise RuntimeError(f"a {mode} client failed (exit {p.exitcode})")
     out = {op: sum(g[op] for g in got) / 1e9 for op in OPS}
     out["batches_per_s"] = sum(g["batches"] for g in got) / seconds
+    if daemon is not None and daemon0 is not None:
+        batches = max(1, sum(g["batches"] for g in got))
+        mine1, daemon1 = resource.getrusage(resource.RUSAGE_CHILDREN), daemon.cpu_times()
+        clients_s = (mine1.ru_utime - mine0.ru_utime) + (mine1.ru_stime - mine0.ru_stime)
+        daemon_s = (daemon1.user - daemon0.user) + (daemon1.system - daemon0.system)
+        out["daemon_us_per_batch"] = daemon_s / batches * 1e6
+        out["clients_us_per_batch"] = clients_s / batches * 1e6
     return out
 
 
@@ -147,7 +164,7 @@ def main() -> None:
             for size in sizes:
                 for k in counts:
                     ref = run("memmove", k, size, args.batch, args.seconds, None)
-                    mine = run("emsd", k, size, args.batch, args.seconds, str(sock))
+                    mine = run("emsd", k, size, args.batch, args.seconds, str(sock), psutil.Process(proc.pid))
                     row = {"size": size, "clients": k, "memmove": ref, "emsd": mine,
                            "ratio": {op: mine[op] / ref[op] for op in OPS}}
                     rows.append(row)
@@ -155,7 +172,9 @@ def main() -> None:
                           + ", ".join(f"{op} emsd {mine[op]:.2f} GB/s / memmove {ref[op]:.2f} = "
                                       f"{row['ratio'][op]:.2f}x" for op in OPS)
                           + f"; emsd {mine['batches_per_s']:.0f} batches/s "
-                          f"({2 * mine['batches_per_s']:.0f} calls/s, half saves, half loads)", flush=True)
+                          f"({2 * mine['batches_per_s']:.0f} calls/s, half saves, half loads); CPU per "
+                          f"save and load: daemon {mine['daemon_us_per_batch']:.0f} us, clients "
+                          f"{mine['clients_us_per_batch']:.0f} us", flush=True)
         finally:
             stop(proc)
     print(f"load average {os.getloadavg()}")
