@@ -19,7 +19,7 @@ echo "[test] ruff"
 echo "[test] mypy"
 .venv/bin/mypy emsd ems
 echo "[test] pytest"
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=15 "$@"
 if ((ENGINES)); then
     if ! wait "$setup_pid"; then
         cat "$setup_log" >&2
