@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ems.common.exception import EmsErrorCode, EmsException
@@ -318,6 +318,10 @@ def test_a_one_block_request_is_the_same_through_the_scalar_path(h: int, c: int,
 
 
 @given(slots=st.lists(st.one_of(st.integers(-3, 20), st.integers(-3, 20).map(np.int64)), max_size=6))
+@example(slots=[16])
+@example(slots=[0, 15])
+@example(slots=[-1, 3])
+@example(slots=[])
 def test_slots_within_is_never_wrong_and_says_yes_for_ints_in_range(slots: list) -> None:
     inside = bool(slots) and all(0 <= int(s) < 16 for s in slots)
     if slots_within(slots, 16):
