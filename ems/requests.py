@@ -265,13 +265,17 @@ _ONE_INT_TAG = _readonly(np.array([INT_TAG], dtype=np.uint8))
 _ONE_COUNT: dict[int, np.ndarray] = {}
 
 
+SHORT_SLOTS = 64  # a one-block call's slots: one block's tokens (vLLM: 16)
+
+
 def slots_within(slot_mapping: Any, num_slots: int) -> bool:
-    """Whether ``slot_mapping``, a non-empty list of integers (``hash_request`` has checked
-    its entries), has its least and greatest entries ints in ``[0, num_slots)``: the slot
-    check of the usual one-block call's list in a few scalar steps. False for anything
-    else, valid or not: the caller then checks in full (``KvLayout.check_slots``), which
-    names what is wrong."""
-    if type(slot_mapping) is not list or not slot_mapping:
+    """Whether ``slot_mapping``, a non-empty list of at most ``SHORT_SLOTS`` integers
+    (``hash_request`` has checked its entries), has its least and greatest entries ints in
+    ``[0, num_slots)``: the slot check of the usual one-block call's list in a few scalar
+    steps. False for anything else, valid or not: the caller then checks in full
+    (``KvLayout.check_slots``), which names what is wrong, and which is the cheaper of the
+    two past a few dozen slots (Python's min and max walk the list)."""
+    if type(slot_mapping) is not list or not 0 < len(slot_mapping) <= SHORT_SLOTS:
         return False
     try:
         lo, hi = min(slot_mapping), max(slot_mapping)

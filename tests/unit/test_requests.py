@@ -329,6 +329,7 @@ def test_slots_within_is_never_wrong_and_says_yes_for_ints_in_range(slots: list)
     if inside and all(type(s) is int for s in slots):
         assert slots_within(slots, 16)
     assert not slots_within(tuple(slots), 16) and not slots_within(np.array(slots, dtype=np.int64), 16)
+    assert not slots_within(list(range(65)), 100)  # a long list: the array check is cheaper
 
 
 @pytest.mark.parametrize("args", [([-1], [5], [1]), ([0], [1 << 64], [1]), ([0, 1], [5], [1]),
