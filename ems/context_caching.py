@@ -364,40 +364,17 @@ class ContextCaching:
         (``ems.touches``: LRU, metrics). False when any key is not found or the check fails:
         the caller asks the daemon (slots may have been written by this try then, as a load
         writes slots it then reports as not loaded)."""
-        assert client.index is not None
-        n = len(req.keys)
-        if n == 1:
-            return self._load_published_one(req, client, ns, kt, raw)
-        found = client.index.find(ns, req.keys, client.pool_size)
-        if found.offsets.size < n:
-            return False
         layout = self.layout
-        if not np.array_equal(found.lengths, layout.block_bytes(req.counts)):
-            return False  # a block of another size: the daemon's answer says what loads
+        found = _published(client, ns, req, layout)
+        if found is None:
+            return False  # a key not there, or a block of another size: the daemon's answer says what loads
+        offsets, unchanged = found
         plan = layout.plan(req.slots, req.counts, req.skip)
-        segs = layout.place(plan, client.pool_addr, found.offsets, None, pool_size=client.pool_size)
+        segs = layout.place(plan, client.pool_addr, offsets, None, pool_size=client.pool_size)
         layout.copy(segs, client.pool_addr, client.pool_size, to_pool=False)
-        if not client.index.check(found.slots, found.seqs) or client.hung_up():
+        if not unchanged() or client.hung_up():
             return False
-        self._touches.add(client, ns, kt, n, raw)
-        return True
-
-    def _load_published_one(self, req: BatchRequest, client: DaemonClient, ns: int, kt: int,
-                            raw: bytes) -> bool:
-        """``_load_published`` of one block (one block a call), in scalar steps."""
-        assert client.index is not None
-        found = client.index.find_one(ns, req.keys, client.pool_size)
-        layout = self.layout
-        if found is None or found[1] != int(req.counts[0]) * layout.slot_bytes:
-            return False  # not there, or a block of another size: the daemon's answer says what loads
-        offset, _, slot, seq = found
-        plan = layout.plan(req.slots, req.counts, req.skip)
-        segs = layout.place(plan, client.pool_addr, np.array((offset,), dtype=np.uint64), None,
-                            pool_size=client.pool_size)
-        layout.copy(segs, client.pool_addr, client.pool_size, to_pool=False)
-        if not client.index.check_one(slot, seq) or client.hung_up():
-            return False
-        self._touches.add(client, ns, kt, 1, raw)
+        self._touches.add(client, ns, kt, len(req.keys), raw)
         return True
 
     # -- connection helpers ----------------------------------------------------------
@@ -418,6 +395,27 @@ class ContextCaching:
                                     timeout=_remaining(deadline))
             self._ns_for = (client, int(header["ns"]))
             return self._ns_for[1]
+
+
+def _published(client: DaemonClient, ns: int, req: BatchRequest,
+               layout: KvLayout) -> tuple[np.ndarray, Callable[[], bool]] | None:
+    """Where the shared index has every key of ``req``, each with the length ``layout``
+    expects: their byte offsets in the pool, and the check to make after copying them
+    (true while no slot used changed: ``SharedIndexReader.check``). None otherwise. One
+    key (one block a call) is looked up in scalars (``find_one``)."""
+    index = client.index
+    assert index is not None
+    if len(req.keys) == 1:
+        one = index.find_one(ns, req.keys, client.pool_size)
+        if one is None or one[1] != int(req.counts[0]) * layout.slot_bytes:
+            return None
+        offset, _, slot, seq = one
+        return np.array((offset,), dtype=np.uint64), lambda: index.check_one(slot, seq)
+    found = index.find(ns, req.keys, client.pool_size)
+    if found.offsets.size < len(req.keys) \
+            or not np.array_equal(found.lengths, layout.block_bytes(req.counts)):
+        return None
+    return found.offsets, lambda: index.check(found.slots, found.seqs)
 
 
 def _all_published(client: DaemonClient, ns: int, keys: KeyBatch) -> bool:

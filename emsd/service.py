@@ -761,9 +761,7 @@ class Service:
         align = self.store.slabs.align
         chunks = _granted_chunks(s, at.tolist())
         for size, chunk in zip(sizes.tolist(), chunks, strict=True):
-            if not 0 < size <= chunk < size + align:
-                raise RequestError(Status.INVALID_ARGUMENT, f"a block of {size} bytes does not "
-                                   f"fit its granted chunk of {chunk} exactly")
+            _check_fits(size, chunk, align)
         # The chunks named are counted (granted) already: only the blocks' own bytes are new.
         fit = self._fit_quota(s.tenant, ns, keys, sizes, counted=sum(chunks))
         res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
@@ -786,10 +784,7 @@ class Service:
         """``_put`` of one block for a tenant without a quota (a one-block save): the same
         checks, answer and effects in scalar steps."""
         at, size = _AT_SIZE.unpack(rest)
-        chunk = _granted_chunks(s, [at])[0]
-        if not 0 < size <= chunk < size + self.store.slabs.align:
-            raise RequestError(Status.INVALID_ARGUMENT, f"a block of {size} bytes does not "
-                               f"fit its granted chunk of {chunk} exactly")
+        _check_fits(size, _granted_chunks(s, [at])[0], self.store.slabs.align)
         status, handle = self.store.reserve_granted_one(ns, keys, size, at, _prev_key(h))
         new = status == _NEW
         handles = np.array((handle,) if new else (), dtype=np.uint32)
@@ -1185,6 +1180,14 @@ def _granted_chunks(s: Session, offsets: list[int]) -> list[int]:
     if len(set(offsets)) != len(offsets):
         raise RequestError(Status.INVALID_ARGUMENT, "a granted chunk is named twice")
     return chunks
+
+
+def _check_fits(size: int, chunk: int, align: int) -> None:
+    """A block of ``size`` bytes fills a granted chunk of ``chunk`` bytes exactly (its class,
+    chunks ``align`` apart); ``RequestError`` otherwise."""
+    if not 0 < size <= chunk < size + align:
+        raise RequestError(Status.INVALID_ARGUMENT, f"a block of {size} bytes does not "
+                           f"fit its granted chunk of {chunk} exactly")
 
 
 def _own(pending: set[int], handles: list[int], what: str) -> None:

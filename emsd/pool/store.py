@@ -426,9 +426,8 @@ class BlockStore:
         checking them again. Returns how many were committed."""
         if h.size == 0:
             return 0
-        if h.size == 1:  # one block a call: scalar steps
-            i = int(h[0])
-            self.index.state[i] = READY
+        if h.size == 1:  # one block a call: a scalar write
+            self.index.state[int(h[0])] = READY
         else:
             self.index.state[h] = READY
         if self.shared is not None:
