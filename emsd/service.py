@@ -339,11 +339,11 @@ class Service:
         """Fetch ``keys`` from their owners; copies stay as read cache, or (``keep`` off) until released."""
         assert self.cluster is not None
         name = self.namespace_name(ns)
-        before = self.store.index.find(ns, keys)
+        before = None if keep else self.store.index.find(ns, keys)
         await self.cluster.fetch(name, keys, deadline)
         remote = self._remote(name, keys)
-        self.store.mark_cached(ns, keys.take(remote))
-        if not keep:
+        self.store.mark_cached(ns, keys if remote.all() else keys.take(remote))
+        if before is not None:
             after = self.store.index.find(ns, keys)
             new = (after != before) & (after >= FIRST_ID) & remote
             session.fetched = set(after[new].tolist())

@@ -498,8 +498,9 @@ class PeerServer:
                 await tiers.promote(ns, keys, count, link.loop.time() + PROMOTE_BUDGET)
         pinned = self.access.pin(ns, keys)
         try:
-            await _answer(link, rid, GetAnswer(pinned.count, pinned.lengths))
-            await link.conn.send_bulk(_views(self.access.pool, pinned.offsets, pinned.lengths))
+            header, parts = GetAnswer(pinned.count, pinned.lengths).encode()
+            await link.conn.send_frame_bulk({**header, "id": rid}, tuple(parts),
+                                            _views(self.access.pool, pinned.offsets, pinned.lengths))
         finally:
             store.release(pinned.handles)
 
@@ -634,8 +635,8 @@ class PeerConnection:
             rid = self._next_id()
             with self._closing_on_failure(f"PUT to {self.peer_id}"):
                 header, parts = PutRequest(ns_name, keys, lengths).encode()
-                await stream.send_frame({**header, "id": rid}, *parts)
-                await stream.send_bulk(_views(self.access.pool, offsets, lengths))
+                await stream.send_frame_bulk({**header, "id": rid}, tuple(parts),
+                                             _views(self.access.pool, offsets, lengths))
                 header, payload = await stream.recv_frame()
                 _check_id(header, rid)
                 if header.get("st") != Status.OK:

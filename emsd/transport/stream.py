@@ -16,6 +16,9 @@ contracts:
 - ``send_bulk(views)`` / ``recv_bulk(views)``: move exactly the bytes of
   ``views``, in order (nothing for an empty list). A peer that stalls them
   past ``BULK_STALL`` seconds, or a failing socket, raises ``PeerError``.
+- ``send_frame_bulk(header, payload, views)``: ``send_frame`` then
+  ``send_bulk``, the same bytes on the wire (a GET's answer and its blocks, a
+  PUT and its blocks).
 - Any receive raises ``PeerError("peer closed the connection")`` at EOF.
   Frame calls on a plain stream may also raise ``OSError`` (the socket's own
   error); callers treat it as ``PeerError``.
@@ -35,7 +38,9 @@ How each moves its bytes:
   frame of at most ``JOIN_LIMIT`` bytes is joined and sent in one call, and a
   receive takes what has arrived at once, going through the loop only to wait
   for more (``_recv_exact_into``). Bulk bytes of at most ``LOOP_BULK`` a call
-  move on the event loop too, bounded by ``BULK_STALL``; more move as blocking
+  move on the event loop too, bounded by ``BULK_STALL``; a frame followed by
+  such bulk bytes goes out in one ``sendmsg`` when the kernel takes it all, so
+  that the receiver wakes once, to all of it (one block a call); more move as blocking
   ``sendall`` / ``recv_into(MSG_WAITALL)`` in a bulk thread (the socket made
   blocking for the call), bounded by the kernel timeouts ``_tune`` sets.
 - ``TlsStream``, an ``ssl.SSLSocket``. The event loop's socket calls cannot
@@ -63,6 +68,7 @@ from emsd.transport.frames import PREFIX, PROTOCOL_VERSION, check_lengths, decod
 
 JOIN_LIMIT = 64 << 10  # a frame up to this size is joined and sent in one call
 LOOP_BULK = 256 << 10  # block bytes up to this many a call move on the event loop (PlainStream)
+MAX_IOV = 64  # buffers one sendmsg takes at most (the kernel's IOV_MAX is 1024)
 SOCKET_BUFFER = 256 << 10  # kernel buffers per direction (cluster.peer_socket_buffer; see _tune)
 BULK_STALL = 30  # seconds a bulk send or receive may make no progress before the connection fails
 
@@ -128,6 +134,12 @@ class PeerStream(ABC):
     @abstractmethod
     async def recv_bulk(self, views: list[memoryview]) -> None:
         """Fill ``views`` from the stream; ``PeerError`` if that fails, stalls or hits EOF."""
+
+    async def send_frame_bulk(self, header: dict[str, Any], payload: tuple[bytes | memoryview, ...],
+                              views: list[memoryview]) -> None:
+        """``send_frame(header, *payload)``, then ``send_bulk(views)``."""
+        await self.send_frame(header, *payload)
+        await self.send_bulk(views)
 
     def hang_up(self) -> None:
         """Shut the socket down and close it: a thread blocked on it wakes at once."""
@@ -195,6 +207,35 @@ class PlainStream(PeerStream):
             return
         loop = asyncio.get_running_loop()
         await _on_loop(views, lambda view: _recv_exact_into(loop, self.sock, view))
+
+    async def send_frame_bulk(self, header: dict[str, Any], payload: tuple[bytes | memoryview, ...],
+                              views: list[memoryview]) -> None:
+        """Up to ``LOOP_BULK`` block bytes: frame and blocks in one ``sendmsg`` as far as the
+        kernel takes them, the rest on the event loop (bounded by ``BULK_STALL``)."""
+        parts = [*_frame_parts(header, payload), *views]
+        if sum(map(len, views)) > LOOP_BULK or len(parts) > MAX_IOV:
+            await super().send_frame_bulk(header, payload, views)
+            return
+        try:
+            sent = self.sock.sendmsg(parts)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        rest = _unsent(parts, sent)
+        if rest:
+            loop = asyncio.get_running_loop()
+            await _on_loop(rest, lambda view: loop.sock_sendall(self.sock, view))
+
+
+def _unsent(parts: list[bytes | memoryview], sent: int) -> list[memoryview]:
+    """What is left of ``parts`` after their first ``sent`` bytes."""
+    rest: list[memoryview] = []
+    for part in parts:
+        if sent >= len(part):
+            sent -= len(part)
+            continue
+        rest.append(memoryview(part)[sent:])
+        sent = 0
+    return rest
 
 
 async def _recv_exact_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import certs  # noqa: E402
@@ -30,6 +32,7 @@ from emsd.transport.stream import (  # noqa: E402
     PlainStream,
     TlsStream,
     _tune,
+    _unsent,
 )
 from emsd.transport.tls import PeerTls  # noqa: E402
 
@@ -143,6 +146,67 @@ async def test_bulk_views_arrive_intact_and_the_stream_stays_in_step(
     in_step(far)
     await near.send_frame({"op": 1}, b"after")
     assert await far.recv_frame() == ({"v": 1, "id": 0, "op": 1}, b"after")
+
+
+@pytest.mark.parametrize("total", [0, 64 << 10, LOOP_BULK, LOOP_BULK + 1],
+                         ids=["no-bulk", "one-write", "loop-limit", "thread"])
+async def test_a_frame_and_its_bulk_arrive_as_a_frame_then_bulk(
+        pair: tuple[PeerStream, PeerStream], total: int) -> None:
+    """``send_frame_bulk`` puts the same bytes on the wire as ``send_frame`` then ``send_bulk``
+    (in one ``sendmsg`` on a plain stream when the kernel takes them), the caller's header
+    left as it was."""
+    near, far = pair
+    data = random_bytes(total, seed=total + 1)
+    into = bytearray(total)
+    at = [total // 2] if total else []
+    header = {"id": 7, "op": 3, "bulk": total}
+
+    async def receive() -> tuple[dict[str, object], bytes]:
+        frame = await far.recv_frame()
+        await far.recv_bulk(cut(memoryview(into), at) if total else [])
+        return frame
+
+    views = cut(memoryview(data), at) if total else []
+    got, _ = await asyncio.gather(receive(), near.send_frame_bulk(header, (b"keys",), views))
+    assert got == ({"v": 1, "id": 7, "op": 3, "bulk": total}, b"keys") and into == data
+    assert header == {"id": 7, "op": 3, "bulk": total}
+    in_step(near)
+    await near.send_frame({"op": 1}, b"after")
+    assert await far.recv_frame() == ({"v": 1, "id": 0, "op": 1}, b"after")
+
+
+async def test_a_frame_and_bulk_the_kernel_takes_in_part_finish_on_the_loop() -> None:
+    """A send buffer smaller than the frame and its blocks: ``sendmsg`` takes a part, the rest
+    goes out on the event loop as the receiver reads, and nothing is lost or reordered."""
+    near_sock, far_sock = tcp_pair()
+    near_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    far_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    near, far = PlainStream(near_sock), PlainStream(far_sock)
+    try:
+        data = random_bytes(LOOP_BULK, seed=5)
+        into = bytearray(LOOP_BULK)
+        at = [1, 3000, 100_000]
+
+        async def receive() -> tuple[dict[str, object], bytes]:
+            await asyncio.sleep(0.05)  # the sender finds the buffers full first
+            frame = await far.recv_frame()
+            await far.recv_bulk(cut(memoryview(into), at))
+            return frame
+
+        got, _ = await asyncio.gather(receive(), near.send_frame_bulk({"op": 2}, (b"k" * 5000,),
+                                                                      cut(memoryview(data), at)))
+        assert got == ({"v": 1, "id": 0, "op": 2}, b"k" * 5000) and into == data
+    finally:
+        near.hang_up()
+        far.hang_up()
+
+
+@given(st.lists(st.binary(max_size=40), max_size=6), st.integers(0, 300))
+def test_unsent_is_what_follows_the_sent_bytes(parts: list[bytes], sent: int) -> None:
+    whole = b"".join(parts)
+    sent = min(sent, len(whole))
+    rest = _unsent(list(parts), sent)
+    assert b"".join(rest) == whole[sent:] and all(len(r) for r in rest)
 
 
 @pytest.mark.parametrize("total", [64 << 10, 1 << 20], ids=["event-loop", "thread"])

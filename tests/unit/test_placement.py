@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from emsd.placement import ClusterView, Member, Ring, key_positions
+from emsd.placement.ring import key_position
 from emsd.pool.keys import KeyBatch
 
 GiB = 1 << 30
@@ -113,6 +114,31 @@ def test_placement_is_a_wire_contract_these_owners_never_change() -> None:
     got = ring.owner_ids("model-x", KeyBatch.from_user([1, -1, b"digest" * 5, 2**63 + 7, b"", 12345]))
     assert got == [["node-3", "node-2"], ["node-1", "node-0"], ["node-1", "node-0"],
                    ["node-0", "node-2"], ["node-1", "node-3"], ["node-1", "node-3"]]
+    alone = [ring.owner_ids("model-x", KeyBatch.from_user([k]))[0]
+             for k in (1, -1, b"digest" * 5, 2**63 + 7, b"", 12345)]  # one key a call: scalar steps
+    assert alone == got
+
+
+_KEY = st.one_of(st.integers(-(2**63), 2**64 - 1), st.binary(max_size=32))
+
+
+@given(st.lists(_KEY, min_size=2, max_size=40), st.integers(1, 5), st.integers(1, 3), st.integers(1, 8),
+       st.text(max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_one_key_owners_equal_the_batch_rows(keys: list[int | bytes], n: int, r: int, vnodes: int,
+                                              namespace: str) -> None:
+    """A batch of one key takes scalar steps (``key_position``): each key alone gets the row
+    the vectorised batch gives it, with few points too, where positions past the last one
+    wrap round to the first."""
+    ring = Ring.build(view(n), vnodes=vnodes, replicas=r)
+    batch = KeyBatch.from_user(keys)
+    rows = ring.owners(namespace, batch)
+    for i in range(len(keys)):
+        one = ring.owners(namespace, batch.take(np.array([i])))
+        assert one.shape == (1, rows.shape[1]) and one.tolist() == rows[i : i + 1].tolist()
+        assert key_position(namespace, batch.take(np.array([i]))) == int(key_positions(namespace, batch)[i])
+    ring.owners(namespace, batch.take(np.array([0])))[0, 0] = -1  # the caller's own array
+    assert ring.owners(namespace, batch).tolist() == rows.tolist()
 
 
 def _next_distinct_by_walking(owner: list[int], r: int) -> list[list[int]]:
