@@ -303,6 +303,8 @@ class Cluster:
     def _parts(self, idx: np.ndarray) -> list[np.ndarray]:
         """A batch for one peer cut into one part per connection, to move in parallel."""
         k = max(1, min(self.cfg.peer_connections, idx.size))
+        if k == 1:  # one key, or one link a peer
+            return [idx] if idx.size else []
         return [p for p in np.array_split(idx, k) if p.size]
 
     async def _bounded(self, deadline: float, *jobs: Coroutine[Any, Any, None]) -> None:

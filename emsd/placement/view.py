@@ -133,5 +133,8 @@ class PlacementView:
         """``positions`` grouped by the node id at ``owner_idx`` (same length; indices into the
         members of ``ring``, the ring they were computed with), skipping this node."""
         members = ring.view.members
+        if owner_idx.size == 1:  # one key
+            node = members[int(owner_idx[0])].node_id
+            return {} if node == self.node_id else {node: positions}
         return {members[o].node_id: positions[owner_idx == o]
                 for o in np.unique(owner_idx).tolist() if members[o].node_id != self.node_id}

@@ -134,9 +134,25 @@ class SlabAllocator:
     # -- chunks ---------------------------------------------------------------
 
     def alloc(self, cls: int) -> int | None:
-        """One chunk of class ``cls``: its byte offset, or None if no room."""
-        got = self.alloc_many(cls, 1)
-        return int(got[0]) if got.size else None
+        """One chunk of class ``cls``: its byte offset, or None if no room. ``alloc_many(cls, 1)``
+        in scalar steps (one block a call), with the same effects."""
+        c = self.classes[cls]
+        if c.top:
+            c.top -= 1
+            offset = int(c.stack[c.top])
+        else:
+            if c.carve_page < 0 or c.carve_next == c.per_page:
+                page = self._take_free_page(c.group)
+                if page is None:
+                    return None
+                self.page_owner[page] = cls
+                c.pages.append(page)
+                c.carve_page, c.carve_next = page, 0
+            offset = c.carve_page * self.page_size + c.carve_next * c.chunk_size
+            c.carve_next += 1
+        c.chunks_used += 1
+        self.page_used[offset // self.page_size] += 1
+        return offset
 
     def alloc_many(self, cls: int, k: int) -> np.ndarray:
         """Up to ``k`` chunks (uint64 byte offsets): free stack first, then the

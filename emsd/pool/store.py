@@ -352,22 +352,32 @@ class BlockStore:
         handles = np.zeros(1, dtype=np.uint32)
         offsets = np.zeros(1, dtype=np.uint64)
         size = int(sizes[0])
+        offset: int | None = None
         if at is not None:  # a granted chunk of the size's class (the caller checked)
             got = np.asarray(at, dtype=np.uint64)
             self._ungranted(got)
+            offset = int(got[0])
         elif 1 <= size <= self.max_block:
             cls = self.slabs.class_for(size, self._group.get(ns, 0))
-            got = _NO_U8 if cls is None else self._room(cls, 1, copy)
-        else:
-            got = _NO_U8
-        if got.size:
-            self._place(ns, keys, _FIRST, sizes, stamp, handles, offsets, got)
-            status[0] = Status.NEW
+            offset = None if cls is None else self._room_one(cls, copy)
+        if offset is not None:
+            i = self.index.insert_one(ns, keys, offset // self._unit, size, PENDING, stamp)
+            if self.sums is not None:
+                self._set_sums(np.array((i,), dtype=np.uint32), _NO_SUM)
+            self._pending += 1
+            handles[0], offsets[0], status[0] = i, offset, Status.NEW
             if copy:
-                self.index.cached[handles[0]] = 1
-            self.recency.reserved(self.index, stamp, 1, lambda: self._below(ns, prev), ids, _FIRST,
-                                  handles, 1, _NO_U4)
+                self.index.cached[i] = 1
+            self.recency.reserved_one(self.index, stamp, i, lambda: self._below(ns, prev))
         return Reservation(status, handles, offsets)
+
+    def _room_one(self, cls: int, copy: bool) -> int | None:
+        """``_room(cls, 1, copy)``: a free chunk in scalar steps, else evicting as it does."""
+        offset = self.slabs.alloc(cls)
+        if offset is not None:
+            return offset
+        got = self._room(cls, 1, copy)
+        return int(got[0]) if got.size else None
 
     def reserve_granted_one(self, ns: int, keys: KeyBatch, size: int, at: int,
                             prev: KeyBatch | None = None) -> tuple[int, int]:
@@ -418,6 +428,11 @@ class BlockStore:
         Handles that are not PENDING are ignored; returns how many were
         committed.
         """
+        if len(handles) == 1 and self.scalar_paths:  # one block a call: scalar checks
+            i = int(handles[0])
+            if not (FIRST_ID <= i < self.index.high_water and self.index.state[i] == PENDING):
+                return 0
+            return self.commit_reserved(np.array((i,), dtype=np.uint32))
         return self.commit_reserved(self._in_state(handles, PENDING))
 
     def commit_reserved(self, h: np.ndarray) -> int:
@@ -615,6 +630,8 @@ class BlockStore:
         """Flag the present ``keys`` as read-cache copies of blocks owned elsewhere
         (eviction takes them before owned blocks); returns how many were flagged."""
         ids = self.index.find(ns, keys)
+        if ids.size == 1 and self.scalar_paths and ids[0] >= FIRST_ID and self.index.cached[ids[0]]:
+            return 1  # a block fetched a call: flagged since its reserve, its ledger row with it
         ids = ids[ids >= FIRST_ID]
         self.index.cached[ids] = 1
         if self.ledger is not None:

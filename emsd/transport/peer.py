@@ -121,6 +121,7 @@ MAX_UNAUTHENTICATED = 64
 MAX_UNAUTHENTICATED_PER_ADDRESS = 16
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
 _NO_SCRATCH = memoryview(b"")  # what a closed connection holds instead
+_NEW, _FAILED = int(SlotStatus.NEW), int(SlotStatus.FAILED)  # a reserve's answers, as plain ints
 PROMOTE_BUDGET = 1.0  # seconds a GET may spend reading blocks from the disk tier (then: misses)
 # JOIN_LIMIT, LOOP_BULK, SOCKET_BUFFER, BULK_STALL, PeerError and _tune live in
 # emsd.transport.stream (the streams use them; patch them there) and are imported from here too.
@@ -173,7 +174,10 @@ class PoolAccess:
             res = self.store.reserve(ns, keys, sizes, copy=copy)
         else:
             res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], copy=copy).padded(len(keys))
-        held = int(sizes[res.status == SlotStatus.NEW].sum())
+        if res.status.size == 1:  # one block a call: scalar steps
+            held = int(sizes[0]) if res.status[0] == _NEW else 0
+        else:
+            held = int(sizes[res.status == _NEW].sum())
         if held:
             self.quota.hold_quota(ns, held)
         return res
@@ -201,7 +205,8 @@ class PoolAccess:
         if self.quota is None or handles.size == 0:
             return
         idx = self.store.index
-        self.quota.hold_quota(int(idx.ns_of(handles[:1])[0]), -int(idx.length[handles].sum(dtype=np.int64)))
+        held = idx.length[handles[0]] if handles.size == 1 else idx.length[handles].sum(dtype=np.int64)
+        self.quota.hold_quota(int(idx.ns_of(handles[:1])[0]), -int(held))
 
 
 def _address(conn: socket.socket) -> str:
@@ -263,11 +268,11 @@ async def _receive_blocks(stream: PeerStream, access: PoolAccess, ns: int, keys:
     step. A failure mid-stream aborts what was reserved.
     """
     res = access.reserve(ns, keys, lengths, copy)
-    new = np.flatnonzero(res.status == SlotStatus.NEW)
+    status = res.status.tolist()
+    new = [i for i, st in enumerate(status) if st == _NEW]
     views: list[memoryview] = []
-    for i, size in enumerate(lengths.tolist()):
-        if res.status[i] == SlotStatus.NEW:
-            off = int(res.offsets[i])
+    for st, off, size in zip(status, res.offsets.tolist(), lengths.tolist(), strict=True):
+        if st == _NEW:
             views.append(access.pool[off : off + size])
         else:
             views += _scratch_views(scratch, size)
@@ -277,8 +282,7 @@ async def _receive_blocks(stream: PeerStream, access: PoolAccess, ns: int, keys:
         access.abort(res.handles[new])
         raise
     access.commit(res.handles[new])
-    failed = np.flatnonzero(res.status == SlotStatus.FAILED)
-    return int(failed[0]) if failed.size else len(keys)
+    return status.index(_FAILED) if _FAILED in status else len(keys)
 
 
 # -- server ------------------------------------------------------------------

@@ -38,7 +38,8 @@ How each moves its bytes:
   frame of at most ``JOIN_LIMIT`` bytes is joined and sent in one call, and a
   receive takes what has arrived at once, going through the loop only to wait
   for more (``_recv_exact_into``). Bulk bytes of at most ``LOOP_BULK`` a call
-  move on the event loop too, bounded by ``BULK_STALL``; a frame followed by
+  move on the event loop too, bounded by ``BULK_STALL`` (those that have arrived
+  are taken first, without a timer: ``_take_arrived``); a frame followed by
   such bulk bytes goes out in one ``sendmsg`` when the kernel takes it all, so
   that the receiver wakes once, to all of it (one block a call); more move as blocking
   ``sendall`` / ``recv_into(MSG_WAITALL)`` in a bulk thread (the socket made
@@ -205,8 +206,10 @@ class PlainStream(PeerStream):
         if sum(map(len, views)) > LOOP_BULK:
             await _in_thread(self.sock, _recv_waitall, self.sock, views)
             return
-        loop = asyncio.get_running_loop()
-        await _on_loop(views, lambda view: _recv_exact_into(loop, self.sock, view))
+        rest = _take_arrived(self.sock, views)  # a GET's blocks came with its answer: all of them
+        if rest:
+            loop = asyncio.get_running_loop()
+            await _on_loop(rest, lambda view: _recv_exact_into(loop, self.sock, view))
 
     async def send_frame_bulk(self, header: dict[str, Any], payload: tuple[bytes | memoryview, ...],
                               views: list[memoryview]) -> None:
@@ -224,6 +227,25 @@ class PlainStream(PeerStream):
         if rest:
             loop = asyncio.get_running_loop()
             await _on_loop(rest, lambda view: loop.sock_sendall(self.sock, view))
+
+
+def _take_arrived(sock: socket.socket, views: list[memoryview]) -> list[memoryview]:
+    """Fill ``views`` in order from the bytes that have arrived on the non-blocking ``sock``;
+    what is left to fill when none are left (an empty list: all filled). ``PeerError`` at
+    EOF or when the socket fails."""
+    for i, view in enumerate(views):
+        got = 0
+        while got < len(view):
+            try:
+                n = sock.recv_into(view[got:])
+            except (BlockingIOError, InterruptedError):
+                return [view[got:], *views[i + 1 :]]
+            except OSError as exc:
+                raise PeerError(str(exc)) from None
+            if n == 0:
+                raise PeerError("peer closed the connection")
+            got += n
+    return []
 
 
 def _unsent(parts: list[bytes | memoryview], sent: int) -> list[memoryview]:

@@ -91,12 +91,16 @@ def test_big_pool_aligns_offsets_so_they_fit_32_bits() -> None:
 
 
 class SlabMachine(RuleBasedStateMachine):
-    """Random alloc / free / release_page against a record of live chunks."""
+    """Random alloc / free / release_page against a record of live chunks, and against a twin
+    allocator that takes every single chunk with ``alloc_many(cls, 1)`` where this one takes
+    it with ``alloc`` (scalar steps): the same chunks, the same state."""
 
     def __init__(self) -> None:
         super().__init__()
         self.slabs = SlabAllocator(PAGES * PAGE + 100, PAGE)
         self.slabs.on_bind = self.bind
+        self.twin = SlabAllocator(PAGES * PAGE + 100, PAGE)
+        self.twin.on_bind = lambda page, old, new: None
         self.memory = [0] * PAGES  # whose memory each page is, as the binds left it
         self.live: dict[int, int] = {}  # offset -> class
 
@@ -105,13 +109,18 @@ class SlabMachine(RuleBasedStateMachine):
         assert self.memory[page] == old != new
         self.memory[page] = new
 
-    @rule(size=st.sampled_from([1, 64, 100, 700, 1500, 4000]), k=st.integers(1, 20),
+    @rule(size=st.sampled_from([1, 64, 100, 700, 1500, 4000]), k=st.one_of(st.just(1), st.integers(1, 20)),
           group=st.sampled_from([0, 0, 1, 2]))
     def alloc(self, size: int, k: int, group: int) -> None:
         cls = self.slabs.class_for(size, group)
-        assert cls is not None
+        assert cls is not None and self.twin.class_for(size, group) == cls
         before_free = self.slabs.free_pages
-        got = self.slabs.alloc_many(cls, k)
+        if k == 1:
+            one = self.slabs.alloc(cls)
+            got = np.array([] if one is None else [one], dtype=np.uint64)
+        else:
+            got = self.slabs.alloc_many(cls, k)
+        assert got.tolist() == self.twin.alloc_many(cls, k).tolist()
         assert got.size <= k
         if got.size < k:
             assert self.slabs.free_pages == 0
@@ -129,7 +138,8 @@ class SlabMachine(RuleBasedStateMachine):
         for off in offs:
             by_class.setdefault(self.live.pop(off), []).append(off)
         for cls, group in by_class.items():
-            self.slabs.free_many(cls, np.array(group, dtype=np.uint64))
+            for slabs in (self.slabs, self.twin):
+                slabs.free_many(cls, np.array(group, dtype=np.uint64))
 
     @rule(data=st.data())
     def release_a_page(self, data: st.DataObject) -> None:
@@ -143,7 +153,18 @@ class SlabMachine(RuleBasedStateMachine):
                 self.slabs.release_page(page)
             return
         self.slabs.release_page(page)
+        self.twin.release_page(page)
         assert self.slabs.page_owner[page] == -1
+
+    @invariant()
+    def the_twin_is_in_the_same_state(self) -> None:
+        for name in ("page_used", "page_owner", "page_group"):
+            assert getattr(self.slabs, name).tolist() == getattr(self.twin, name).tolist()
+        assert self.slabs._free_pages == self.twin._free_pages
+        assert [(c.top, c.stack[: c.top].tolist(), c.carve_page, c.carve_next, c.chunks_used, c.pages)
+                for c in self.slabs.classes] == \
+               [(c.top, c.stack[: c.top].tolist(), c.carve_page, c.carve_next, c.chunks_used, c.pages)
+                for c in self.twin.classes]
 
     @invariant()
     def chunks_never_overlap_and_stay_in_their_page(self) -> None:

@@ -1,9 +1,12 @@
-"""The store's one-key paths (a one-block save, a one-block PUT into a granted chunk, pin
-and release in scalar steps) give the same answers and leave the same state as the batch
-path, under both eviction policies."""
+"""The store's one-key paths (a one-block save, a one-block PUT into a granted chunk, a
+fetched copy, commit, pin, release and marking a copy, in scalar steps) give the same
+answers and leave the same state, the ledger's rows included, as the batch path, under
+both eviction policies."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +15,7 @@ from hypothesis import strategies as st
 
 from emsd.pool.eviction import POLICIES
 from emsd.pool.keys import KeyBatch
+from emsd.pool.ledger import Geometry, Ledger
 from emsd.pool.store import BlockStore, Status
 
 PAGE = 4096
@@ -24,6 +28,8 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("pin"), KEYS, st.one_of(st.none(), KEYS)),
     st.tuples(st.just("release"), st.integers(0, 7)),
     st.tuples(st.just("end"), st.integers(0, 7), st.booleans()),
+    st.tuples(st.just("mark"), KEYS),
+    st.tuples(st.just("commit any"), st.integers(-1, 40)),  # any handle: most are not PENDING
 ), max_size=60)
 
 
@@ -36,9 +42,13 @@ def _state(store: BlockStore) -> list[Any]:
     idx = store.index
     top = idx.high_water
     s = store.stats()
+    assert store.ledger is not None
+    ids, rows = store.ledger.committed()
     return [store._clock, s.bytes_used, s.bytes_free, s.pending, s.granted, s.evictions, s.ns_bytes, top,
             *(getattr(idx, name)[:top].tolist() for name in
-              ("w0", "state", "pins", "offset", "length", "last_used", "cached"))]
+              ("w0", "state", "pins", "offset", "length", "last_used", "cached")),
+            ids.tolist(), rows.tobytes(), store.slabs.page_used.tolist(),
+            [(c.top, c.carve_page, c.carve_next, c.chunks_used, list(c.pages)) for c in store.slabs.classes]]
 
 
 def _run(store: BlockStore, script: list[tuple[Any, ...]]) -> list[Any]:
@@ -82,6 +92,10 @@ def _run(store: BlockStore, script: list[tuple[Any, ...]]) -> list[Any]:
         elif op == "end" and pending:
             h = np.array([pending.pop(args[0] % len(pending))], dtype=np.uint32)
             out.append(store.commit(h) if args[1] else store.abort(h))
+        elif op == "mark":  # a fetched block: flagged as a copy once committed
+            out.append(store.mark_cached(0, KeyBatch.from_user([args[0]])))
+        elif op == "commit any":
+            out.append(store.commit(np.array([args[0]], dtype=np.int64)))
         out.append(_state(store))
     return out
 
@@ -90,7 +104,21 @@ def _run(store: BlockStore, script: list[tuple[Any, ...]]) -> list[Any]:
 @given(st.sampled_from(POLICIES), ops)
 def test_one_key_calls_answer_and_change_the_store_as_the_batch_path_does(
         policy: str, script: list[tuple[Any, ...]]) -> None:
-    scalar = BlockStore(4 * PAGE, PAGE, eviction=policy)
-    batch = BlockStore(4 * PAGE, PAGE, eviction=policy)
-    batch.scalar_paths = False
-    assert _run(scalar, script) == _run(batch, script)
+    with tempfile.TemporaryDirectory() as tmp:
+        scalar, batch = (_with_ledger(BlockStore(4 * PAGE, PAGE, eviction=policy), Path(tmp, name))
+                         for name in ("scalar", "batch"))
+        batch.scalar_paths = False
+        try:
+            assert _run(scalar, script) == _run(batch, script)
+        finally:
+            for store in (scalar, batch):
+                assert store.ledger is not None
+                store.ledger.close()
+
+
+def _with_ledger(store: BlockStore, path: Path) -> BlockStore:
+    """``store`` writing its committed blocks to a ledger at ``path`` (as a daemon's does)."""
+    ledger, _ = Ledger.open(path, Geometry(store.capacity, store.page_size, store.slabs.align, 1, 7))
+    store.attach(ledger, set())
+    assert ledger.add_namespace(0, "m")
+    return store
