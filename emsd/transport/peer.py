@@ -13,7 +13,7 @@ for mutual TLS. A frame uses the same codec as the local socket
 (``emsd.transport.frames``); its ``bulk`` field says how many raw bytes
 follow it. On a plain connection control frames go through the event loop,
 each sent in one call; block bytes move as blocking calls in a worker thread
-(one system call per block, no event-loop wake-ups), except a request of at
+(one system call per up to 64 blocks, no event-loop wake-ups), except a request of at
 most ``LOOP_BULK`` block bytes (what the kernel's buffers hold), which moves
 them on the event loop: there the two hand-offs to a thread and back cost
 more than the bytes.

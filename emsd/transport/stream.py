@@ -42,8 +42,9 @@ How each moves its bytes:
   are taken first, without a timer: ``_take_arrived``); a frame followed by
   such bulk bytes goes out in one ``sendmsg`` when the kernel takes it all, so
   that the receiver wakes once, to all of it (one block a call); more move as blocking
-  ``sendall`` / ``recv_into(MSG_WAITALL)`` in a bulk thread (the socket made
-  blocking for the call), bounded by the kernel timeouts ``_tune`` sets.
+  ``sendmsg`` / ``recvmsg_into(MSG_WAITALL)`` of up to ``MAX_IOV`` blocks a call
+  in a bulk thread (the socket made blocking for the call), bounded by the
+  kernel timeouts ``_tune`` sets.
 - ``TlsStream``, an ``ssl.SSLSocket``. The event loop's socket calls cannot
   drive one, so every frame and bulk move is a blocking call in a bulk thread
   (``recv_into`` one record at a time: no MSG_WAITALL on SSL sockets), bounded
@@ -61,7 +62,7 @@ import socket
 import ssl
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -248,8 +249,8 @@ def _take_arrived(sock: socket.socket, views: list[memoryview]) -> list[memoryvi
     return []
 
 
-def _unsent(parts: list[bytes | memoryview], sent: int) -> list[memoryview]:
-    """What is left of ``parts`` after their first ``sent`` bytes."""
+def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> list[memoryview]:
+    """What is left of ``parts`` after their first ``sent`` bytes (sent or received)."""
     rest: list[memoryview] = []
     for part in parts:
         if sent >= len(part):
@@ -292,27 +293,30 @@ async def _on_loop(views: list[memoryview], move: Callable[[memoryview], Awaitab
 
 
 def _send_blocking(sock: socket.socket, views: list[memoryview]) -> None:
-    """``sendall`` each view with ``sock`` made blocking for the call (in a bulk thread)."""
+    """Send the views, up to ``MAX_IOV`` a ``sendmsg``, with ``sock`` made blocking for the
+    call (in a bulk thread)."""
     sock.setblocking(True)
     try:
-        for view in views:
-            sock.sendall(view)
+        for at in range(0, len(views), MAX_IOV):
+            rest: list[memoryview] = views[at : at + MAX_IOV]
+            while rest:
+                rest = _unsent(rest, sock.sendmsg(rest))
     finally:
         sock.setblocking(False)
 
 
 def _recv_waitall(sock: socket.socket, views: list[memoryview]) -> None:
-    """Fill each view with ``recv_into(MSG_WAITALL)``, ``sock`` made blocking for the call
-    (in a bulk thread)."""
+    """Fill the views, up to ``MAX_IOV`` a ``recvmsg_into(MSG_WAITALL)``, with ``sock`` made
+    blocking for the call (in a bulk thread)."""
     sock.setblocking(True)
     try:
-        for view in views:
-            got = 0
-            while got < len(view):
-                n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        for at in range(0, len(views), MAX_IOV):
+            rest: list[memoryview] = views[at : at + MAX_IOV]
+            while rest:
+                n = sock.recvmsg_into(rest, 0, socket.MSG_WAITALL)[0]
                 if n == 0:
                     raise PeerError("peer closed the connection")
-                got += n
+                rest = _unsent(rest, n)
     finally:
         sock.setblocking(False)
 
@@ -426,7 +430,7 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket, write:
 
 # -- the bulk threads ------------------------------------------------------------
 #
-# Blocking moves run in a worker thread: one system call per block, the GIL
+# Blocking moves run in a worker thread: one system call per up to MAX_IOV blocks, the GIL
 # released, no event-loop wake-up per few segments (which costs more CPU than
 # the copy itself on loopback). Kernel timeouts (SO_SNDTIMEO/SO_RCVTIMEO, set
 # by ``_tune``; the socket timeout for TLS) bound a silent peer; a cancelled
