@@ -480,6 +480,17 @@ class BlockIndex:
         k = ids.size
         if k == 0:
             return
+        if k == 1:  # one block a call: scalar checks and writes
+            i = int(ids[0])
+            if self.state[i] == FREE:
+                raise ValueError("remove of an entry that is not live")
+            self.table[int(self._slots_of(ids)[0])] = TOMB
+            self._tombs += 1
+            self._count -= 1
+            self.state[i] = FREE
+            self.pins[i] = 0
+            self._free.append(ids.copy())
+            return
         if not bool((self.state[ids] != FREE).all()):
             raise ValueError("remove of an entry that is not live")
         self.table[self._slots_of(ids)] = TOMB

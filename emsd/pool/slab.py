@@ -206,8 +206,15 @@ class SlabAllocator:
         return free.pop(at)
 
     def free(self, cls: int, offset: int) -> None:
-        """Return one chunk to its class."""
-        self.free_many(cls, np.array([offset], dtype=np.uint64))
+        """Return one chunk to its class: ``free_many`` of one offset in scalar steps."""
+        c = self.classes[cls]
+        if c.top == c.stack.size:
+            self.free_many(cls, np.array([offset], dtype=np.uint64))  # the stack grows there
+            return
+        c.stack[c.top] = offset
+        c.top += 1
+        c.chunks_used -= 1
+        self.page_used[offset // self.page_size] -= 1
 
     def free_many(self, cls: int, offsets: np.ndarray) -> None:
         """Return chunks of class ``cls`` (each allocated, each once)."""

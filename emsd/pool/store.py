@@ -928,6 +928,13 @@ class BlockStore:
         """Up to ``k`` least recently used READY unpinned entries of ``cls``."""
         idx = self.index
         q = self._queues.get(cls)
+        if k == 1 and self.scalar_paths:  # one block saved into a full pool: scalar checks
+            while q is not None and q.pos < q.ids.size:  # (a used-up queue: the scan below)
+                i, stamp = int(q.ids[q.pos]), int(q.stamps[q.pos])
+                q.pos += 1
+                if (idx.state[i] == READY and idx.pins[i] == 0 and idx.last_used[i] == stamp
+                        and self.slabs.page_owner[int(idx.offset[i]) // self._units_per_page] == cls):
+                    return np.array((i,), dtype=np.uint32)
         out: list[np.ndarray] = []
         got = 0
         scanned = False
@@ -1041,6 +1048,10 @@ class BlockStore:
 
     def _free_chunks(self, ids: np.ndarray) -> None:
         if ids.size == 0:
+            return
+        if ids.size == 1 and self.scalar_paths:  # one block evicted for one saved: scalar steps
+            offset = int(self.index.offset[int(ids[0])]) * int(self._unit)
+            self.slabs.free(int(self.slabs.page_owner[offset // self.page_size]), offset)
             return
         offs = self._byte_offsets(ids)
         classes = self.slabs.class_of_offsets(offs)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from emsd.pool.eviction import POLICIES
@@ -22,15 +22,25 @@ PAGE = 4096
 SIZES = (700, 1024, 1500)  # two size classes, so that saves also steal pages
 KEYS = st.integers(0, 11)
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("save"), KEYS, st.sampled_from(SIZES), st.booleans(), st.booleans(),
-              st.one_of(st.none(), KEYS), st.booleans()),
-    st.tuples(st.just("pin"), KEYS, st.one_of(st.none(), KEYS)),
-    st.tuples(st.just("release"), st.integers(0, 7)),
-    st.tuples(st.just("end"), st.integers(0, 7), st.booleans()),
-    st.tuples(st.just("mark"), KEYS),
-    st.tuples(st.just("commit any"), st.integers(-1, 40)),  # any handle: most are not PENDING
-), max_size=60)
+
+
+def _ops(keys: st.SearchStrategy[int], sizes: tuple[int, ...], most: int) -> st.SearchStrategy[list[Any]]:
+    return st.lists(st.one_of(
+        st.tuples(st.just("save"), keys, st.sampled_from(sizes), st.booleans(), st.booleans(),
+                  st.one_of(st.none(), keys), st.booleans()),
+        st.tuples(st.just("pin"), keys, st.one_of(st.none(), keys)),
+        st.tuples(st.just("release"), st.integers(0, 7)),
+        st.tuples(st.just("end"), st.integers(0, 7), st.booleans()),
+        st.tuples(st.just("mark"), keys),
+        st.tuples(st.just("commit any"), st.integers(-1, 40)),  # any handle: most are not PENDING
+    ), max_size=most)
+
+
+ops = _ops(KEYS, SIZES, 60)
+# Many small blocks in a full pool (FILL of them, 64 to a page): an LRU scan queues several
+# victims, which pins, releases and page steals then make stale before a save takes them.
+FILL = 128
+many_small = _ops(st.integers(0, FILL + 40), (64, 64, 100, 200), 80)
 
 
 def _key(k: int | None) -> KeyBatch | None:
@@ -108,6 +118,32 @@ def test_one_key_calls_answer_and_change_the_store_as_the_batch_path_does(
         scalar, batch = (_with_ledger(BlockStore(4 * PAGE, PAGE, eviction=policy), Path(tmp, name))
                          for name in ("scalar", "batch"))
         batch.scalar_paths = False
+        try:
+            assert _run(scalar, script) == _run(batch, script)
+        finally:
+            for store in (scalar, batch):
+                assert store.ledger is not None
+                store.ledger.close()
+
+
+_TOUCH_QUEUED = [("save", 500, 64, False, False, None, True),  # the first eviction queues 8 victims
+                 ("pin", 2, None), ("release", 0),  # the third of them is used again: stale
+                 ("save", 501, 64, False, False, None, True), ("save", 502, 64, False, False, None, True),
+                 ("save", 3, 64, False, False, None, True),  # a save that finds it: used again too
+                 ("save", 503, 64, False, False, None, True), ("save", 504, 200, False, False, None, True)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(POLICIES), many_small)
+@example("lru", _TOUCH_QUEUED)
+@example("prefix", _TOUCH_QUEUED)
+def test_one_block_saves_into_a_full_pool_evict_as_the_batch_path_does(
+        policy: str, script: list[tuple[Any, ...]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        scalar, batch = (_with_ledger(BlockStore(2 * PAGE, PAGE, eviction=policy), Path(tmp, name))
+                         for name in ("scalar", "batch"))
+        batch.scalar_paths = False
+        script = [("save", k, 64, False, False, None, True) for k in range(FILL)] + script
         try:
             assert _run(scalar, script) == _run(batch, script)
         finally:
