@@ -114,16 +114,7 @@ def _run(store: BlockStore, script: list[tuple[Any, ...]]) -> list[Any]:
 @given(st.sampled_from(POLICIES), ops)
 def test_one_key_calls_answer_and_change_the_store_as_the_batch_path_does(
         policy: str, script: list[tuple[Any, ...]]) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        scalar, batch = (_with_ledger(BlockStore(4 * PAGE, PAGE, eviction=policy), Path(tmp, name))
-                         for name in ("scalar", "batch"))
-        batch.scalar_paths = False
-        try:
-            assert _run(scalar, script) == _run(batch, script)
-        finally:
-            for store in (scalar, batch):
-                assert store.ledger is not None
-                store.ledger.close()
+    _same_on_both_paths(policy, 4, script)
 
 
 _TOUCH_QUEUED = [("save", 500, 64, False, False, None, True),  # the first eviction queues 8 victims
@@ -139,11 +130,16 @@ _TOUCH_QUEUED = [("save", 500, 64, False, False, None, True),  # the first evict
 @example("prefix", _TOUCH_QUEUED)
 def test_one_block_saves_into_a_full_pool_evict_as_the_batch_path_does(
         policy: str, script: list[tuple[Any, ...]]) -> None:
+    _same_on_both_paths(policy, 2, [("save", k, 64, False, False, None, True) for k in range(FILL)] + script)
+
+
+def _same_on_both_paths(policy: str, pages: int, script: list[tuple[Any, ...]]) -> None:
+    """``script`` answers and leaves the state alike on a store of ``pages`` pages with its
+    scalar paths and on one without."""
     with tempfile.TemporaryDirectory() as tmp:
-        scalar, batch = (_with_ledger(BlockStore(2 * PAGE, PAGE, eviction=policy), Path(tmp, name))
+        scalar, batch = (_with_ledger(BlockStore(pages * PAGE, PAGE, eviction=policy), Path(tmp, name))
                          for name in ("scalar", "batch"))
         batch.scalar_paths = False
-        script = [("save", k, 64, False, False, None, True) for k in range(FILL)] + script
         try:
             assert _run(scalar, script) == _run(batch, script)
         finally:
