@@ -75,6 +75,18 @@ def test_a_store_rebuilt_from_its_ledger_has_the_committed_blocks_where_they_wer
     ledger2.close()
 
 
+def test_forgotten_rows_one_or_many_no_longer_count_and_ids_past_the_rows_are_ignored(tmp_path: Path) -> None:
+    store, ledger, _ = fresh(tmp_path / "ledger")
+    ids = save(store, 0, [1, 2, 3, 4, 5], 1000)
+    assert ledger.committed()[0].tolist() == ids.tolist()
+    ledger.forget(ids[1:2])  # one row: a block evicted for one saved
+    ledger.forget(ids[3:5])
+    ledger.forget(np.array([ledger.rows.size + 5], dtype=np.uint32))  # never written: nothing to do
+    ledger.forget(np.array([ledger.rows.size + 5, ledger.rows.size + 9], dtype=np.uint32))
+    assert ledger.committed()[0].tolist() == [int(ids[0]), int(ids[2])]
+    ledger.close()
+
+
 def test_another_pool_file_or_format_or_geometry_is_rebuilt_empty(tmp_path: Path) -> None:
     store, ledger, _ = fresh(tmp_path / "ledger")
     ledger.add_namespace(0, "m")
