@@ -231,9 +231,9 @@ class PlainStream(PeerStream):
 
 
 def _take_arrived(sock: socket.socket, views: list[memoryview]) -> list[memoryview]:
-    """Fill ``views`` in order from the bytes that have arrived on the non-blocking ``sock``;
-    what is left to fill when none are left (an empty list: all filled). ``PeerError`` at
-    EOF or when the socket fails."""
+    """Fill ``views`` in order from the bytes that have arrived on the non-blocking ``sock``:
+    the views (or the tail of one) still to fill once no more have arrived, an empty list
+    when all are filled. ``PeerError`` at EOF or when the socket fails."""
     for i, view in enumerate(views):
         got = 0
         while got < len(view):
