@@ -141,13 +141,8 @@ class SlabAllocator:
             c.top -= 1
             offset = int(c.stack[c.top])
         else:
-            if c.carve_page < 0 or c.carve_next == c.per_page:
-                page = self._take_free_page(c.group)
-                if page is None:
-                    return None
-                self.page_owner[page] = cls
-                c.pages.append(page)
-                c.carve_page, c.carve_next = page, 0
+            if not self._carving(cls):
+                return None
             offset = c.carve_page * self.page_size + c.carve_next * c.chunk_size
             c.carve_next += 1
         c.chunks_used += 1
@@ -165,14 +160,7 @@ class SlabAllocator:
             parts.append(c.stack[c.top - take : c.top][::-1].copy())
             c.top -= take
         need = k - take
-        while need > 0:
-            if c.carve_page < 0 or c.carve_next == c.per_page:
-                page = self._take_free_page(c.group)
-                if page is None:
-                    break
-                self.page_owner[page] = cls
-                c.pages.append(page)
-                c.carve_page, c.carve_next = page, 0
+        while need > 0 and self._carving(cls):
             n = min(need, c.per_page - c.carve_next)
             first = c.carve_page * self.page_size + c.carve_next * c.chunk_size
             parts.append(first + np.arange(n, dtype=np.uint64) * np.uint64(c.chunk_size))
@@ -184,6 +172,20 @@ class SlabAllocator:
         c.chunks_used += out.size
         np.add.at(self.page_used, self.page_of(out), 1)
         return out
+
+    def _carving(self, cls: int) -> bool:
+        """Whether class ``cls`` has a page to carve chunks from: its carving page, or when that
+        is used up a free page, taken for it now. False when no page is free."""
+        c = self.classes[cls]
+        if c.carve_page >= 0 and c.carve_next < c.per_page:
+            return True
+        page = self._take_free_page(c.group)
+        if page is None:
+            return False
+        self.page_owner[page] = cls
+        c.pages.append(page)
+        c.carve_page, c.carve_next = page, 0
+        return True
 
     def _take_free_page(self, group: int) -> int | None:
         """A free page for ``group``, or None: the last freed of the group's own, else the last

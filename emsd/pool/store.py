@@ -361,15 +361,22 @@ class BlockStore:
             cls = self.slabs.class_for(size, self._group.get(ns, 0))
             offset = None if cls is None else self._room_one(cls, copy)
         if offset is not None:
-            i = self.index.insert_one(ns, keys, offset // self._unit, size, PENDING, stamp)
-            if self.sums is not None:
-                self._set_sums(np.array((i,), dtype=np.uint32), _NO_SUM)
-            self._pending += 1
+            i = self._pending_one(ns, keys, offset, size, stamp, prev)
             handles[0], offsets[0], status[0] = i, offset, Status.NEW
             if copy:
                 self.index.cached[i] = 1
-            self.recency.reserved_one(self.index, stamp, i, lambda: self._below(ns, prev))
         return Reservation(status, handles, offsets)
+
+    def _pending_one(self, ns: int, keys: KeyBatch, offset: int, size: int, stamp: int,
+                     prev: KeyBatch | None) -> int:
+        """A PENDING entry for the one absent key ``keys`` in the chunk at byte ``offset``, stamped
+        as a reserve of one stamps it; its id."""
+        i = self.index.insert_one(ns, keys, offset // self.slabs.align, size, PENDING, stamp)
+        if self.sums is not None:
+            self._set_sums(np.array((i,), dtype=np.uint32), _NO_SUM)
+        self._pending += 1
+        self.recency.reserved_one(self.index, stamp, i, lambda: self._below(ns, prev))
+        return i
 
     def _room_one(self, cls: int, copy: bool) -> int | None:
         """``_room(cls, 1, copy)``: a free chunk in scalar steps, else evicting as it does."""
@@ -393,12 +400,7 @@ class BlockStore:
             return int(res.status[0]), int(res.handles[0])
         stamp = self._tick(self.recency.reserve_ticks(1))
         self.granted_bytes -= self._granted.pop(at)
-        i = self.index.insert_one(ns, keys, at // self.slabs.align, size, PENDING, stamp)
-        if self.sums is not None:
-            self._set_sums(np.array((i,), dtype=np.uint32), _NO_SUM)
-        self._pending += 1
-        self.recency.reserved_one(self.index, stamp, i, lambda: self._below(ns, prev))
-        return int(Status.NEW), i
+        return int(Status.NEW), self._pending_one(ns, keys, at, size, stamp, prev)
 
     def _below(self, ns: int, prev: KeyBatch | None) -> int | None:
         """The stamp of ``prev`` (one key) if it is READY, else None: the bound a call
