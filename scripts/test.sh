@@ -4,6 +4,7 @@
 # LMCache and SGLang backends (scripts/test-engines.sh). EMS_SKIP_ENGINES=1 leaves those out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "[test] $(date +%T) set-up"
 scripts/setup.sh --test
 ENGINES=1
 [[ "${EMS_SKIP_ENGINES:-0}" == 1 || "${EMS_SKIP_VLLM:-0}" == 1 ]] && ENGINES=0
@@ -14,13 +15,17 @@ if ((ENGINES)); then
         && scripts/setup-engines.sh) >"$setup_log" 2>&1 &
     setup_pid=$!
 fi
-echo "[test] ruff"
+echo "[test] $(date +%T) ruff"
 .venv/bin/ruff check emsd ems tests benchmarks
-echo "[test] mypy"
+echo "[test] $(date +%T) mypy"
 .venv/bin/mypy emsd ems
-echo "[test] pytest"
-.venv/bin/python -m pytest -q --durations=15 "$@"
+# Most tests wait on daemons, ZooKeeper and sockets: four workers (pytest-xdist) keep two
+# cores busy. EMS_TEST_WORKERS=0 runs them in this process, one after another.
+workers="${EMS_TEST_WORKERS:-4}"
+echo "[test] $(date +%T) pytest ($workers workers)"
+.venv/bin/python -m pytest -q --durations=15 -n "$workers" --dist loadgroup "$@"
 if ((ENGINES)); then
+    echo "[test] $(date +%T) the engine venvs"
     if ! wait "$setup_pid"; then
         cat "$setup_log" >&2
         echo "[test] setting up the engine venvs failed" >&2
@@ -29,3 +34,4 @@ if ((ENGINES)); then
     scripts/test-vllm.sh
     scripts/test-engines.sh
 fi
+echo "[test] $(date +%T) done"

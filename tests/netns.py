@@ -39,7 +39,11 @@ def available() -> str | None:
 class Hosts:
     def __init__(self, n: int) -> None:
         tag = os.getpid() % 10_000
-        self.net = 100 + os.getpid() % 150  # second octet: 10.100-249.x.x, private
+        # Second octet: 10.100-243.x.x, private; each pytest-xdist worker (gw0..gw8) has
+        # its own range of 16, so tests in two workers never share a subnet.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+        slot = int(worker[2:]) % 9 if worker[2:].isdigit() else 0
+        self.net = 100 + 16 * slot + os.getpid() % 16
         self.bridge = f"emsbr{tag}"
         self.names = [f"ems{tag}h{i}" for i in range(n)]
         self.gateway = f"10.{self.net}.0.1"

@@ -106,8 +106,9 @@ def test_a_refused_duplicate_that_stops_leaves_the_live_registration_alone(
 def test_a_restarted_node_replaces_its_dead_predecessors_registration(
         zookeeper: zk.ZooKeeperServer) -> None:
     old = ZooKeeperMembership(zookeeper.hosts, "test", info("a"), session_timeout=30)
-    old.start()  # "killed": its session lives on for 30 s
+    old.start(timeout=30)  # "killed": its session lives on for 30 s
     try:
+        assert old.state is MembershipState.JOINED  # registered before the others try
         other_endpoint = NodeInfo("a", "127.0.0.1:4242", 4 << 30, 1)
         stranger = ZooKeeperMembership(zookeeper.hosts, "test", other_endpoint, session_timeout=PATIENT,
                                        endpoint_is_mine=True)
