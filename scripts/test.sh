@@ -9,10 +9,11 @@ scripts/setup.sh --test
 ENGINES=1
 [[ "${EMS_SKIP_ENGINES:-0}" == 1 || "${EMS_SKIP_VLLM:-0}" == 1 ]] && ENGINES=0
 if ((ENGINES)); then
-    # The engine venvs install (mostly downloads) while the main suite runs.
+    # The engine venvs install (mostly downloads) while the main suite runs, at a lower
+    # priority: the suite's timeouts are the ones that matter.
     setup_log=$(mktemp)
-    (scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh && scripts/setup-mooncake-vllm.sh \
-        && scripts/setup-engines.sh) >"$setup_log" 2>&1 &
+    nice -n 10 bash -c 'scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh \
+        && scripts/setup-mooncake-vllm.sh && scripts/setup-engines.sh' >"$setup_log" 2>&1 &
     setup_pid=$!
 fi
 echo "[test] $(date +%T) ruff"

@@ -41,8 +41,9 @@ def cluster(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) ->
             "secret_file": str(secret), "session_timeout": 4, **extra}, **more) for _ in range(n)]
         for d in nodes:
             d.start()
-        # the view on /metrics (STATS would need a tenant's credentials with a tenants file)
-        wait_for(lambda: all(d.metric("emsd_cluster_members") == n for d in nodes))
+        # the view on /metrics (STATS would need a tenant's credentials with a tenants file);
+        # on a machine loaded by several test workers, joins can take ZooKeeper well over 30 s
+        wait_for(lambda: all(d.metric("emsd_cluster_members") == n for d in nodes), timeout=90)
         return nodes
 
     return start
