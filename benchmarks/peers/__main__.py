@@ -118,9 +118,10 @@ def machine_cpu_seconds() -> float:
 
 
 def free_hugepages() -> int:
-    """Free hugepages of the default size (0 where the kernel has none)."""
+    """Free hugepages of the default size not yet promised to a mapping (0 where the kernel
+    has none): a system takes its share when it maps it, however much it has touched."""
     info = read_hugepage_info()
-    return info.free if info is not None else 0
+    return info.available if info is not None else 0
 
 
 @contextlib.contextmanager

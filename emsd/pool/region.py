@@ -68,6 +68,12 @@ class HugepageInfo:
     page_size: int  # bytes
     total: int
     free: int
+    reserved: int = 0  # promised to mappings made already, not yet faulted in (HugePages_Rsvd)
+
+    @property
+    def available(self) -> int:
+        """Hugepages a new mapping can have: free ones not promised to another mapping."""
+        return self.free - self.reserved
 
 
 @dataclass
@@ -212,6 +218,7 @@ def read_hugepage_info(meminfo: Path = MEMINFO) -> HugepageInfo | None:
         page_size=fields["Hugepagesize"] << 10,  # /proc/meminfo counts in kB
         total=fields.get("HugePages_Total", 0),
         free=fields.get("HugePages_Free", 0),
+        reserved=fields.get("HugePages_Rsvd", 0),
     )
 
 
@@ -227,16 +234,17 @@ def _choose(size: int, mode: str, info: HugepageInfo | None) -> tuple[int | None
     huge_size = _round_up(size, info.page_size)
     needed = huge_size // info.page_size
     mib = info.page_size >> 20
-    if info.free < needed:
+    free = info.available  # a mapping's reservation is taken when it is made, not when touched
+    if free < needed:
         if mode == "on":
             raise RegionError(
-                f"pool.hugepages=on: {info.free} of {needed} free hugepages of {mib} MiB needed; "
-                f"reserve them with `echo {info.total + needed - info.free} > {NR_HUGEPAGES}` "
+                f"pool.hugepages=on: {free} of {needed} free hugepages of {mib} MiB needed; "
+                f"reserve them with `echo {info.total + needed - free} > {NR_HUGEPAGES}` "
                 f'or set pool.hugepages = "auto"'
             )
-        return None, (f"hugepages=auto: {info.free} of {needed} free hugepages of {mib} MiB "
+        return None, (f"hugepages=auto: {free} of {needed} free hugepages of {mib} MiB "
                       "needed; using shared memory")
-    return huge_size, f"hugepages={mode}: {needed} hugepages of {mib} MiB ({info.free} were free)"
+    return huge_size, f"hugepages={mode}: {needed} hugepages of {mib} MiB ({free} were free)"
 
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

@@ -82,6 +82,15 @@ def test_auto_with_enough_hugepages_picks_them() -> None:
     assert reason.startswith("hugepages=auto: 2 hugepages of 2 MiB")
 
 
+def test_hugepages_promised_to_other_mappings_are_not_free() -> None:
+    """Free pages another mapping reserved (not yet touched) cannot back this pool."""
+    size, reason = _choose(3 * MIB, "auto", HugepageInfo(2 * MIB, total=8, free=8, reserved=7))
+    assert size is None and reason.startswith("hugepages=auto: 1 of 2 free hugepages")
+    with pytest.raises(RegionError, match=r"1 of 2 free hugepages .* `echo 9 > "):
+        _choose(3 * MIB, "on", HugepageInfo(2 * MIB, total=8, free=8, reserved=7))
+    assert _choose(3 * MIB, "auto", HugepageInfo(2 * MIB, total=8, free=8, reserved=6))[0] == 4 * MIB
+
+
 def test_on_without_enough_hugepages_says_how_to_reserve_them() -> None:
     with pytest.raises(RegionError) as exc:
         _choose(8 * MIB, "on", HugepageInfo(2 * MIB, total=3, free=1))
@@ -100,8 +109,9 @@ def test_no_hugetlb_in_the_kernel() -> None:
 def test_meminfo_parsing(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 100 kB\nHugePages_Total:      64\nHugePages_Free:       60\n"
-                       "Hugepagesize:       2048 kB\n")
-    assert read_hugepage_info(meminfo) == HugepageInfo(2 * MIB, 64, 60)
+                       "HugePages_Rsvd:       12\nHugepagesize:       2048 kB\n")
+    assert read_hugepage_info(meminfo) == HugepageInfo(2 * MIB, 64, 60, 12)
+    assert HugepageInfo(2 * MIB, 64, 60, 12).available == 48
     meminfo.write_text("MemTotal: 100 kB\n")
     assert read_hugepage_info(meminfo) is None
     assert read_hugepage_info(tmp_path / "missing") is None
