@@ -22,8 +22,9 @@ from benchmarks.peers import stats
 ROOT = Path(__file__).resolve().parents[2]
 CELLS = {f"{s}/{m}/{o}" for s in stats.SIZES for m in stats.MODES for o in stats.OPS}
 # The hugepages run raises the machine's hugepage count for a while, and emsd on
-# hugepages = "auto" (the quick run's) takes what is free: these runs and the test
-# that needs no free hugepages go to one worker, one after another.
+# hugepages = "auto" (the quick run's) takes what is free: these runs and the tests
+# that need none free or raise the count themselves (tests/unit/test_region.py) go to
+# one worker, one after another.
 pytestmark = pytest.mark.xdist_group("hugepages")
 
 
