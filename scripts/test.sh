@@ -12,9 +12,10 @@ if ((ENGINES)); then
     # The engine venvs install (mostly downloads) while the main suite runs, at a lower
     # priority: the suite's timeouts are the ones that matter.
     setup_log=$(mktemp)
-    nice -n 10 bash -c 'scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh \
+    setsid nice -n 10 bash -c 'scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh \
         && scripts/setup-mooncake-vllm.sh && scripts/setup-engines.sh' >"$setup_log" 2>&1 &
     setup_pid=$!
+    trap 'kill -- "-$setup_pid" 2>/dev/null || true' EXIT  # a stage that fails stops it too
 fi
 echo "[test] $(date +%T) ruff"
 .venv/bin/ruff check emsd ems tests benchmarks

