@@ -21,11 +21,10 @@ from benchmarks.peers import stats
 
 ROOT = Path(__file__).resolve().parents[2]
 CELLS = {f"{s}/{m}/{o}" for s in stats.SIZES for m in stats.MODES for o in stats.OPS}
-# The hugepages run raises the machine's hugepage count for a while, and emsd on
-# hugepages = "auto" (the quick run's) takes what is free: these runs and the tests
-# that need none free or raise the count themselves (tests/unit/test_region.py) go to
-# one worker, one after another.
-pytestmark = pytest.mark.xdist_group("hugepages")
+# The hugepages run raises the machine's hugepage count for a while and counts what each
+# system maps; emsd on hugepages = "auto" (the quick run's) takes what is free: these run
+# alone (scripts/test.sh), as do the other tests of the hugepage count.
+pytestmark = pytest.mark.serial
 
 
 @pytest.mark.timeout(300)

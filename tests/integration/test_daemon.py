@@ -64,7 +64,7 @@ def test_missing_config_file_exits_2(tmp_path: Path) -> None:
     assert "does not exist" in proc.stderr
 
 
-@pytest.mark.xdist_group("hugepages")  # not beside a run that raises the hugepage count
+@pytest.mark.serial  # not beside a run that raises the hugepage count
 def test_hugepages_on_without_hugepages_fails_clearly(emsd_factory: Any) -> None:
     meminfo = Path("/proc/meminfo").read_text()
     if "HugePages_Free:        0" not in meminfo and "HugePages_Free:" in meminfo:

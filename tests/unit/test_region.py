@@ -13,9 +13,9 @@ from emsd.pool import keeper
 from emsd.pool import region as region_mod
 from emsd.pool.region import HugepageInfo, Region, RegionBusy, RegionError, _choose, read_hugepage_info
 
-# Some tests here raise the machine's hugepage count or need none free: one worker runs them
-# with the other tests that do (tests/integration/test_bench_peers_quick.py).
-pytestmark = pytest.mark.xdist_group("hugepages")
+# Some tests here raise the machine's hugepage count or need none free: they run alone
+# (scripts/test.sh), as do the other tests of the hugepage count.
+pytestmark = pytest.mark.serial
 
 MIB = 1 << 20
 NO_HUGEPAGES = HugepageInfo(page_size=2 * MIB, total=0, free=0)
