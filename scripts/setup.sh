@@ -40,4 +40,8 @@ else
     echo "[setup] emsd"
     .venv/bin/python -m pip install -q -e .
 fi
+# Compile this tree's modules once. Daemons and tests import them in hundreds of processes,
+# and where PYTHONDONTWRITEBYTECODE is set (this machine's shell sets it) each would compile
+# them again: about 0.2 s of CPU a process.
+.venv/bin/python -m compileall -q -j 0 emsd ems benchmarks tests >/dev/null
 echo "[setup] done"

@@ -43,6 +43,7 @@ if ((ENGINES)); then
         echo "[test] setting up the engine venvs failed" >&2
         exit 1
     fi
+    export EMS_ENGINE_VENVS_READY=1  # the two scripts below need not set them up again
     scripts/test-vllm.sh
     scripts/test-engines.sh
 fi
