@@ -34,9 +34,9 @@ if [[ ! -e $STAMP ]]; then
     fi
     echo "[$TAG] python venv in $VENV, its packages linked from .venv-vllm"
     rm -rf "$VENV"
-    "${PYTHON:-python3}" -m venv "$VENV"
+    "${PYTHON:-python3}" -m venv --without-pip "$VENV"  # .venv-vllm's pip is linked in below
     src=$(site_packages .venv-vllm) dst=$(site_packages "$VENV")
-    rm -rf "$dst"  # the new venv's own pip goes too: .venv-vllm's is linked in its place
+    rm -rf "$dst"
     if ! cp -al "$src" "$dst" 2>/dev/null; then  # hard links work within one file system
         rm -rf "$dst"
         cp -a "$src" "$dst"
