@@ -25,13 +25,13 @@ echo "[test] $(date +%T) mypy"
 # cores busy. EMS_TEST_WORKERS=0 runs them in this process, one after another. Tests marked
 # serial (the hugepage count is the machine's) run after, alone.
 workers="${EMS_TEST_WORKERS:-4}"
+selected=$(($# > 0))  # arguments given: they select tests
 pytest_part() {  # a selection of arguments may leave one part with no test: that is no failure
     local rc=0
     .venv/bin/python -m pytest -q "$@" || rc=$?
     ((rc == 5 && selected)) && return 0
     return "$rc"
 }
-selected=$(($# > 0))
 echo "[test] $(date +%T) pytest ($workers workers)"
 pytest_part --durations=15 -n "$workers" -m "not serial" "$@"
 echo "[test] $(date +%T) pytest, the serial tests"

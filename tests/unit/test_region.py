@@ -13,10 +13,8 @@ from emsd.pool import keeper
 from emsd.pool import region as region_mod
 from emsd.pool.region import HugepageInfo, Region, RegionBusy, RegionError, _choose, read_hugepage_info
 
-# Some tests here raise the machine's hugepage count or need none free: they run alone
-# (scripts/test.sh), as do the other tests of the hugepage count.
-pytestmark = pytest.mark.serial
-
+# The tests that raise the machine's hugepage count or need none free are marked serial: they
+# run alone (scripts/test.sh), as do the other tests of the hugepage count.
 MIB = 1 << 20
 NO_HUGEPAGES = HugepageInfo(page_size=2 * MIB, total=0, free=0)
 
@@ -121,9 +119,10 @@ def test_meminfo_parsing(tmp_path: Path) -> None:
     assert read_hugepage_info(tmp_path / "missing") is None
 
 
+@pytest.mark.serial
 def test_on_fails_clearly_on_this_host_without_hugepages() -> None:
     info = read_hugepage_info()
-    if info is not None and info.free * info.page_size >= 16 * MIB:
+    if info is not None and info.available * info.page_size >= 16 * MIB:
         pytest.skip("this host has free hugepages")
     with pytest.raises(RegionError, match=r"^pool\.hugepages=on: "):
         Region.create(16 * MIB, "on")
@@ -143,13 +142,14 @@ def hugepages() -> Iterator[int]:
         pytest.skip("cannot reserve hugepages here")
     try:
         got = read_hugepage_info()
-        if got is None or got.free < 16:
+        if got is None or got.available < 16:
             pytest.skip("the kernel did not grant the hugepages")
         yield got.page_size
     finally:
         path.write_text(str(before))
 
 
+@pytest.mark.serial
 def test_hugetlb_region_when_hugepages_are_reserved(hugepages: int) -> None:
     r = Region.create(3 * hugepages - 1, "on", name="emsd-test-huge")
     try:
