@@ -10,9 +10,13 @@ ENGINES=1
 [[ "${EMS_SKIP_ENGINES:-0}" == 1 || "${EMS_SKIP_VLLM:-0}" == 1 ]] && ENGINES=0
 if ((ENGINES)); then
     # The engine venvs install (mostly downloads) while the main suite runs, at a lower
-    # priority: the suite's timeouts are the ones that matter.
+    # priority: the suite's timeouts are the ones that matter. setsid gives the set-up a
+    # session of its own (a process group to stop); where the kernel shares the CPU out by
+    # session first (autogroup), nice alone would not lower it against the suite, so its
+    # session's group is lowered too.
     setup_log=$(mktemp)
-    setsid nice -n 10 bash -c 'scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh \
+    setsid nice -n 10 bash -c '{ echo 10 >/proc/self/autogroup; } 2>/dev/null || true
+        scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh \
         && scripts/setup-mooncake-vllm.sh && scripts/setup-engines.sh' >"$setup_log" 2>&1 &
     setup_pid=$!
     trap 'kill -- "-$setup_pid" 2>/dev/null || true' EXIT  # a stage that fails stops it too
