@@ -2,7 +2,7 @@
 
 ``ZooKeeperServer(workdir).start()`` writes a zoo.cfg (a free loopback port,
 tickTime 200 ms so sessions of 1-4 s work, no admin server), runs
-``QuorumPeerMain`` with Java, and returns once the server answers ``ruok``.
+``QuorumPeerMain`` with Java, and returns once it serves sessions (``srvr`` reports ``Mode: standalone``).
 ``stop()`` ends it by pid (SIGTERM, then SIGKILL); ``start()`` again
 restarts it on the same port with the same data. ``available()`` says
 whether Java and the jar are installed, so tests can skip with a reason.
@@ -62,8 +62,10 @@ class ZooKeeperServer:
         return f"{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> ZooKeeperServer:
+        """Launch a standalone server; return once it serves sessions (``ruok`` would answer
+        as soon as the port is open, before the server takes sessions: ``srvr`` says when)."""
         self.launch()
-        self.wait(self.ruok, timeout)
+        self.wait(lambda: self.mode() == "standalone", timeout)
         return self
 
     def launch(self) -> None:
@@ -76,7 +78,7 @@ class ZooKeeperServer:
         cfg.write_text(
             f"tickTime=200\ndataDir={data}\nclientPort={self.port}\nclientPortAddress={self.host}\n"
             "admin.enableServer=false\nminSessionTimeout=400\nmaxSessionTimeout=60000\n"
-            "4lw.commands.whitelist=ruok,srvr\n"
+            "4lw.commands.whitelist=srvr\n"
             # an ensemble: 10 s to sync a follower, 5 s of silence before it is dropped
             + (f"initLimit=50\nsyncLimit=25\n{self.quorum}" if self.quorum else "")
         )
@@ -116,14 +118,6 @@ class ZooKeeperServer:
             if line.startswith("Mode:"):
                 return line.split(":", 1)[1].strip()
         return ""
-
-    def ruok(self) -> bool:
-        try:
-            with socket.create_connection((self.host, self.port), timeout=0.5) as s:
-                s.sendall(b"ruok")
-                return s.recv(8) == b"imok"
-        except OSError:
-            return False
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -108,7 +108,9 @@ def test_a_restarted_node_replaces_its_dead_predecessors_registration(
     old = ZooKeeperMembership(zookeeper.hosts, "test", info("a"), session_timeout=30)
     old.start(timeout=30)  # "killed": its session lives on for 30 s
     try:
-        assert old.state is MembershipState.JOINED  # registered before the others try
+        # registered before the others try (a first connect that stalls takes kazoo a whole
+        # session timeout to give up on: the join may then finish in the background)
+        wait_for(lambda: old.state is MembershipState.JOINED, 90)
         other_endpoint = NodeInfo("a", "127.0.0.1:4242", 4 << 30, 1)
         stranger = ZooKeeperMembership(zookeeper.hosts, "test", other_endpoint, session_timeout=PATIENT,
                                        endpoint_is_mine=True)
