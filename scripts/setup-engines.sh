@@ -41,7 +41,7 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
     echo "$WANT" > "$STAMP"
 fi
 echo "[setup-engines] emsd (editable, with test extras) from $ROOT"
-"${PIP[@]}" -e "$ROOT[test]"
+(flock 9 && "${PIP[@]}" -e "$ROOT[test]") 9>"${TMPDIR:-/tmp}/emsd-editable-$(id -u).lock"  # one editable build of this tree at a time
 # The import check also compiles what the tests import (pip compiled nothing: --no-compile).
 env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" - <<'PY'
 import lmcache.v1.storage_backend.connector  # noqa: F401

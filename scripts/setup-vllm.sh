@@ -62,7 +62,9 @@ for name in ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "vllm.v1.e
 PY
 fi
 echo "[setup-vllm] emsd (editable) with test and bench extras (matplotlib for benchmarks/engines)"
-pip_install -e ".[test,bench]"  # every time, as scripts/setup.sh: emsd's dependencies may have changed
+# every time, as scripts/setup.sh: emsd's dependencies may have changed; one editable build of
+# this tree at a time (scripts/test.sh runs this beside scripts/setup.sh)
+(flock 9 && pip_install -e ".[test,bench]") 9>"${TMPDIR:-/tmp}/emsd-editable-$(id -u).lock"
 torch_version=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
 if [[ $torch_version != 2.13.0* ]]; then
     echo "[setup-vllm] error: torch $torch_version in $VENV, expected 2.13.0 (CPU)" >&2

@@ -4,13 +4,11 @@
 # LMCache and SGLang backends (scripts/test-engines.sh). EMS_SKIP_ENGINES=1 leaves those out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "[test] $(date +%T) set-up"
-scripts/setup.sh --test
 ENGINES=1
 [[ "${EMS_SKIP_ENGINES:-0}" == 1 || "${EMS_SKIP_VLLM:-0}" == 1 ]] && ENGINES=0
 if ((ENGINES)); then
-    # The engine venvs install (mostly downloads) while the main suite runs, at a lower
-    # priority: the suite's timeouts are the ones that matter. setsid gives the set-up a
+    # The engine venvs install from the start, beside the set-up and then the main suite, at a
+    # lower priority: the suite's timeouts are the ones that matter. setsid gives the set-up a
     # session of its own (a process group to stop); where the kernel shares the CPU out by
     # session first (autogroup), nice alone would not lower it against the suite, so its
     # session's group is lowered too.
@@ -21,6 +19,8 @@ if ((ENGINES)); then
     setup_pid=$!
     trap 'kill -- "-$setup_pid" 2>/dev/null || true' EXIT  # a stage that fails stops it too
 fi
+echo "[test] $(date +%T) set-up"
+scripts/setup.sh --test
 echo "[test] $(date +%T) ruff"
 .venv/bin/ruff check emsd ems tests benchmarks
 echo "[test] $(date +%T) mypy"

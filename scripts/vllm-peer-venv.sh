@@ -47,6 +47,6 @@ if [[ ! -e $STAMP ]]; then
     touch "$STAMP"
 fi
 echo "[$TAG] python venv in $VENV"
-pip_install -e .
+(flock 9 && pip_install -e .) 9>"${TMPDIR:-/tmp}/emsd-editable-$(id -u).lock"  # one editable build of this tree at a time
 "$VENV/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda" \
     || { echo "[$TAG] a CUDA torch got in" >&2; exit 1; }
