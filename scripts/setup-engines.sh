@@ -8,6 +8,7 @@
 # Versions are pinned: ems/integrations/{lmcache,sglang}.py are written against these.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/build-lock.sh
 ROOT="$PWD"
 VENV="${ENGINES_VENV:-$ROOT/.venv-engines}"
 PY="${PYTHON:-python3}"
@@ -41,7 +42,7 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
     echo "$WANT" > "$STAMP"
 fi
 echo "[setup-engines] emsd (editable, with test extras) from $ROOT"
-(flock 9 && "${PIP[@]}" -e "$ROOT[test]") 9>"${TMPDIR:-/tmp}/emsd-editable-$(id -u).lock"  # one editable build of this tree at a time
+with_build_lock "${PIP[@]}" -e "$ROOT[test]"
 # The import check also compiles what the tests import (pip compiled nothing: --no-compile).
 env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" - <<'PY'
 import lmcache.v1.storage_backend.connector  # noqa: F401

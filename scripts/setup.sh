@@ -5,6 +5,7 @@
 #                             and the checkers of deploy/ (scripts/setup-deploy-checks.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/build-lock.sh
 WITH_TEST=0
 [[ "${1:-}" == "--test" ]] && WITH_TEST=1
 PY="${PYTHON:-python3}"
@@ -19,8 +20,7 @@ if [[ $WITH_TEST == 1 ]]; then
     echo "[setup] torch 2.13.0 (CPU)"
     .venv/bin/python -m pip install -q torch==2.13.0
     echo "[setup] emsd with test extras"
-    (flock 9 && PIP_CONSTRAINT=scripts/constraints.txt .venv/bin/python -m pip install -q -e ".[test]") \
-        9>"${TMPDIR:-/tmp}/emsd-editable-$(id -u).lock"  # one editable build of this tree at a time (scripts/test.sh)
+    PIP_CONSTRAINT=scripts/constraints.txt with_build_lock .venv/bin/python -m pip install -q -e ".[test]"
     scripts/setup-deploy-checks.sh  # promtool, systemd-analyze, Helm (library), hadolint for tests/deploy
     if ! command -v zkServer.sh >/dev/null && [[ ! -x /usr/share/zookeeper/bin/zkServer.sh ]] \
             || [[ ! -d /usr/lib/python3/dist-packages/pyverbs ]]; then
@@ -39,7 +39,7 @@ if [[ $WITH_TEST == 1 ]]; then
     fi
 else
     echo "[setup] emsd"
-    (flock 9 && .venv/bin/python -m pip install -q -e .) 9>"${TMPDIR:-/tmp}/emsd-editable-$(id -u).lock"
+    with_build_lock .venv/bin/python -m pip install -q -e .
 fi
 # Compile this tree's modules once. Daemons and tests import them in hundreds of processes,
 # and where PYTHONDONTWRITEBYTECODE is set (this machine's shell sets it) each would compile

@@ -12,6 +12,7 @@
 # imports after it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/build-lock.sh
 if (($# < 4)); then
     echo "usage: $0 TAG VENV STAMP PACKAGE..." >&2
     exit 2
@@ -47,6 +48,6 @@ if [[ ! -e $STAMP ]]; then
     touch "$STAMP"
 fi
 echo "[$TAG] python venv in $VENV"
-(flock 9 && pip_install -e .) 9>"${TMPDIR:-/tmp}/emsd-editable-$(id -u).lock"  # one editable build of this tree at a time
+with_build_lock pip_install -e .
 "$VENV/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda" \
     || { echo "[$TAG] a CUDA torch got in" >&2; exit 1; }
