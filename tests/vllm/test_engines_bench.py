@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.engines.run import QUICK_ANSWER, QUICK_PROMPT
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -44,14 +46,14 @@ def test_quick_run_loads_across_engines_and_nodes_with_equal_outputs(tmp_path: P
     assert systems["cold"]["requests"] == 3
     for name in ("emsd", "emsd-2node", "mooncake"):
         assert systems[name]["outputs_equal"] is True, name
-    # B's returning request is A's prompt (1,024 tokens), A's answer (48 generated: KV of 47) and
+    # B's returning request is A's prompt (QUICK_PROMPT tokens), A's answer (48 generated: KV of 47) and
     # 96 new tokens: it finds A's prompt and the whole block of A's answer, a decode block.
-    blocks_of_a = (1024 + 47) // 32
+    blocks_of_a = (QUICK_PROMPT + QUICK_ANSWER - 1) // 32
     for name in ("emsd", "emsd-2node"):
         assert systems[name]["loaded_blocks"] >= blocks_of_a, systems[name]
     assert systems["cold"]["loaded_blocks"] == 0
-    # Mooncake: engine B, a fresh process, computes none of A's 1,024 prompt tokens (its own prefix
+    # Mooncake: engine B, a process of its own, computes none of A's prompt tokens (its own prefix
     # cache holds none of them; the cold engine's B computes them all)
     cached = {k: systems[k]["cached_share"] * systems[k]["prompt_tokens"] for k in ("cold", "mooncake")}
-    assert cached["cold"] == 0 and cached["mooncake"] >= 1024, cached
+    assert cached["cold"] == 0 and cached["mooncake"] >= QUICK_PROMPT, cached
     assert (tmp_path / "p.png").stat().st_size > 0
