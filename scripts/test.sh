@@ -11,14 +11,25 @@ if ((ENGINES)); then
     # lower priority: the suite's timeouts are the ones that matter. setsid gives the set-up a
     # session of its own (a process group to stop); where the kernel shares the CPU out by
     # session first (autogroup), nice alone would not lower it against the suite, so its
-    # session's group is lowered too.
-    setup_log=$(mktemp)
+    # session's group is lowered too. It marks in $ready what is ready: "vllm" (the venvs of
+    # scripts/test-vllm.sh), then "engines" (scripts/test-engines.sh's).
+    setup_log=$(mktemp) ready=$(mktemp -d)
     setsid nice -n 10 bash -c '{ echo 10 >/proc/self/autogroup; } 2>/dev/null || true
-        scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh \
-        && scripts/setup-mooncake-vllm.sh && scripts/setup-engines.sh' >"$setup_log" 2>&1 &
+        scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh && scripts/setup-mooncake-vllm.sh \
+        && touch "$0/vllm" && scripts/setup-engines.sh && touch "$0/engines"' "$ready" >"$setup_log" 2>&1 &
     setup_pid=$!
     trap 'kill -- "-$setup_pid" 2>/dev/null || true' EXIT  # a stage that fails stops it too
 fi
+wait_for_setup() {  # wait_for_setup vllm|engines: until that part of the venvs' set-up is ready
+    while [[ ! -e $ready/$1 ]]; do
+        if ! kill -0 "$setup_pid" 2>/dev/null && [[ ! -e $ready/$1 ]]; then
+            cat "$setup_log" >&2
+            echo "[test] setting up the engine venvs failed" >&2
+            return 1
+        fi
+        sleep 1
+    done
+}
 echo "[test] $(date +%T) set-up"
 scripts/setup.sh --test
 echo "[test] $(date +%T) ruff"
@@ -42,13 +53,18 @@ echo "[test] $(date +%T) pytest, the serial tests"
 pytest_part -m serial "$@"
 if ((ENGINES)); then
     echo "[test] $(date +%T) the engine venvs"
-    if ! wait "$setup_pid"; then
-        cat "$setup_log" >&2
-        echo "[test] setting up the engine venvs failed" >&2
-        exit 1
-    fi
+    wait_for_setup vllm
     export EMS_ENGINE_VENVS_READY=1  # the two scripts below need not set them up again
-    scripts/test-vllm.sh
-    scripts/test-engines.sh
+    # The LMCache and SGLang tests run beside the vLLM tests, in the time their two workers
+    # leave (the engine benchmark's quick run is the longest); their output follows.
+    engines_log=$(mktemp)
+    { wait_for_setup engines && scripts/test-engines.sh; } >"$engines_log" 2>&1 &
+    engines_pid=$!
+    vllm_rc=0
+    scripts/test-vllm.sh || vllm_rc=$?
+    engines_rc=0
+    wait "$engines_pid" || engines_rc=$?
+    cat "$engines_log"
+    ((vllm_rc == 0 && engines_rc == 0)) || exit 1
 fi
 echo "[test] $(date +%T) done"
