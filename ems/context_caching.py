@@ -89,8 +89,14 @@ class ContextCaching:
     # -- registration ------------------------------------------------------------
 
     def register_kvcache(self, kvcache: Any) -> None:
-        """Record the KV tensors' layout and addresses; no data moves."""
+        """Record the KV tensors' layout and addresses; no data moves. The connection starts
+        filling its page tables for the pool in the background (``DaemonClient.populate``), so
+        that the first copies do not fault on every 4 KiB page."""
         self._layout = KvLayout.from_kvcache(kvcache)
+        try:
+            self._client().populate()
+        except EmsException:
+            pass  # not connected: the first call after a (re)connection starts it (_connected)
 
     @property
     def layout(self) -> KvLayout:
@@ -380,9 +386,13 @@ class ContextCaching:
     # -- connection helpers ----------------------------------------------------------
 
     def _connected(self) -> DaemonClient:
+        """The connection for a call; a new one (after a reconnection) fills its page tables
+        too once a KV cache is registered."""
         client = self._client()
         if client.broken:
             raise EmsException(EmsErrorCode.EMS_IO_ERROR, "the connection to emsd was lost")
+        if self._layout is not None:
+            client.populate()
         return client
 
     def _ns(self, client: DaemonClient, deadline: float | None) -> int:
