@@ -23,7 +23,10 @@ slower than one without, before the connector did anything (measured here,
 - a pool that is not prefaulted (``pool.prefault = false``) makes the first
   saves into it pay for its page faults: up to +1.4 s on a 3,000-token
   prompt, 0.1-0.3 s on the next few; the daemons here run with the default
-  (prefaulted), as a deployment does.
+  (prefaulted), as a deployment does, and the engines start once the
+  daemons' background prefault has finished, as a deployed daemon's has
+  long before an engine starts (``Deployment.wait_prefaulted``); else the
+  prefault runs beside the emsd engine's first prompts.
 What is left of an engine with ``EmsStoreConnector`` and nothing to find is
 measured by ``connector_cost`` (``cost`` in the results): paired prompts in
 alternating rounds, and the wall time of the connector's own hooks.
@@ -294,6 +297,7 @@ class Emsd:
         try:
             self.dep = daemons.start(work, nodes, pool, "prefix", grants=True, page=page, name="engines",
                                      prefault=True)  # the daemon's default; see "Fair comparisons" above
+            self.dep.wait_prefaulted()  # as a deployed daemon's pool is before engines start
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise

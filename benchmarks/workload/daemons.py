@@ -49,6 +49,18 @@ class Deployment:
     zookeeper: zk.ZooKeeperServer | None = None
     clients: list[Any] = field(default_factory=list)
 
+    def wait_prefaulted(self, timeout: float = 300.0) -> None:
+        """Until every node's pool is faulted in (``emsd_pool_prefault_bytes``: done = total;
+        at once with ``prefault`` off), as a deployed daemon's is long before engines use it.
+        ``RuntimeError`` after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            while (node.metric("emsd_pool_prefault_bytes", 'state="done"')
+                   < node.metric("emsd_pool_prefault_bytes", 'state="total"')):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"emsd {node.name}: pool not faulted in after {timeout:.0f} s")
+                time.sleep(0.05)
+
     def stop(self) -> None:
         for c in self.clients:
             c.close()
