@@ -232,7 +232,9 @@ class DaemonClient:
         GiB of pool. A no-op for a sparse mapping (``map_in`` fills its pages as calls use
         them) and before ``connect``."""
         if self._populator is None and self.pool_addr and not self._sparse_page:
-            self._populator = _Populator(self.pool_addr, self.pool_size)
+            with self._cond:  # async calls run on several threads: one fill a connection
+                if self._populator is None and self.pool_addr:
+                    self._populator = _Populator(self.pool_addr, self.pool_size)
 
     def map_in(self, offsets: np.ndarray) -> None:
         """With a sparse mapping (a tenant's memfd), fill this process's page tables for the
