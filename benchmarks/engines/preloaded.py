@@ -22,7 +22,10 @@ the server starts; ``VLLM_LOGGING_LEVEL`` keeps vLLM's default, INFO).
 Variables read when an engine is made (``VLLM_ENABLE_V1_MULTIPROCESSING``,
 ``VLLM_CPU_*``, the connectors' own) take the child's. The fork server runs
 with the caller's interpreter (``sys.executable``), so only engines of that
-venv can be started here; others need ``subprocess``.
+venv can be started here; others need ``subprocess``. Each child imports
+the caller's main module again (``multiprocessing``'s rule, as ``__mp_main__``):
+a script that calls ``start`` must keep its work under
+``if __name__ == "__main__":``, as ``benchmarks.engines.run`` does.
 """
 
 from __future__ import annotations
