@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import daemon_ready
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 import zk  # noqa: E402
@@ -55,8 +57,7 @@ class Deployment:
         ``RuntimeError`` after ``timeout`` s."""
         deadline = time.monotonic() + timeout
         for node in self.nodes:
-            while (node.metric("emsd_pool_prefault_bytes", 'state="done"')
-                   < node.metric("emsd_pool_prefault_bytes", 'state="total"')):
+            while not daemon_ready.prefaulted(node.metrics_port):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"emsd {node.name}: pool not faulted in after {timeout:.0f} s")
                 time.sleep(0.05)
