@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ports import free_port
+
 JAR = Path("/usr/share/java/zookeeper.jar")
 CONF_DIR = Path("/etc/zookeeper/conf")
 MAIN = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
@@ -38,12 +40,6 @@ def available() -> str | None:
     if not JAR.exists():
         return f"{JAR} missing: apt-get install zookeeper"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ZooKeeperServer:

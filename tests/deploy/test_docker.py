@@ -10,7 +10,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
@@ -20,6 +19,9 @@ from typing import Any
 import pytest
 
 from emsd.config import load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "deploy" / "docker"
@@ -78,12 +80,6 @@ def health_argv() -> list[str]:
     options, _, command = check.partition("CMD ")
     assert all(o.startswith("--") for o in options.split()), check
     return exec_form(command)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.skipif(HADOLINT is None, reason="hadolint is not installed "

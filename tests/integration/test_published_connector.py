@@ -15,7 +15,6 @@ loop itself, its 3-successes threshold and its flapping window are unchanged.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import published_connector as pc  # noqa: E402
+from ports import free_port  # noqa: E402
 
 from ems import Ems, EmsErrorCode  # noqa: E402
 
@@ -270,7 +270,3 @@ def test_recovering_daemon_raises_the_published_error_code(emsd_factory: Any, tm
         Ems._reset()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
