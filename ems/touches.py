@@ -4,19 +4,13 @@ A load that reads its blocks through the shared index (``emsd.pool.shared_index`
 does not ask the daemon, so the daemon's LRU and hit counters do not see it, nor
 do they see an ``exists`` answered from the table. ``Touches`` collects such
 loads' keys (and the count of such exists' keys, field ``x``) and sends them as
-one ``TOUCH`` request, without waiting for an answer:
-- in the same write as this connection's next request to the daemon
-  (``DaemonClient.send_later``) once the batch is ``TOUCH_RIDE_AFTER`` old; a
-  younger batch keeps gathering, so that a stream of loads and saves sends one
-  TOUCH every few milliseconds, not one with every save;
-- on its own once ``TOUCH_KEYS`` keys have gathered, or ``TOUCH_DELAY`` seconds
-  after the batch's first load (a thread of its own sends it then, off the
-  loads' path).
-A write of its own per load would wake the sleeping daemon each time, which
-costs 100 us and more on a virtual machine: as much as the rest of the load.
-A TOUCH with every save, in the same write, cost the daemon a request's work
-each time: about a third of its CPU for one-block loads and saves that
-alternate (docs/benchmarks.md, "Several clients on one daemon").
+one ``TOUCH`` request,
+without waiting for an answer: in the same write as this object's next request
+to the daemon (``DaemonClient.send_later``), or on its own once ``TOUCH_KEYS``
+keys have gathered or ``TOUCH_DELAY`` seconds have passed since the batch's
+first load (a thread of its own sends it then, off the loads' path). A write
+of its own per load would wake the sleeping daemon each time, which costs 100
+us and more on a virtual machine: as much as the rest of the load.
 
 What it costs: blocks read this way count as used up to ``TOUCH_DELAY`` late
 and, batched, as one load of all the batch's keys (the ``prefix`` policy
@@ -35,7 +29,6 @@ from emsd.transport.frames import Op
 
 TOUCH_KEYS = 64  # keys that make a batch go on its own
 TOUCH_DELAY = 0.02  # seconds after a batch's first load that it goes at the latest
-TOUCH_RIDE_AFTER = TOUCH_DELAY / 2  # a batch this old goes with the next request; younger ones gather
 
 Batch = tuple[DaemonClient, dict[str, int], bytes]
 
@@ -77,12 +70,9 @@ class Touches:
                 _send(batch, later=False)
 
     def send_with_next(self, client: DaemonClient) -> None:
-        """Send the pending batch once it is ``TOUCH_RIDE_AFTER`` old: queued to go out with
-        ``client``'s next request (one write) when it is ``client``'s, else on its own. A
-        younger batch keeps gathering."""
+        """Queue the pending batch to go out with ``client``'s next request (one write)."""
         with self._cond:
-            due = self._pending() and time.monotonic() - self._since >= TOUCH_RIDE_AFTER
-            batch = self._take() if due else None
+            batch = self._take() if self._pending() else None
         if batch is not None:
             _send(batch, later=batch[0] is client)
 

@@ -1,7 +1,7 @@
 """The SDK's batches of touches (``ems.touches``): loads' keys reach the daemon as one TOUCH,
-with the next request once the batch is ``TOUCH_RIDE_AFTER`` old, when enough have gathered,
-or at the latest ``TOUCH_DELAY`` after the batch's first load; a batch of another namespace or
-connection goes first; close sends what is pending."""
+with the next request, when enough have gathered, or at the latest ``TOUCH_DELAY`` after the
+batch's first load; a batch of another namespace or connection goes first; close sends what
+is pending."""
 
 from __future__ import annotations
 
@@ -11,11 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ems import touches
-from ems.touches import TOUCH_DELAY, TOUCH_KEYS, TOUCH_RIDE_AFTER, Touches
+from ems.touches import TOUCH_DELAY, TOUCH_KEYS, Touches
 from emsd.transport.frames import Op
-
-SLOW_DELAY = 0.5  # TOUCH_DELAY in tests of riding batches: a slow sleep must not let the thread send first
 
 
 class Recorder:
@@ -62,24 +59,21 @@ def test_a_batch_goes_alone_after_the_delay_with_every_load_s_keys() -> None:
         t.close()
 
 
-def test_a_full_batch_goes_at_once_and_the_next_request_takes_the_rest(monkeypatch: Any) -> None:
-    monkeypatch.setattr(touches, "TOUCH_DELAY", SLOW_DELAY)  # the rest rides, not goes alone
+def test_a_full_batch_goes_at_once_and_the_next_request_takes_the_rest() -> None:
     c, t = Recorder(), Touches()
     try:
         for k in range(TOUCH_KEYS + 1):
             t.add(c, 0, 0, 1, keys(k))  # type: ignore[arg-type]
         assert c.sent == [("alone", {"ns": 0, "n": TOUCH_KEYS, "kt": 0}, keys(*range(TOUCH_KEYS)))]
-        time.sleep(TOUCH_RIDE_AFTER)
         t.send_with_next(c)  # type: ignore[arg-type]
         assert c.sent[1:] == [("later", {"ns": 0, "n": 1, "kt": 0}, keys(TOUCH_KEYS))]
-        time.sleep(3 * TOUCH_RIDE_AFTER)
+        time.sleep(3 * TOUCH_DELAY)
         assert len(c.sent) == 2, "nothing was left to send late"
     finally:
         t.close()
 
 
-def test_another_namespace_or_connection_sends_the_batch_before(monkeypatch: Any) -> None:
-    monkeypatch.setattr(touches, "TOUCH_DELAY", SLOW_DELAY)
+def test_another_namespace_or_connection_sends_the_batch_before() -> None:
     a, b, t = Recorder(), Recorder(), Touches()
     try:
         t.add(a, 1, 0, 1, keys(1))  # type: ignore[arg-type]
@@ -87,7 +81,6 @@ def test_another_namespace_or_connection_sends_the_batch_before(monkeypatch: Any
         assert a.sent == [("alone", {"ns": 1, "n": 1, "kt": 0}, keys(1))]
         t.add(b, 2, 0, 1, keys(3))  # type: ignore[arg-type]
         assert a.sent[1:] == [("alone", {"ns": 2, "n": 1, "kt": 0}, keys(2))]
-        time.sleep(TOUCH_RIDE_AFTER)
         t.send_with_next(a)  # type: ignore[arg-type]  # b's batch: not a's next write
         assert b.sent == [("alone", {"ns": 2, "n": 1, "kt": 0}, keys(3))]
     finally:
@@ -106,33 +99,15 @@ def test_close_sends_what_is_pending_and_a_lost_connection_drops_it() -> None:
     assert lost.sent == []
 
 
-def test_exists_found_in_the_table_are_counted_in_the_batch(monkeypatch: Any) -> None:
-    monkeypatch.setattr(touches, "TOUCH_DELAY", SLOW_DELAY)
+def test_exists_found_in_the_table_are_counted_in_the_batch() -> None:
     c, t = Recorder(), Touches()
     try:
         t.add(c, 4, 0, 0, b"", exists=5)  # type: ignore[arg-type]
         t.add(c, 4, 0, 1, keys(7), exists=0)  # type: ignore[arg-type]
-        time.sleep(TOUCH_RIDE_AFTER)
         t.send_with_next(c)  # type: ignore[arg-type]
         assert c.sent == [("later", {"ns": 4, "n": 1, "kt": 0, "x": 5}, keys(7))]
         t.add(c, 4, 0, 0, b"", exists=2)  # type: ignore[arg-type]
         wait_for(lambda: len(c.sent) == 2)
         assert c.sent[1] == ("alone", {"ns": 4, "n": 0, "kt": 0, "x": 2}, b"")
-    finally:
-        t.close()
-
-
-def test_a_young_batch_does_not_ride_with_the_next_request_but_keeps_gathering(monkeypatch: Any) -> None:
-    monkeypatch.setattr(touches, "TOUCH_DELAY", SLOW_DELAY)
-    c, t = Recorder(), Touches()
-    try:
-        t.add(c, 5, 0, 1, keys(1))  # type: ignore[arg-type]
-        t.send_with_next(c)  # type: ignore[arg-type]
-        t.add(c, 5, 0, 1, keys(2))  # type: ignore[arg-type]
-        young = list(c.sent)
-        time.sleep(TOUCH_RIDE_AFTER)
-        t.send_with_next(c)  # type: ignore[arg-type]
-        assert young == []
-        assert c.sent == [("later", {"ns": 5, "n": 2, "kt": 0}, keys(1, 2))]
     finally:
         t.close()
