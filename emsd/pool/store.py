@@ -612,12 +612,24 @@ class BlockStore:
         several loads, so a key not READY any more does not stop the rest). Returns (how
         many, their bytes); pins nothing."""
         ids = self.index.find(ns, keys)
+        if ids.size == 1 and self.scalar_paths:  # a batch of one load: scalar steps
+            return self._touch_one(ids, ns, prev)
         h = ids[self.index.state.take(ids) == _READY]
         if h.size == 0:
             return 0, 0
         self.recency.pinned(self.index, h, self._tick, lambda: self._below(ns, prev))
         self.recency.released(self.index, np.unique(h), self._tick)
         return int(h.size), int(self.index.length[h].astype(np.int64).sum())
+
+    def _touch_one(self, ids: np.ndarray, ns: int, prev: KeyBatch | None) -> tuple[int, int]:
+        """``touch`` of one key whose entry ``find`` gave (``ids``, one uint32)."""
+        idx = self.index
+        i = int(ids[0])  # EMPTY (0) when absent: a FREE sentinel, never READY
+        if idx.state[i] != _READY:
+            return 0, 0
+        self.recency.pinned(idx, ids, self._tick, lambda: self._below(ns, prev))
+        self.recency.released(idx, ids, self._tick)
+        return 1, int(idx.length[i])
 
     def exists(self, ns: int, keys: KeyBatch) -> int:
         """Number of leading keys that are READY; touches nothing (no LRU, no pin)."""

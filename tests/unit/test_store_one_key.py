@@ -1,5 +1,5 @@
 """The store's one-key paths (a one-block save, a one-block PUT into a granted chunk, a
-fetched copy, commit, pin, release and marking a copy, in scalar steps) give the same
+fetched copy, commit, pin, release, a touch and marking a copy, in scalar steps) give the same
 answers and leave the same state, the ledger's rows included, as the batch path, under
 both eviction policies."""
 
@@ -29,6 +29,7 @@ def _ops(keys: st.SearchStrategy[int], sizes: tuple[int, ...], most: int) -> st.
         st.tuples(st.just("save"), keys, st.sampled_from(sizes), st.booleans(), st.booleans(),
                   st.one_of(st.none(), keys), st.booleans()),
         st.tuples(st.just("pin"), keys, st.one_of(st.none(), keys)),
+        st.tuples(st.just("touch"), keys, st.one_of(st.none(), keys)),
         st.tuples(st.just("release"), st.integers(0, 7)),
         st.tuples(st.just("end"), st.integers(0, 7), st.booleans()),
         st.tuples(st.just("mark"), keys),
@@ -96,6 +97,9 @@ def _run(store: BlockStore, script: list[tuple[Any, ...]]) -> list[Any]:
             p = store.pin(0, KeyBatch.from_user([k]), _key(prev))
             pinned += p.handles.tolist()
             out.append((p.count, p.handles.tolist(), p.offsets.tolist(), p.lengths.tolist()))
+        elif op == "touch":  # a load read through the shared index, told to the daemon
+            k, prev = args
+            out.append(store.touch(0, KeyBatch.from_user([k]), _key(prev)))
         elif op == "release" and pinned:
             h = pinned.pop(args[0] % len(pinned))
             out.append(store.release(np.array([h], dtype=np.uint32)))
