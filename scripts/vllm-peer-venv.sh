@@ -42,7 +42,12 @@ if [[ ! -e $STAMP ]]; then
 fi
 echo "[$TAG] python venv in $VENV"
 # A venv just made has emsd already: .venv-vllm's editable install of this tree came with its
-# packages. An older one is brought up to date, as scripts/setup.sh does (dependencies may change).
-((made)) || with_build_lock pip_install -e .
+# packages. An older one is brought up to date when pyproject.toml changed (scripts/build-lock.sh).
+if ((made)); then
+    mark_emsd_installed "$VENV"
+elif ! emsd_installed "$VENV"; then
+    with_build_lock pip_install -e .
+    mark_emsd_installed "$VENV"
+fi
 "$VENV/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda" \
     || { echo "[$TAG] a CUDA torch got in" >&2; exit 1; }
