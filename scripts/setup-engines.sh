@@ -24,7 +24,8 @@ LIGHT_DEPS=(
     PyYAML==6.0.3 pyzmq==27.3.0 redis==8.1.0 requests==2.34.2 safetensors==0.8.0
     sortedcontainers==2.4.0 starlette==1.10.0 transformers==5.23.0 triton==3.9.0
 )
-# What is installed is recorded in a stamp; a second run with the same lists only re-links emsd.
+# What is installed is recorded in a stamp; a second run with the same lists installs nothing
+# (emsd too has a stamp of its own: scripts/build-lock.sh).
 WANT="$(printf '%s\n' torch==2.13.0 "${ENGINES[@]}" "${LIGHT_DEPS[@]}" | sha256sum | cut -c1-16)"
 STAMP="$VENV/.engines-installed"
 
