@@ -38,14 +38,17 @@ def prefaulted(port: int) -> bool:
 
 
 def wait(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 300.0) -> None:
-    """Until the daemon on metrics ``port`` is ready and its pool faulted in; ``RuntimeError``
-    naming ``what`` if ``proc`` exits first or ``timeout`` passes."""
+    """Until the daemon on metrics ``port`` is ready and its pool faulted in (asked at least
+    once, also with ``timeout`` 0); ``RuntimeError`` naming ``what`` if ``proc`` exits first or
+    ``timeout`` passes."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with status {proc.returncode} before it was ready")
         if _get(port, "/readyz")[0] == 200 and prefaulted(port):
             return
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"{what} was not ready with its pool faulted in after {timeout:.0f} s")

@@ -52,15 +52,13 @@ class Deployment:
     clients: list[Any] = field(default_factory=list)
 
     def wait_prefaulted(self, timeout: float = 300.0) -> None:
-        """Until every node's pool is faulted in (``emsd_pool_prefault_bytes``: done = total;
-        at once with ``prefault`` off), as a deployed daemon's is long before engines use it.
-        ``RuntimeError`` after ``timeout`` s."""
+        """Until every node's pool is faulted in (``daemon_ready.wait``: at once with
+        ``prefault`` off), as a deployed daemon's is long before engines use it.
+        ``RuntimeError`` after ``timeout`` s in all, or if a daemon has exited."""
         deadline = time.monotonic() + timeout
         for node in self.nodes:
-            while not daemon_ready.prefaulted(node.metrics_port):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"emsd {node.name}: pool not faulted in after {timeout:.0f} s")
-                time.sleep(0.05)
+            daemon_ready.wait(node.metrics_port, node.proc, f"emsd {node.name}",
+                              max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
         for c in self.clients:
