@@ -26,7 +26,8 @@ what a connector loaded).
 Connectors: ``emsd`` is ``EmsStoreConnector`` (``EMS_SOCKET_DIR`` from the
 environment), ``lmcache`` is vLLM's ``LMCacheConnectorV1`` configured by
 ``LMCACHE_*`` variables from the environment (its local CPU backend, or its
-remote server with ``LMCACHE_REMOTE_URL``), ``mooncake`` is vLLM's own
+remote server with ``LMCACHE_REMOTE_URL``), with the CPU copy of
+``lmcache_cpu`` (LMCache 0.5.6 has none of its own), ``mooncake`` is vLLM's own
 ``MooncakeStoreConnector`` (venv ``.venv-mcvllm``, scripts/setup-mooncake-vllm.sh),
 configured by the file ``MOONCAKE_CONFIG_PATH`` names (master address, metadata
 server, protocol, mode, segment and buffer sizes) and by
@@ -101,6 +102,18 @@ def prompt_of(request: dict[str, Any], served: dict[str, dict[str, Any]]) -> lis
     return list(done["prompt_token_ids"]) + list(done["token_ids"]) + own
 
 
+def leave_lmcache() -> None:
+    """Close LMCache's engine (its storage sends what it still holds to send), then exit: LMCache
+    keeps threads that are not daemons, and the process would never end on its own."""
+    from lmcache.integration.vllm.utils import ENGINE_NAME
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    LMCacheEngineBuilder.destroy(ENGINE_NAME)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -115,6 +128,10 @@ def main() -> int:
                     help="KV blocks of the engine's own cache (0: what VLLM_CPU_KVCACHE_SPACE gives)")
     args = ap.parse_args()
 
+    if args.connector == "lmcache":
+        from benchmarks.engines import lmcache_cpu
+
+        lmcache_cpu.install()  # before vLLM imports LMCache
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -138,6 +155,8 @@ def main() -> int:
         print(f"engine.py: {r['id']}: {got['prompt_tokens']} tokens, ttft {got['ttft']:.3f} s, "
               f"cached {got['cached_tokens']}", file=sys.stderr, flush=True)
     Path(args.out).write_text(json.dumps({"init_seconds": init_seconds, "requests": list(done.values())}))
+    if args.connector == "lmcache":
+        leave_lmcache()
     del llm
     return 0
 

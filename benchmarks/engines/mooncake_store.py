@@ -37,26 +37,17 @@ port on every address.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
+
+from benchmarks.engines.servers import HOST, free_port, start_listening, stop, tail
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-mcvllm"  # scripts/setup-mooncake-vllm.sh
-HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (a later bind by someone else may still take it)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 class MooncakeStore:
@@ -119,15 +110,7 @@ class MooncakeStore:
 
     def stop(self) -> None:
         """Kill every process started here (by pid, clients before the master), remove the temp dir."""
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        self.procs.clear()
+        stop(self.procs)
         shutil.rmtree(self.work, ignore_errors=True)
 
     def log(self, name: str) -> Path:
@@ -136,20 +119,7 @@ class MooncakeStore:
 
     def _start(self, name: str, argv: list[str], address: str) -> None:
         """Start ``argv`` logging to ``log(name)``; return once ``address`` accepts connections."""
-        with open(self.log(name), "wb") as f:
-            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.procs.append(proc)
-        host, port = address.rsplit(":", 1)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"mooncake {name} exited {proc.returncode}: {self._tail(name)}")
-            with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake {name} did not listen on {address} in {self.timeout:.0f} s: "
-                                   f"{self._tail(name)}")
-            time.sleep(0.05)
+        self.procs.append(start_listening(f"mooncake {name}", argv, self.log(name), address, self.timeout))
 
     def _segment_name(self, c: int) -> str:
         """The segment client ``c`` mounted, named by its transfer engine's ``HOST:port`` (a port it
@@ -157,11 +127,6 @@ class MooncakeStore:
         text = self.log(f"client{c}").read_text(errors="replace")
         found = re.search(r"Successfully created client on port (\d+)", text)
         if found is None:
-            raise RuntimeError(f"mooncake client{c}: no segment port in its log: {self._tail(f'client{c}')}")
+            log = self.log(f"client{c}")
+            raise RuntimeError(f"mooncake client{c}: no segment port in its log: {tail(log)}")
         return f"{HOST}:{found.group(1)}"
-
-    def _tail(self, name: str) -> str:
-        try:
-            return " | ".join(self.log(name).read_text(errors="replace").strip().splitlines()[-3:])
-        except OSError:
-            return "(no log)"

@@ -37,9 +37,17 @@ Systems:
 - ``emsd-2node``: two emsd nodes of a cluster (ZooKeeper on loopback), engine
   A on one, engine B on the other: B's hits are blocks A saved on the other node;
 - ``lmcache``: vLLM's ``LMCacheConnectorV1`` with LMCache's local CPU backend
-  (in the engine process: engine B cannot see what A stored). It runs in the
-  venv ``.venv-lmvllm`` (``scripts/setup-lmcache-vllm.sh``); where it cannot
-  run, the error is reported instead of figures;
+  (in the engine process: engine B cannot see what A stored);
+- ``lmcache-server``: the same with LMCache's own storage server besides
+  (``lmcache_store.py``), which both engines use, so engine B finds what A
+  stored. Both LMCache systems run in the venv ``.venv-lmvllm``
+  (``scripts/setup-lmcache-vllm.sh``) with ``PYTHONHASHSEED=0`` (LMCache hashes
+  token chunks with Python's ``hash``, so engines must share the seed) and
+  LMCache's default chunk of 256 tokens; LMCache 0.5.6 has no copy between a
+  CPU engine's KV cache and its buffers, so the engines use the one of
+  ``lmcache_cpu.py`` (written here after LMCache's own, which came after that
+  release); where LMCache still cannot run, the error is reported instead of
+  figures;
 - ``mooncake``: vLLM's own ``MooncakeStoreConnector`` on a Mooncake Store of
   one master and one store process on loopback (``mooncake_store.py``), as
   large as emsd's pool; both engines use it, so engine B finds what A stored.
@@ -79,6 +87,7 @@ import psutil
 
 from benchmarks.engines import preloaded
 from benchmarks.engines.engine import prompt_of
+from benchmarks.engines.lmcache_store import LMCacheServer
 from benchmarks.engines.mooncake_store import MooncakeStore
 from benchmarks.engines.trace import EngineRequest, distinct_blocks, engine_trace, to_vocab
 from benchmarks.workload import daemons
@@ -104,8 +113,9 @@ HOOK_TIMES = ("lookup_us", "load_us", "save_issue_us")
 # Log lines that mean a connector did not work although the engine served every request.
 CONNECTOR_FAILURES = {
     "No supported cpu connector found": "LMCache 0.5.6 moves KV between its buffers and the engine's "
-    "only on cuda, xpu, musa and hpu devices (lmcache/v1/gpu_connector: CreateGPUConnector); on a CPU "
-    "engine its worker starts without a cache engine and stores and finds nothing",
+    "only on cuda, xpu, musa and hpu devices (lmcache/v1/gpu_connector: CreateGPUConnector), and the CPU "
+    "copy of benchmarks/engines/lmcache_cpu.py was not installed; on a CPU engine its worker starts "
+    "without a cache engine and stores and finds nothing",
 }
 
 
@@ -315,21 +325,26 @@ def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: st
     """Engines A then B of ``system`` over the trace; (request id -> result, extras)."""
     work.mkdir(parents=True, exist_ok=True)
     nodes = {"emsd": 1, "emsd-2node": 2}.get(system, 0)
-    connector = "emsd" if nodes else (system if system in ("lmcache", "offload", "mooncake") else "none")
+    lmcache = system in ("lmcache", "lmcache-server")
+    connector = ("emsd" if nodes else "lmcache" if lmcache
+                 else system if system in ("offload", "mooncake") else "none")
     python = sys.executable
     venv = {"lmcache": (LMCACHE_VENV, "setup-lmcache-vllm.sh"),
+            "lmcache-server": (LMCACHE_VENV, "setup-lmcache-vllm.sh"),
             "mooncake": (MOONCAKE_VENV, "setup-mooncake-vllm.sh")}.get(system)
     if venv is not None:
         python = str(venv[0] / "bin" / "python")
         if not Path(python).exists():
             raise RuntimeError(f"{python} is missing: run scripts/{venv[1]}")
     emsd = Emsd(nodes, pool) if nodes else None
-    try:
-        store = MooncakeStore(pool, venv=MOONCAKE_VENV) if system == "mooncake" else None  # emsd's size
-    except (OSError, ValueError) as e:  # reported as this system's error, as a failed engine is
-        raise RuntimeError(f"mooncake: {e}") from e
+    try:  # the cache server of a system that has one (Mooncake's of emsd's size)
+        store: MooncakeStore | LMCacheServer | None = (
+            MooncakeStore(pool, venv=MOONCAKE_VENV) if system == "mooncake"
+            else LMCacheServer(LMCACHE_VENV) if system == "lmcache-server" else None)
+    except (OSError, ValueError, RuntimeError) as e:  # reported as this system's error, as a failed engine is
+        raise RuntimeError(f"{system}: {e}") from e
     env = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(max(1, pool >> 30)),
-           "LMCACHE_CHUNK_SIZE": str(BLOCK * 8)} if system == "lmcache" else {}
+           "LMCACHE_CHUNK_SIZE": str(BLOCK * 8), "PYTHONHASHSEED": "0"} if lmcache else {}
     served: dict[str, dict[str, Any]] = {}
     extras: dict[str, Any] = {"init_seconds": [], "loaded_blocks": 0, "other_cpu_seconds": 0.0,
                               "hook_seconds": 0.0}
@@ -362,7 +377,7 @@ def serve_trace(work: Path, bench: Bench, trace: list[EngineRequest], system: st
 def length_sweep(work: Path, bench: Bench, lengths: list[int], systems: list[str],
                  pool: int) -> dict[str, Any]:
     """TTFT of one prompt per length: the cold engine's, and a second engine's after a first
-    engine saved it (emsd, lmcache, mooncake)."""
+    engine saved it (emsd, lmcache-server, mooncake)."""
     out: dict[str, Any] = {"lengths": lengths}
     prompts = [to_vocab(range(n * 3, n * 4)) for n in lengths]
     pairs = list(enumerate(zip(lengths, prompts, strict=True)))
@@ -454,7 +469,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     sweep = results.get("lengths", {})
     ax = axes[0]
-    for system, style in (("cold", "o-"), ("emsd", "s-"), ("lmcache", "^-"), ("mooncake", "v-")):
+    for system, style in (("cold", "o-"), ("emsd", "s-"), ("lmcache-server", "^-"), ("mooncake", "v-")):
         s = sweep.get(system)
         if not s or "error" in s:
             continue
@@ -487,7 +502,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few short requests (CI)")
-    ap.add_argument("--systems", default="cold,emsd,emsd-2node,mooncake,lmcache,offload")
+    ap.add_argument("--systems", default="cold,emsd,emsd-2node,mooncake,lmcache,lmcache-server,offload")
     ap.add_argument("--sessions", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--answer-tokens", type=int, default=Bench.answer_tokens,
@@ -539,7 +554,7 @@ def main() -> None:
     if args.cost_rounds:
         results["cost"] = connector_cost(work, bench, [1024, 2048, 4096], args.cost_rounds, pool)
     if args.lengths:
-        swept = [s for s in ("cold", "emsd", "mooncake", "lmcache") if s in systems]
+        swept = [s for s in ("cold", "emsd", "mooncake", "lmcache-server") if s in systems]
         lengths = [int(x) for x in args.lengths.split(",")]
         results["lengths"] = length_sweep(work, bench, lengths, swept, 1 << 30)
     if args.capacities and "emsd" in systems and "cold" in results["systems"]:
