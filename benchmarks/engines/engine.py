@@ -103,8 +103,9 @@ def prompt_of(request: dict[str, Any], served: dict[str, dict[str, Any]]) -> lis
 
 
 def leave_lmcache() -> None:
-    """Close LMCache's engine (its storage sends what it still holds to send), then exit: LMCache
-    keeps threads that are not daemons, and the process would never end on its own."""
+    """Close LMCache's engine (``LMCacheEngineBuilder.destroy``: its storage manager and its
+    connection to a server), then exit: LMCache keeps threads that are not daemons, and the
+    process would never end on its own."""
     from lmcache.integration.vllm.utils import ENGINE_NAME
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
