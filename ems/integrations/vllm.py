@@ -11,9 +11,11 @@ What it does
 Scheduler side (``get_num_new_matched_tokens``): the request's vLLM block
 hashes (``request.block_hashes``, 32-byte SHA-256 chained digests by default)
 become emsd keys (``block_key``); one ``exists`` call counts how many blocks
-after the locally cached prefix emsd holds. The match is reported in whole
-blocks, never the whole prompt (vLLM needs at least one token to compute,
-``lookup_window``), and dropped when it is shorter than ``min_reuse_tokens``
+after the locally cached prefix emsd holds (``lookup_window``). The match is
+reported in whole blocks, but never the whole prompt: vLLM needs at least one
+token to compute, so a match that reaches the prompt's last token reports one
+token fewer, and that block is still loaded whole (the engine then computes
+its last token again). A match shorter than ``min_reuse_tokens`` is dropped
 (``matched_tokens``). Loads are synchronous (``load_kv_async=False``): they
 complete before the forward pass that needs them. ``reset_cache`` (vLLM's
 ``reset_prefix_cache(reset_connector=True)``, after a weight update) drops
@@ -75,8 +77,9 @@ Limits: one KV-cache group of full attention (vLLM turns its hybrid manager
 off for connectors without ``SupportsHMA``), no decode/prefill context
 parallelism. The module imports without vLLM; the connector then raises
 ``ImportError`` when instantiated. The pure helpers (``block_key``,
-``kv_block_keys``, ``lookup_window``, ``matched_tokens``, ``full_blocks``,
-``ConnectorSettings``, ``namespace_model_id``) need neither vLLM nor torch.
+``kv_block_keys``, ``lookup_window``, ``matched_tokens``, ``blocks_to_load``,
+``full_blocks``, ``ConnectorSettings``, ``namespace_model_id``) need neither
+vLLM nor torch.
 """
 
 from __future__ import annotations
@@ -191,21 +194,31 @@ def lookup_window(num_tokens: int, num_computed_tokens: int, block_size: int,
 
     ``first`` is the first block not already computed locally
     (``num_computed_tokens // block_size``; the scheduler passes a
-    block-aligned count). ``stop`` leaves at least one token to compute: a
-    full match of a prompt of ``n`` tokens stops at ``(n - 1) // block_size``
-    blocks (one block short when ``n`` is a multiple of ``block_size``), and
-    never goes past the blocks that have a hash. ``stop >= first`` always.
+    block-aligned count). ``stop`` is the end of the last full block of the
+    prompt that has a hash: the window may reach the prompt's last token
+    (``matched_tokens`` then reports one token fewer). ``stop >= first``
+    always.
     """
     first = max(0, num_computed_tokens) // block_size
-    stop = min(max(0, num_tokens - 1) // block_size, num_hashed_blocks)
+    stop = min(max(0, num_tokens) // block_size, num_hashed_blocks)
     return first, max(first, stop)
 
 
-def matched_tokens(hit_blocks: int, block_size: int, min_tokens: int) -> int:
-    """Tokens to report for ``hit_blocks`` leading hits: ``hit_blocks * block_size``,
-    or 0 when that is 0 or below ``min_tokens`` (not worth a load)."""
-    tokens = max(0, hit_blocks) * block_size
+def matched_tokens(hit_blocks: int, block_size: int, min_tokens: int, room: int) -> int:
+    """Tokens to report for ``hit_blocks`` leading hits when at most ``room``
+    tokens may come from outside (``num_tokens - 1`` minus the tokens computed
+    locally: vLLM computes at least the last token): ``hit_blocks * block_size``
+    capped at ``room``, or 0 when that is 0 or below ``min_tokens`` (not worth a
+    load)."""
+    tokens = min(max(0, hit_blocks) * block_size, max(0, room))
     return tokens if tokens > 0 and tokens >= min_tokens else 0
+
+
+def blocks_to_load(external_tokens: int, block_size: int) -> int:
+    """Blocks holding ``external_tokens`` tokens reported by ``matched_tokens``
+    (rounded up: a match capped one token short of the prompt loads its last
+    block whole)."""
+    return -(-max(0, external_tokens) // block_size)
 
 
 def full_blocks(num_tokens_with_kv: int, block_size: int, num_hashed_blocks: int) -> int:
@@ -604,8 +617,9 @@ class SchedulerSide:
         return len(getattr(request, "block_hashes", None) or ()) // self.geo.ratio
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens after ``num_computed_tokens`` that emsd can supply (whole blocks), and False.
-        Its wall time is added to ``stats["lookup_us"]``."""
+        """Tokens after ``num_computed_tokens`` that emsd can supply (whole blocks, one token
+        fewer when they reach the prompt's end), and False. Its wall time is added to
+        ``stats["lookup_us"]``."""
         with _timed(self.stats, "lookup_us"):
             return self._matched(request, num_computed_tokens)
 
@@ -628,7 +642,7 @@ class SchedulerSide:
         hits = max(0, min(hits, stop - first))
         self.stats["lookups"] += 1
         self._lookups[req_id] = (first, hits)
-        tokens = matched_tokens(hits, bs, self._min_tokens)
+        tokens = matched_tokens(hits, bs, self._min_tokens, request.num_tokens - 1 - first * bs)
         if tokens:
             self.stats["hit_blocks"] += hits
             self.stats["matched_tokens"] += tokens
@@ -648,7 +662,7 @@ class SchedulerSide:
         except (AttributeError, IndexError, TypeError):
             t.block_ids = []
         if num_external_tokens > 0:
-            n = num_external_tokens // self.geo.block_size
+            n = blocks_to_load(num_external_tokens, self.geo.block_size)
             t.load = (first, first + min(n, hits))
         self._tracked[req_id] = t
 

@@ -15,6 +15,9 @@ from typing import Any, NamedTuple, NewType
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from ems import CcConfig, EmsErrorCode, EmsException
 from ems.cc_v1.cc_config import KVCacheType
@@ -32,6 +35,7 @@ with warnings.catch_warnings():  # importing vLLM, where installed, trips torch 
         WorkerSide,
         block_key,
         block_views,
+        blocks_to_load,
         full_blocks,
         kv_block_keys,
         lookup_window,
@@ -88,29 +92,59 @@ def test_kv_block_keys_take_the_last_hash_of_each_kv_block() -> None:
 
 @pytest.mark.parametrize(("num_tokens", "computed", "hashed", "window"), [
     (100, 0, 3, (0, 3)),    # 3 full blocks + 4 tokens: all 3 may come from emsd
-    (128, 0, 4, (0, 3)),    # exactly 4 blocks: one block is left to compute
+    (128, 0, 4, (0, 4)),    # exactly 4 blocks: all 4 (the last token is computed again)
     (129, 0, 4, (0, 4)),    # one token past 4 blocks: all 4
     (100, 64, 3, (2, 3)),   # 2 blocks cached locally: ask from block 2
     (100, 96, 3, (3, 3)),   # everything hashed is local already
     (100, 0, 1, (0, 1)),    # only one block has a hash yet
-    (32, 0, 1, (0, 0)),     # a one-block prompt: nothing (its token must be computed)
+    (32, 0, 1, (0, 1)),     # a one-block prompt: its block, 31 tokens of it
+    (31, 0, 0, (0, 0)),     # no full block
     (1, 0, 0, (0, 0)),
     (0, 0, 0, (0, 0)),
 ])
-def test_lookup_window_never_covers_the_whole_prompt(num_tokens: int, computed: int, hashed: int,
+def test_lookup_window_covers_the_full_hashed_blocks(num_tokens: int, computed: int, hashed: int,
                                                      window: tuple[int, int]) -> None:
     assert lookup_window(num_tokens, computed, 32, hashed) == window
-    first, stop = window
-    assert stop * 32 < max(num_tokens, 1) or stop == first
 
 
-def test_matched_tokens_are_whole_blocks_above_the_minimum() -> None:
-    assert matched_tokens(3, 32, 32) == 96
-    assert matched_tokens(1, 32, 32) == 32
-    assert matched_tokens(1, 32, 33) == 0     # below the minimum: not worth a load
-    assert matched_tokens(2, 32, 64) == 64
-    assert matched_tokens(0, 32, 0) == 0      # no hit is never a match
-    assert matched_tokens(-1, 32, 0) == 0
+def test_matched_tokens_are_whole_blocks_above_the_minimum_and_leave_a_token() -> None:
+    assert matched_tokens(3, 32, 32, 1000) == 96
+    assert matched_tokens(1, 32, 32, 1000) == 32
+    assert matched_tokens(1, 32, 33, 1000) == 0     # below the minimum: not worth a load
+    assert matched_tokens(2, 32, 64, 1000) == 64
+    assert matched_tokens(4, 32, 32, 127) == 127    # the whole prompt of 128: all but its last token
+    assert matched_tokens(1, 32, 32, 31) == 0       # a one-block prompt: 31 < the minimum of 32
+    assert matched_tokens(1, 32, 0, 31) == 31
+    assert matched_tokens(0, 32, 0, 1000) == 0      # no hit is never a match
+    assert matched_tokens(-1, 32, 0, 1000) == 0
+    assert matched_tokens(3, 32, 0, 0) == 0         # no room (one token left): nothing
+    assert matched_tokens(3, 32, 0, -5) == 0
+
+
+@hypothesis_settings(max_examples=400)
+@given(num_tokens=st.integers(0, 2000), computed_blocks=st.integers(0, 70), extra_hashed=st.integers(-3, 0),
+       stored=st.integers(0, 70), block_size=st.sampled_from([1, 16, 32, 128]),
+       min_tokens=st.integers(0, 300))
+def test_a_match_loads_stored_blocks_and_leaves_vllm_at_least_one_token(
+        num_tokens: int, computed_blocks: int, extra_hashed: int, stored: int, block_size: int,
+        min_tokens: int) -> None:
+    """The scheduler's arithmetic end to end: vLLM's local prefix, the window asked, the
+    leading hits of ``stored`` blocks, the tokens reported and the blocks then loaded."""
+    full = num_tokens // block_size
+    hashed = max(0, full + extra_hashed)
+    # vLLM's local prefix: hashed blocks (it found them by hash), below the prompt's length
+    computed = min(computed_blocks, hashed, max(0, (num_tokens - 1) // block_size)) * block_size
+    first, stop = lookup_window(num_tokens, computed, block_size, hashed)
+    assert first == computed // block_size and first <= stop <= hashed
+    hits = max(0, min(stored, stop) - first)  # blocks [0, stored) are in emsd
+    tokens = matched_tokens(hits, block_size, min_tokens, num_tokens - 1 - computed)
+    assert tokens == 0 or min_tokens <= tokens
+    assert computed + tokens <= max(0, num_tokens - 1)  # vLLM always computes a token
+    n = blocks_to_load(tokens, block_size)
+    assert n <= hits  # only stored blocks are loaded
+    assert n * block_size >= tokens  # and they cover every token reported
+    if tokens and hits == stop - first and stop == full and full * block_size == num_tokens:
+        assert tokens == num_tokens - 1 - computed  # the whole prompt: all but one token
 
 
 def test_full_blocks_counts_written_and_hashed_blocks() -> None:
@@ -251,9 +285,9 @@ def request(rid: str, n_tokens: int, first_hash: int = 0) -> FakeRequest:
 
 def test_scheduler_loads_the_stored_prefix_and_saves_the_rest() -> None:
     req = request("r", 128)
-    cc = FakeCc(stored={bytes(h) for h in req.block_hashes})  # all 4 blocks stored
+    cc = FakeCc(stored={bytes(h) for h in req.block_hashes[:3]})  # 3 of the 4 blocks stored
     side, _ = scheduler(cc)
-    assert side.get_num_new_matched_tokens(req, 0) == (96, False)  # 3 blocks, never the 4th
+    assert side.get_num_new_matched_tokens(req, 0) == (96, False)
     side.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 96)
     meta = side.build_connector_meta(Output([NewReq("r", ([10, 11, 12, 13],), 96)],
                                             num_scheduled_tokens={"r": 32}))
@@ -261,6 +295,19 @@ def test_scheduler_loads_the_stored_prefix_and_saves_the_rest() -> None:
     # block 3 is full after this step; blocks 0-2 are known stored: not saved again
     assert meta.saves == [BlockJob("r", [13], [bytes(req.block_hashes[3])])]
     assert side.request_finished(req) == (True, None)  # freed once the save is done
+
+
+def test_scheduler_loads_a_whole_stored_prompt_and_leaves_its_last_token() -> None:
+    req = request("r", 128)
+    cc = FakeCc(stored={bytes(h) for h in req.block_hashes})  # all 4 blocks stored
+    side, _ = scheduler(cc)
+    assert side.get_num_new_matched_tokens(req, 0) == (127, False)  # vLLM computes one token
+    side.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 127)
+    meta = side.build_connector_meta(Output([NewReq("r", ([10, 11, 12, 13],), 127)],
+                                            num_scheduled_tokens={"r": 1}))
+    assert meta.loads == [BlockJob("r", [10, 11, 12, 13], [bytes(h) for h in req.block_hashes])]
+    assert meta.saves == []  # every block is known stored
+    assert side.request_finished(req) == (False, None)  # nothing to wait for
 
 
 def test_scheduler_counts_from_the_local_prefix_and_respects_the_minimum() -> None:
@@ -345,9 +392,9 @@ def test_fallback_metadata_fails_planned_loads() -> None:
     req = request("r", 128)
     side, _ = scheduler(FakeCc(stored={bytes(h) for h in req.block_hashes}))
     side.get_num_new_matched_tokens(req, 0)
-    side.update_state_after_alloc(req, FakeBlocks([4, 5, 6, 7]), 96)
+    side.update_state_after_alloc(req, FakeBlocks([4, 5, 6, 7]), 127)
     meta = side.fallback_meta()
-    assert meta.saves == [] and meta.loads == [BlockJob("r", [4, 5, 6], [])]
+    assert meta.saves == [] and meta.loads == [BlockJob("r", [4, 5, 6, 7], [])]
 
 
 # -- the worker, on tensors laid out like vLLM's, against a real emsd -----------------------
