@@ -43,7 +43,7 @@ class NodeConfig:
     allowed_uids: tuple[int, ...] = ()  # with allowed_gids: peers (SO_PEERCRED) let in; () both: anyone
     allowed_gids: tuple[int, ...] = ()
     client_lease: float = 30.0  # seconds a connection may stay silent (no request in flight); 0: forever
-    busy_poll: int = 50  # microseconds the loop polls answered clients before sleeping; 0: off
+    busy_poll: int = 200  # microseconds the loop polls answered clients before sleeping; 0: off
 
 
 @dataclass(frozen=True)

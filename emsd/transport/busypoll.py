@@ -23,7 +23,18 @@ come later than twice the budget shrink it, down to no polling at all, so that a
 daemon whose clients are slow to send (more busy processes than cores) does not
 spin in vain on a core they need. The next request that comes soon grows it again.
 
-Timers, peer connections and the HTTP endpoint wait for at most ``budget`` meanwhile.
+And on a crowded host (more tasks runnable than cores, ``emsd.transport.runqueue``)
+the budget is ``1/CROWDED_SHARE`` of itself, for the poll and for adapting the
+window: there the spin holds a core that a client needs to send the very request
+it waits for (and, likely, a thread that spins loses the head start the scheduler
+gives a sleeper that wakes). With the default budget (200 us) that is 50 us, the
+budget before 2026-11-28. On the 2-core development host that day, one client
+saving and loading single 64 KiB blocks (``benchmarks/bench_clients.py --batch 1``)
+made 7,200-8,800 calls a second against 5,900-6,900 with a plain 50 us budget, in
+six alternating pairs: its work between two calls, 30-50 us there, often outlasts
+a 50 us window, and the daemon then sleeps. With four clients, or beside two
+CPU-bound processes, the host is crowded and the rate is that of 50 us; a plain
+200 us budget there lost up to two thirds of the calls.
 """
 
 from __future__ import annotations
@@ -31,16 +42,24 @@ from __future__ import annotations
 import asyncio
 import select
 import time
+from collections.abc import Callable
 
+from emsd.transport import runqueue
 from emsd.transport.pollwindow import next_window
+
+CROWDED_SHARE = 4  # on a crowded host a poll lasts at most this share of the budget
 
 
 class BusyPoll:
     """Keeps one event loop awake for ``budget`` seconds after answers (see the module)."""
 
-    def __init__(self, budget: float) -> None:
+    def __init__(self, budget: float, crowded: Callable[[float], bool] | None = None) -> None:
+        """``crowded(now)``: whether the host has more runnable tasks than cores (default:
+        ``emsd.transport.runqueue``'s reading; ``now`` is ``time.perf_counter()``)."""
         self.budget = budget
+        self._crowded = crowded if crowded is not None else runqueue.shared().crowded
         self.window = budget  # seconds the next poll lasts (at most the budget; adapts)
+        self._cap = budget  # the budget of the last poll: a share of it on a crowded host
         self._slept_at: float | None = None  # when the loop went to sleep after an idle poll
         self._poller = select.poll()
         self._fds: set[int] = set()
@@ -70,18 +89,21 @@ class BusyPoll:
         """A request has arrived: after an idle poll, adapt the window to how long it took."""
         if self._slept_at is not None:
             waited = time.perf_counter() - self._slept_at
-            self.window = next_window(self.window, self.budget, False, waited)
+            self.window = next_window(self.window, self._cap, False, waited)
             self._slept_at = None
 
     def _spin(self) -> None:
         self._due = False
         start = time.perf_counter()
+        # A crowded host: the budget is a share of itself, for the poll and for adapting it.
+        self._cap = self.budget / CROWDED_SHARE if self._crowded(start) else self.budget
+        self.window = min(self.window, self._cap)
         end = start + self.window
         poll = self._poller.poll
         while True:
             if poll(0):
                 self.spins += 1
-                self.window = next_window(self.window, self.budget, True, 0.0)
+                self.window = next_window(self.window, self._cap, True, 0.0)
                 return
             if time.perf_counter() >= end:
                 self.idle += 1

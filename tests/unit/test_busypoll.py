@@ -6,13 +6,15 @@ import asyncio
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from ems.client import BUSY_POLL_DEFAULT_US, BUSY_POLL_ENV, busy_poll_budget
 from emsd.config import ConfigError, config_from_dict
-from emsd.transport.busypoll import BusyPoll
+from emsd.transport.busypoll import CROWDED_SHARE, BusyPoll
 from emsd.transport.pollwindow import FLOOR
+from emsd.transport.runqueue import LOADAVG, MARGIN, RunQueue, parse_running
 
 
 async def test_the_poll_ends_when_any_client_connection_has_a_request() -> None:
@@ -107,8 +109,69 @@ def test_the_sdk_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPat
 
 
 def test_the_daemon_budget_is_read_and_checked() -> None:
-    assert config_from_dict({}).node.busy_poll == 50
+    assert config_from_dict({}).node.busy_poll == 200
     assert config_from_dict({"node": {"busy_poll": 0}}).node.busy_poll == 0
     for bad in (-1, 10_001, 1.5, True, "50"):
         with pytest.raises(ConfigError, match="node.busy_poll"):
             config_from_dict({"node": {"busy_poll": bad}})
+
+
+async def test_on_a_crowded_host_the_budget_is_a_share_of_itself() -> None:
+    a, b = socket.socketpair()
+    try:
+        crowded = [True]
+        busy = BusyPoll(0.4, crowded=lambda _now: crowded[0])
+        share = 0.4 / CROWDED_SHARE
+        busy.add(a.fileno())
+        t0 = time.perf_counter()
+        busy.after_answer()
+        await asyncio.sleep(0)  # crowded: a poll of a share of the budget
+        assert time.perf_counter() - t0 >= share and (busy.spins, busy.idle) == (0, 1)
+        assert busy.window == share
+        busy.heard()  # a request soon after: the window grows, but not past the share
+        assert busy.window == share
+        crowded[0] = False
+        for want in (2 * share, 4 * share, 0.4):  # a core to spare: back to the whole budget
+            busy.after_answer()
+            await asyncio.sleep(0)
+            busy.heard()
+            assert busy.window == want
+    finally:
+        for s in (a, b):
+            s.close()
+
+
+@pytest.mark.parametrize(("line", "running"), [
+    ("0.52 0.58 0.59 3/1043 58311\n", 3),
+    ("1.00 1.00 1.00 12/99 1", 12),
+    ("0.00 0.00 0.00 /99 1", None),
+    ("0.00 0.00 0.00", None),
+    ("", None),
+    ("a b c x/y z", None),
+])
+def test_the_run_queue_count_is_read_from_loadavg(line: str, running: int | None) -> None:
+    assert parse_running(line) == running
+
+
+def test_the_run_queue_is_crowded_while_its_average_is_above_its_cores(tmp_path: Path) -> None:
+    f = tmp_path / "loadavg"
+    f.write_text("0.10 0.20 0.30 5/100 42\n")
+    rq = RunQueue(cores=2, path=str(f), interval=1.0)
+    seen = [rq.crowded(t) for t in (10.0, 10.5, 11.0, 12.0)]  # 10.5: within the interval, not read
+    assert seen == [False, False, False, True]  # the average of 5s rises past 2 cores + MARGIN
+    assert rq.average > 2 + MARGIN
+    f.write_text("0.10 0.20 0.30 1/100 42\n")
+    assert rq.crowded(13.0) is False and rq.average < 2 + MARGIN  # one quiet reading
+    f.write_text("garbage\n")
+    assert rq.crowded(14.0) is False  # unreadable: not crowded
+    rq.close()
+    assert rq.crowded(15.0) is False
+    missing = RunQueue(cores=1, path=str(tmp_path / "absent"))
+    assert missing.crowded(0.0) is False  # not Linux: polling as before
+
+
+def test_the_host_run_queue_is_readable_here() -> None:
+    rq = RunQueue(cores=10_000)  # this machine's /proc/loadavg: read, never above 10,000 tasks
+    assert rq.crowded(0.0) is False
+    assert parse_running(Path(LOADAVG).read_text()) is not None
+    rq.close()
