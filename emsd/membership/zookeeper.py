@@ -44,6 +44,7 @@ from emsd.placement.record import NotWritten, Record
 RecordCallback = Callable[[Record], None]
 
 log = logging.getLogger("emsd.membership")
+CLAIM_ATTEMPTS = 5  # tries to claim this node's znode while it changes under us
 
 
 def _endpoint(data: bytes) -> str | None:
@@ -246,23 +247,11 @@ class ZooKeeperMembership:
     def _register(self) -> None:
         data = self.me.encode()
         self._zk.ensure_path(self.dir)
-        try:
-            self._zk.create(self.path, data, ephemeral=True)
-        except NodeExistsError:
-            old, stat = self._zk.get(self.path)
-            if stat.ephemeralOwner == self._zk.client_id[0]:
-                self._zk.set(self.path, data)
-            elif self.endpoint_is_mine and _endpoint(old) == self.me.peer_addr:
-                log.warning("replacing the registration of this node's previous process (session %#x, "
-                            "same endpoint %s): it died before its session expired",
-                            stat.ephemeralOwner, self.me.peer_addr)
-                self._zk.delete(self.path, version=stat.version)
-                self._zk.create(self.path, data, ephemeral=True)
-            else:
-                raise DuplicateNodeError(
-                    f"node id {self.me.node_id!r} is already registered by another live emsd "
-                    f"(ZooKeeper session {stat.ephemeralOwner:#x}); give each node a unique node.id"
-                ) from None
+        for _ in range(CLAIM_ATTEMPTS):
+            if self._claim(data):
+                break
+        else:  # the znode kept changing under us: a KazooException, retried like any other
+            raise NodeExistsError(f"{self.path} changed {CLAIM_ATTEMPTS} times while registering")
         self._need_register = False
         if not self._watching:
             if self.placement is not None:
@@ -272,6 +261,36 @@ class ZooKeeperMembership:
         if self.state is not MembershipState.JOINED:
             log.info("joined cluster at %s as %s", self.dir, self.me.node_id)
         self._enter(MembershipState.JOINED)
+
+    def _claim(self, data: bytes) -> bool:
+        """Create this node's ephemeral znode, or take over its own or its dead predecessor's
+        (same endpoint). False when the znode changed between two calls (the predecessor's
+        session expired meanwhile, or it was just replaced): the caller tries again. Raises
+        ``DuplicateNodeError`` when another live emsd holds the id."""
+        try:
+            self._zk.create(self.path, data, ephemeral=True)
+            return True
+        except NodeExistsError:
+            pass
+        try:
+            old, stat = self._zk.get(self.path)
+        except NoNodeError:
+            return False  # the old session expired between the create and the get
+        if stat.ephemeralOwner == self._zk.client_id[0]:
+            self._zk.set(self.path, data)
+            return True
+        if not (self.endpoint_is_mine and _endpoint(old) == self.me.peer_addr):
+            raise DuplicateNodeError(
+                f"node id {self.me.node_id!r} is already registered by another live emsd "
+                f"(ZooKeeper session {stat.ephemeralOwner:#x}); give each node a unique node.id")
+        log.warning("replacing the registration of this node's previous process (session %#x, "
+                    "same endpoint %s): it died before its session expired",
+                    stat.ephemeralOwner, self.me.peer_addr)
+        try:
+            self._zk.delete(self.path, version=stat.version)
+        except (NoNodeError, BadVersionError):
+            pass  # gone or changed meanwhile: the next attempt looks again
+        return False
 
     def _follow_placement(self, mine: Params) -> None:
         """Create the placement record from ``mine`` unless there is one (exactly one creator

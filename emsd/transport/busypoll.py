@@ -35,6 +35,8 @@ six alternating pairs: its work between two calls, 30-50 us there, often outlast
 a 50 us window, and the daemon then sleeps. With four clients, or beside two
 CPU-bound processes, the host is crowded and the rate is that of 50 us; a plain
 200 us budget there lost up to two thirds of the calls.
+
+Timers, peer connections and the HTTP endpoint wait for at most ``budget`` meanwhile.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,6 +126,34 @@ def test_a_restarted_node_replaces_its_dead_predecessors_registration(
         finally:
             again.stop()
     finally:
+        old.stop()
+
+
+def test_a_predecessor_whose_session_ends_mid_registration_is_no_obstacle(
+        zookeeper: zk.ZooKeeperServer) -> None:
+    """The race a chaos run met (a node restarted after kill -9): the old process's znode is
+    there when the new one creates its own, and gone when it reads it (the old session ended
+    in between). The new process registers; it used to exit on ``NoNodeError``."""
+    old = ZooKeeperMembership(zookeeper.hosts, "test", info("a"), session_timeout=30)
+    old.start(timeout=30)
+    again = ZooKeeperMembership(zookeeper.hosts, "test", info("a"), session_timeout=PATIENT,
+                                endpoint_is_mine=True)
+    try:
+        wait_for(lambda: old.state is MembershipState.JOINED, 90)
+        real_get = again._zk.get
+        ended: list[bool] = []
+
+        def get_after_the_old_session_ends(path: str, *args: Any, **kwargs: Any) -> Any:
+            if not ended:
+                old.stop()  # deletes its znode and closes its session, between create and get
+                ended.append(True)
+            return real_get(path, *args, **kwargs)
+
+        again._zk.get = get_after_the_old_session_ends  # type: ignore[method-assign]
+        again.start(timeout=30)
+        assert ended and again.state is MembershipState.JOINED and ids(again) == ["a"]
+    finally:
+        again.stop()
         old.stop()
 
 
