@@ -9,7 +9,10 @@ before sleeping, and 4 us when both do. A call of the SDK is often followed at o
 by another (a load's RELEASE, a save's GRANT, the next layer's or request's call), so
 after answering, the loop polls its client connections (``poll`` with no timeout,
 which lets go of the GIL) until one has a request or ``budget`` has passed, and only
-then goes back to ``epoll_wait``. A request that arrives in the window is read
+then goes back to ``epoll_wait``. Not after a request whose answer waits for other
+nodes (a PIN of blocks another node owns): there the cores belong to the owner serving
+it, and the answer polls when it goes (a daemon that polled there used 20% more CPU a
+single remote get, on the core its peer needed). A request that arrives in the window is read
 without a wake-up. The cost is CPU: at most ``budget`` of one core after each burst
 of answers, none while requests keep arriving (the poll ends at the first). Every
 client connection is polled, not only the one answered, so a request of another

@@ -134,6 +134,7 @@ class ControlProtocol(asyncio.Protocol):
             self._refuse(exc)
             return
         out: list[bytes | memoryview] = []
+        waiting = False  # a request answered later, when its peers have
         for frame in frames:
             if out and frame.header.get("op") == Op.GRANT:
                 # A GRANT (the SDK sends one after a PUT, for its next save) may evict: the
@@ -143,13 +144,16 @@ class ControlProtocol(asyncio.Protocol):
             answer = self.coordinator.serve(self.session, frame.header, frame.payload)
             if not isinstance(answer, tuple):  # answered when the peers have (by id, out of order)
                 self._spawn(self._answer_later(answer))
+                waiting = True
                 continue
             resp, parts = answer
             if not frame.header.get("nr") or resp.get("st"):
                 out += encode_parts(resp, *parts)
         if out:
             self.transport.writelines(out)
-        if self.busy is not None:
+        # Poll for the client's next request, unless it waits for an answer from peers: then
+        # the cores are the peers' (the owner serving a GET), and the answer polls when it goes.
+        if self.busy is not None and (out or not waiting):
             self.busy.after_answer()
 
     def _spawn(self, coro: Any) -> None:

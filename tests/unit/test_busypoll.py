@@ -6,15 +6,19 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
 from ems.client import BUSY_POLL_DEFAULT_US, BUSY_POLL_ENV, busy_poll_budget
 from emsd.config import ConfigError, config_from_dict
+from emsd.service import Session
 from emsd.transport.busypoll import CROWDED_SHARE, BusyPoll
+from emsd.transport.frames import PROTOCOL_VERSION, Op, encode
 from emsd.transport.pollwindow import FLOOR
 from emsd.transport.runqueue import LOADAVG, MARGIN, RunQueue, parse_running
+from emsd.transport.unix import ControlProtocol
 
 
 async def test_the_poll_ends_when_any_client_connection_has_a_request() -> None:
@@ -175,3 +179,57 @@ def test_the_host_run_queue_is_readable_here() -> None:
     assert rq.crowded(0.0) is False
     assert parse_running(Path(LOADAVG).read_text()) is not None
     rq.close()
+
+
+class _Counting(BusyPoll):
+    """A ``BusyPoll`` that counts the polls asked for instead of polling."""
+
+    def __init__(self) -> None:
+        super().__init__(5.0)
+        self.asked = 0
+
+    def after_answer(self) -> None:
+        self.asked += 1
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def writelines(self, data: Iterable[bytes | bytearray | memoryview]) -> None:
+        self.written.append(b"".join(bytes(d) for d in data))
+
+
+class _Coordinator:
+    """Answers RELEASE with nothing (no reply asked), STATS at once, PIN when ``later`` is set."""
+
+    def __init__(self) -> None:
+        self.later: asyncio.Future[tuple[dict[str, object], list[bytes]]] = asyncio.Future()
+
+    def serve(self, session: object, header: dict[str, object], payload: bytes) -> object:
+        if header["op"] == Op.PIN:
+            return self.later
+        return {"id": header["id"], "st": 0}, []
+
+
+async def test_the_daemon_polls_after_an_answer_not_while_a_request_waits_for_its_peers() -> None:
+    busy = _Counting()
+    proto = ControlProtocol(None, Session(), lambda _: None, busy)  # type: ignore[arg-type]
+    coordinator = _Coordinator()
+    proto.coordinator = coordinator  # type: ignore[assignment]
+    transport = _Transport()
+    proto.connection_made(transport)
+    proto.data_received(encode({"v": PROTOCOL_VERSION, "id": 1, "op": int(Op.PIN)}))
+    assert busy.asked == 0  # the owner serving the fetch needs the cores: no poll yet
+    proto.data_received(encode({"v": PROTOCOL_VERSION, "id": 2, "op": int(Op.RELEASE), "nr": True}))
+    assert busy.asked == 1 and transport.written == []  # nothing to answer: the next request may come soon
+    proto.data_received(encode({"v": PROTOCOL_VERSION, "id": 3, "op": int(Op.STATS)}))
+    assert busy.asked == 2 and len(transport.written) == 1
+    coordinator.later.set_result(({"id": 1, "st": 0}, []))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert busy.asked == 3 and len(transport.written) == 2  # the fetched PIN's answer, then a poll
