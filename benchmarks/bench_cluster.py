@@ -20,8 +20,9 @@ loopback (one stream, 1 s a round), and Redis GET of the same 2 MiB
 values, single and pipelined (redis-py with hiredis), taking the better, and
 like for like with emsd's load and save, which end in (start from) the
 caller's buffers: each GET's value copied into a destination, and SETs of
-values taken from a buffer; each figure is the median over the rounds. Needs iperf3, redis-server (Debian) and
-redis[hiredis] (pip); a missing reference is reported as such.
+values taken from a buffer; each figure is the median over the rounds.
+Needs iperf3, redis-server (Debian) and redis[hiredis] (pip); a missing
+reference is reported as such.
 """
 
 from __future__ import annotations

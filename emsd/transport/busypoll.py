@@ -11,12 +11,12 @@ after answering, the loop polls its client connections (``poll`` with no timeout
 which lets go of the GIL) until one has a request or ``budget`` has passed, and only
 then goes back to ``epoll_wait``. Not after a request whose answer waits for other
 nodes (a PIN of blocks another node owns): there the cores belong to the owner serving
-it, and the answer polls when it goes (a daemon that polled there used 20% more CPU a
-single remote get, on the core its peer needed). A request that arrives in the window is read
-without a wake-up. The cost is CPU: at most ``budget`` of one core after each burst
-of answers, none while requests keep arriving (the poll ends at the first). Every
-client connection is polled, not only the one answered, so a request of another
-client never waits for the window to close. ``node.busy_poll`` sets the budget
+it, and the answer polls when it goes (a daemon that polled there too used about a
+quarter more CPU a single remote get, on the core its peer needed). A request that
+arrives in the window is read without a wake-up. The cost is CPU: at most ``budget``
+of one core after each burst of answers, none while requests keep arriving (the poll
+ends at the first). Every client connection is polled, not only the one answered, so
+a request of another client never waits for the window to close. ``node.busy_poll`` sets the budget
 (microseconds; 0 turns it off). The SDK polls its side the same way while it waits
 for an answer (``ems.client``).
 
