@@ -96,3 +96,16 @@ def test_a_new_connection_after_a_restart_fills_its_page_tables_again(
     second = Ems._client
     assert second is not None and second is not first
     assert wait_mapped(second.pool_addr, POOL) == POOL
+
+
+def test_wait_populated_returns_once_the_fill_has_ended(emsd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMS_SOCKET_DIR", str(emsd.socket_dir))
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="waits")))
+    cc = Ems.get_cc()
+    client = Ems._client
+    assert client is not None
+    assert client.wait_populated(0)  # nothing started: nothing to wait for
+    assert mapped_bytes(client.pool_addr) < POOL // 16
+    cc.register_kvcache([[torch.zeros((BLOCKS, TOKENS, 16, 64)) for _ in range(2)]])
+    assert client.wait_populated(30)
+    assert mapped_bytes(client.pool_addr) == POOL  # at once: no waiting for it here
