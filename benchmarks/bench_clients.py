@@ -50,7 +50,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_sdk import connect, start_daemon, stop  # noqa: E402
+from bench_sdk import connect, start_daemon, stop, wait_filled  # noqa: E402
 
 OPS = ("put", "get")
 _FILL, _ZERO = b"\x5a" * 8, bytes(16)
@@ -84,6 +84,7 @@ def client(mode: str, sock: str | None, rank: int, size: int, n: int, seconds: f
         assert sock is not None
         cc = connect(Path(sock))
         cc.register_kvcache([[buf.reshape(2 * n, 1, size)]])
+        wait_filled(cc)
     else:
         store = np.ones(n * size, dtype=np.uint8)
     start.wait()

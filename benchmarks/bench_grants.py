@@ -30,6 +30,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_sdk import wait_filled  # noqa: E402
+
 from benchmarks.workload import daemons  # noqa: E402
 from emsd.config import parse_size  # noqa: E402
 
@@ -45,6 +48,7 @@ class Saver:
         self.cc, self.batch, self.next = cc, batch, 0
         self.buffer = np.random.default_rng(size + batch).integers(0, 255, batch * size, dtype=np.uint8)
         cc.register_kvcache([[self.buffer.reshape(batch, 1, size)]])
+        wait_filled(cc)
 
     def save(self) -> float:
         keys = list(range(self.next, self.next + self.batch))

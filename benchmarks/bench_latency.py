@@ -55,7 +55,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sdk import SHM, connect, echo_p50_process, start_daemon, stop  # noqa: E402
+from bench_sdk import SHM, connect, echo_p50_process, start_daemon, stop, wait_filled  # noqa: E402
 
 from ems.client import BUSY_POLL_ENV, busy_poll_budget  # noqa: E402
 from emsd.config import NodeConfig  # noqa: E402
@@ -130,6 +130,7 @@ def bench_sdk_calls(size: int, n: int, poll: bool = True) -> dict[str, dict[str,
         try:
             cc = connect(sock_dir)
             cc.register_kvcache([[buf.reshape(2 * n, 1, size)]])
+            wait_filled(cc)
             calls: dict[str, Callable[[int, int], Any]] = {
                 "save": lambda i, base: cc.save([i], hashes=[base + i], offsets=[1]),
                 "load": lambda i, base: cc.load([n + i], hashes=[base + i], offsets=[1]),

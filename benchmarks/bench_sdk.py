@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import daemon_ready  # benchmarks/, on the path when run from there or imported by its siblings
 import numpy as np
@@ -85,6 +86,16 @@ def connect(sock_dir: Path, tenant: bool = False):  # noqa: ANN201 - returns the
     who = {"access_id": TENANT_ID, "access_key": TENANT_KEY} if tenant else {}
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="bench"), **who))
     return Ems.get_cc()
+
+
+def wait_filled(cc: Any) -> None:
+    """Wait until the SDK connection of ``cc`` has filled its page tables for the pool
+    (``DaemonClient.wait_populated``). A connection starts that fill in the background when
+    a KV cache is registered, about 0.2 s of a core per GiB of a prefaulted pool here (more
+    while the daemon still prefaults it); an engine does it once, at start, while a
+    benchmark that connects and then times its first calls would time the fill too."""
+    if not cc._client().wait_populated(120):
+        raise RuntimeError("the SDK's page-table fill did not end in 120 s")
 
 
 def bench_throughput(rounds: int, tenant: bool = False) -> dict[str, float]:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: bench_sdk's helpers
-from bench_sdk import connect  # noqa: E402
+from bench_sdk import connect, wait_filled  # noqa: E402
 
 
 class EmsdClient:
@@ -28,6 +28,7 @@ class EmsdClient:
     def prepare(self, size: int, n: int) -> None:
         self.n = n
         self.cc.register_kvcache([[self.buffer[: 2 * n * size].reshape(2 * n, 1, size)]])
+        wait_filled(self.cc)  # untimed, as an engine's start is
 
     def put(self, keys: list[int], first: int) -> None:
         res = self.cc.save(list(range(first, first + len(keys))), hashes=keys, offsets=[1] * len(keys))
