@@ -94,14 +94,19 @@ class ZooKeeperMembership:
         """Join; raises ``DuplicateNodeError`` if the id is live elsewhere.
 
         Returns within about ``timeout`` seconds whether or not ZooKeeper
-        answers; without it, the join completes in the background.
+        answers; without it, or when the connection drops while joining (a
+        missed heartbeat on a busy host), the join completes in the background.
         """
         self._zk.add_listener(self._on_state)
         event = self._zk.start_async()
         event.wait(timeout)
         if self._zk.connected:
-            self._register()  # in the caller's thread, so a duplicate id fails start()
-            self._refresh()
+            try:
+                self._register()  # in the caller's thread, so a duplicate id fails start()
+                self._refresh()
+            except (KazooException, KazooTimeoutError) as exc:
+                log.warning("ZooKeeper call failed while joining (%r); joining in the background", exc)
+                self._wake.set()
         else:
             log.warning("ZooKeeper %s unreachable; serving locally, joining in the background",
                         self._zk.hosts)

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402 - the fixture helper lives beside the tests
 from kazoo.client import KazooClient  # noqa: E402
+from kazoo.exceptions import ConnectionLoss  # noqa: E402
 
 from emsd.membership import DuplicateNodeError, MembershipState, NodeInfo, StaticMembership  # noqa: E402
 from emsd.membership.zookeeper import ZooKeeperMembership  # noqa: E402
@@ -199,6 +200,30 @@ def test_start_with_zookeeper_down_returns_and_joins_later(
     b = members("b")
     wait_for(lambda: a.state is MembershipState.JOINED)
     wait_for(lambda: ids(a) == ["a", "b"] and ids(b) == ["a", "b"])
+
+
+def test_a_connection_lost_while_joining_does_not_fail_start_and_the_join_completes(
+        members: Callable[..., ZooKeeperMembership]) -> None:
+    """A heartbeat missed on a busy host drops the connection between start()'s connect and
+    its registration (kazoo raises ConnectionLoss from the create): start() returns and the
+    worker joins once the connection is back, as it does when ZooKeeper is down at start."""
+    a = members("a", start=False)
+    create = a._zk.create
+    failed: list[str] = []
+
+    def create_once_lost(path: str, *args: Any, **kwargs: Any) -> Any:
+        if path == a.path and not failed:
+            failed.append(path)
+            raise ConnectionLoss()
+        return create(path, *args, **kwargs)
+
+    a._zk.create = create_once_lost  # type: ignore[method-assign]
+    a.start()  # raised ConnectionLoss before the fix
+    assert failed == [a.path]
+    wait_for(lambda: a.state is MembershipState.JOINED)
+    b = members("b")
+    wait_for(lambda: ids(a) == ["a", "b"] and ids(b) == ["a", "b"])
+    assert a._zk.exists(a.path) is not None
 
 
 def test_node_info_round_trip_and_malformed_data() -> None:
