@@ -46,6 +46,7 @@ from emsd.placement.agreement import advertised
 from emsd.placement.record import NotWritten, Record
 from emsd.placement.view import PlacementView
 from emsd.pool.keys import KeyBatch
+from emsd.transport.busypoll import BusyPoll
 from emsd.transport.link import Dialer
 from emsd.transport.peer import PEER_PROTOCOL, PeerConnection, PeerServer, PoolAccess
 from emsd.transport.pool import BACKOFF, PeerPool, split_endpoint
@@ -76,10 +77,12 @@ class Cluster:
     def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, access: PoolAccess,
                  secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None,
                  rdma: RdmaEndpoint | None = None, rdma_reason: str = "",
-                 membership: Membership | None = None, tls: PeerTls | None = None) -> None:
+                 membership: Membership | None = None, tls: PeerTls | None = None,
+                 busy: BusyPoll | None = None) -> None:
         """``rdma``: this node's registered RDMA endpoint (owned from now on), or None and why not.
         ``dialer`` and ``membership`` default to TCP (or RDMA) and ZooKeeper (others: tests/sim/).
-        ``tls``: mutual TLS on peer connections (``cluster.tls_*``)."""
+        ``tls``: mutual TLS on peer connections (``cluster.tls_*``). ``busy``: the loop's busy
+        poll, which the TCP links then use while they wait for answers (``BusyPoll.awaiting``)."""
         self.cfg = cfg
         self.metrics = metrics
         self.rdma = rdma
@@ -96,7 +99,7 @@ class Cluster:
         self.server = PeerServer(access, node_id, secret, control=control, tls=tls,
                                  socket_buffer=cfg.peer_socket_buffer)
         dial: Dialer = dialer or (lambda: SelectingLink(
-            PeerConnection(access, node_id, secret, tls, cfg.peer_socket_buffer), rdma, self.transports,
+            PeerConnection(access, node_id, secret, tls, cfg.peer_socket_buffer, busy), rdma, self.transports,
             self._advert, self._report))
         self.peers = PeerPool(dial, self._address, cfg.peer_connections, metrics)
         # start() binds peer_listen before joining: a registration with our advertised endpoint

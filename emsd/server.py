@@ -192,7 +192,7 @@ class Daemon:
                             service.drop_namespace, quota=service)
         rdma, why = await asyncio.get_running_loop().run_in_executor(None, self._open_rdma, self._pool_view)
         cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret, metrics=self.metrics,
-                          rdma=rdma, rdma_reason=why, tls=tls)
+                          rdma=rdma, rdma_reason=why, tls=tls, busy=self.control.busy)
         try:
             await cluster.start()
         except DuplicateNodeError as exc:

@@ -10,9 +10,10 @@ by another (a load's RELEASE, a save's GRANT, the next layer's or request's call
 after answering, the loop polls its client connections (``poll`` with no timeout,
 which lets go of the GIL) until one has a request or ``budget`` has passed, and only
 then goes back to ``epoll_wait``. Not after a request whose answer waits for other
-nodes (a PIN of blocks another node owns): there the cores belong to the owner serving
-it, and the answer polls when it goes (a daemon that polled there too used about a
-quarter more CPU a single remote get, on the core its peer needed). A request that
+nodes (a PIN of blocks another node owns): that client's next request comes only after
+the answer, so the poll would spin in vain (a daemon that polled there too used about a
+quarter more CPU a single remote get, on the core its peer needed); the answer polls
+when it goes, and the wait for the owner's answer polls for that answer (below). A request that
 arrives in the window is read without a wake-up. The cost is CPU: at most ``budget``
 of one core after each burst of answers, none while requests keep arriving (the poll
 ends at the first). Every client connection is polled, not only the one answered, so
@@ -40,14 +41,24 @@ CPU-bound processes, the host is crowded and the rate is that of 50 us; a plain
 200 us budget there lost up to two thirds of the calls.
 
 Timers, peer connections and the HTTP endpoint wait for at most ``budget`` meanwhile.
+
+The same poll runs while the loop waits for another node's answer (``awaiting``, around a
+peer request: a GET of blocks a client asked for, a forwarded save): the peer socket
+joins the polled set until its answer has been read, and the poll ends at that answer or
+at any client's request. Its window adapts apart from the one after answers, by the same
+rule. An answer written to a node that sleeps costs the writer its wake-up: on the 2-core
+development VM, polling for the owner's answer took one 64 KiB remote get from 656 to
+about 580 us p50 (p90 710 to 610-650) and the owner's CPU a get from 175 to 155-160 us,
+for about 40 us more of this node's (``benchmarks/bench_remote_one.py``, 2026-11-29).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from emsd.transport import runqueue
 from emsd.transport.pollwindow import next_window
@@ -68,6 +79,8 @@ class BusyPoll:
         self._slept_at: float | None = None  # when the loop went to sleep after an idle poll
         self._poller = select.poll()
         self._fds: set[int] = set()
+        self._expected: set[int] = set()  # peer sockets with a request out (``awaiting``)
+        self.answer_window = budget  # seconds a poll for a peer's answer lasts (adapts)
         self._due = False
         self.spins = 0  # polls that ended with a request waiting
         self.idle = 0  # polls that ran their whole budget
@@ -83,6 +96,38 @@ class BusyPoll:
         if fd in self._fds:
             self._fds.discard(fd)
             self._poller.unregister(fd)
+
+    @contextlib.contextmanager
+    def awaiting(self, fd: int) -> Iterator[Callable[[], None]]:
+        """Around a request to another node on socket ``fd``: gives ``poll``, to call once the
+        request is sent, which polls (in this thread, holding the loop) until the answer or a
+        client's request is readable, for at most the answer window. When the block ends (the
+        answer read, or the request failed), ``fd`` leaves the polled set and the window adapts
+        to how long the answer took. Requests out on several sockets at once: an answer on
+        any of them ends the poll."""
+        if self.budget <= 0 or fd < 0 or fd in self._fds or fd in self._expected:
+            yield no_poll
+            return
+        self._expected.add(fd)
+        self._poller.register(fd, select.POLLIN | select.POLLRDHUP)
+        spun: list[tuple[float, float, bool]] = []  # (start, cap, caught) of the poll
+
+        def poll() -> None:
+            start = time.perf_counter()
+            cap = self.budget / CROWDED_SHARE if self._crowded(start) else self.budget
+            window = min(self.answer_window, cap)
+            self.answer_window = window
+            spun.append((start, cap, self._poll_until(start + window)))
+
+        try:
+            yield poll
+        finally:
+            self._expected.discard(fd)
+            self._poller.unregister(fd)
+            if spun:
+                start, cap, caught = spun[0]
+                self.answer_window = next_window(self.answer_window, cap, caught,
+                                                 time.perf_counter() - start)
 
     def after_answer(self) -> None:
         """A connection has just been answered: poll once the loop has run its ready callbacks."""
@@ -103,14 +148,23 @@ class BusyPoll:
         # A crowded host: the budget is a share of itself, for the poll and for adapting it.
         self._cap = self.budget / CROWDED_SHARE if self._crowded(start) else self.budget
         self.window = min(self.window, self._cap)
-        end = start + self.window
+        if self._poll_until(start + self.window):
+            self.window = next_window(self.window, self._cap, True, 0.0)
+        else:
+            self._slept_at = start
+
+    def _poll_until(self, end: float) -> bool:
+        """Poll every socket of the set until one is readable (True) or ``end`` has passed
+        (False; one look at least); counts it in ``spins`` or ``idle``."""
         poll = self._poller.poll
         while True:
             if poll(0):
                 self.spins += 1
-                self.window = next_window(self.window, self._cap, True, 0.0)
-                return
+                return True
             if time.perf_counter() >= end:
                 self.idle += 1
-                self._slept_at = start
-                return
+                return False
+
+
+def no_poll() -> None:
+    """``BusyPoll.awaiting``'s poll when it does not poll (no budget, or ``fd`` polled already)."""

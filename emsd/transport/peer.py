@@ -93,6 +93,7 @@ from emsd.protocol.peer import (
     PutRequest,
 )
 from emsd.tenants import Quota
+from emsd.transport.busypoll import BusyPoll, no_poll
 from emsd.transport.frames import RDMA_OPS, FrameError, PeerOp, Status
 from emsd.transport.stream import BULK_STALL as BULK_STALL
 from emsd.transport.stream import JOIN_LIMIT as JOIN_LIMIT
@@ -549,8 +550,11 @@ class PeerConnection:
     """One authenticated connection to a peer (over mutual TLS with ``tls``); one request at a time."""
 
     def __init__(self, access: PoolAccess, node_id: str, secret: bytes, tls: PeerTls | None = None,
-                 socket_buffer: int = SOCKET_BUFFER) -> None:
+                 socket_buffer: int = SOCKET_BUFFER, busy: BusyPoll | None = None) -> None:
+        """``busy``: the loop's busy poll (``node.busy_poll``), which then also polls for this
+        link's answers (``BusyPoll.awaiting``); None: the loop sleeps while it waits for them."""
         self.access = access
+        self.busy = busy
         self.socket_buffer = socket_buffer  # bytes a direction (_tune)
         self.node_id = node_id
         self.secret = secret
@@ -639,9 +643,11 @@ class PeerConnection:
             rid = self._next_id()
             with self._closing_on_failure(f"PUT to {self.peer_id}"):
                 header, parts = PutRequest(ns_name, keys, lengths).encode()
-                await stream.send_frame_bulk({**header, "id": rid}, tuple(parts),
-                                             _views(self.access.pool, offsets, lengths))
-                header, payload = await stream.recv_frame()
+                with self._awaiting(stream) as poll:
+                    await stream.send_frame_bulk({**header, "id": rid}, tuple(parts),
+                                                 _views(self.access.pool, offsets, lengths))
+                    poll()
+                    header, payload = await stream.recv_frame()
                 _check_id(header, rid)
                 if header.get("st") != Status.OK:
                     raise PeerError(f"PUT refused: {header.get('msg')}")
@@ -688,10 +694,18 @@ class PeerConnection:
         """Send a request frame under the next id and read its answer (the lock held)."""
         rid = self._next_id()
         header, parts = encoded
-        await stream.send_frame({**header, "id": rid}, *parts)
-        answer, body = await stream.recv_frame()
+        with self._awaiting(stream) as poll:
+            await stream.send_frame({**header, "id": rid}, *parts)
+            poll()
+            answer, body = await stream.recv_frame()
         _check_id(answer, rid)
         return answer, body
+
+    def _awaiting(self, stream: PeerStream) -> contextlib.AbstractContextManager[Callable[[], None]]:
+        """The loop's poll for this request's answer (``BusyPoll.awaiting``), or none."""
+        if self.busy is None:
+            return contextlib.nullcontext(no_poll)
+        return self.busy.awaiting(stream.sock.fileno())
 
     @contextlib.contextmanager
     def _closing_on_failure(self, what: str) -> Iterator[None]:

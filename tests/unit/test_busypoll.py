@@ -88,6 +88,76 @@ async def test_the_window_shrinks_while_requests_come_late_and_grows_when_they_c
             s.close()
 
 
+def test_an_answer_from_another_node_ends_its_poll_and_the_socket_leaves_the_set_after() -> None:
+    a, b = socket.socketpair()  # a: this node's end of a peer link, b: the peer's
+    c, d = socket.socketpair()  # c: a client connection
+    try:
+        busy = BusyPoll(5.0, crowded=lambda now: False)  # long: only the answer can end it
+        busy.add(c.fileno())
+        with busy.awaiting(a.fileno()) as poll:
+            threading.Timer(0.02, b.send, (b"the peer's answer",)).start()
+            poll()
+            assert (busy.spins, busy.idle) == (1, 0)
+            assert a.recv(100) == b"the peer's answer"
+        assert busy.answer_window == 5.0
+        b.send(b"a late byte on the link, not awaited any more")
+        busy.budget = busy.window = 0.001
+        busy._spin()  # the poll after answering a client polls the clients alone again
+        assert (busy.spins, busy.idle) == (1, 1)
+    finally:
+        for s in (a, b, c, d):
+            s.close()
+
+
+def test_a_clients_request_ends_a_poll_for_an_answer() -> None:
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    try:
+        busy = BusyPoll(5.0, crowded=lambda now: False)
+        busy.add(c.fileno())
+        with busy.awaiting(a.fileno()) as poll:
+            threading.Timer(0.02, d.send, (b"a client's request",)).start()
+            poll()
+            assert (busy.spins, busy.idle) == (1, 0)
+    finally:
+        for s in (a, b, c, d):
+            s.close()
+
+
+def test_the_answer_window_shrinks_while_answers_come_late_and_apart_from_the_clients_window() -> None:
+    a, b = socket.socketpair()
+    try:
+        busy = BusyPoll(0.001, crowded=lambda now: False)
+        shrinks = 0
+        while busy.answer_window > 0:  # every answer comes 3 ms after a poll of at most 1 ms
+            with busy.awaiting(a.fileno()) as poll:
+                poll()
+                time.sleep(0.003)
+            shrinks += 1
+            assert shrinks <= 8  # halving from 1 ms to below 10 us
+        assert busy.idle == shrinks and busy.window == 0.001  # the clients' window did not move
+        b.send(b"an answer already there")
+        with busy.awaiting(a.fileno()) as poll:
+            poll()  # no window: one look, which finds it
+        assert busy.spins == 1 and busy.answer_window == FLOOR
+    finally:
+        for s in (a, b):
+            s.close()
+
+
+def test_no_budget_no_poll_for_answers() -> None:
+    a, b = socket.socketpair()
+    try:
+        busy = BusyPoll(0.0)
+        b.send(b"answer")
+        with busy.awaiting(a.fileno()) as poll:
+            poll()
+        assert (busy.spins, busy.idle) == (0, 0)
+    finally:
+        for s in (a, b):
+            s.close()
+
+
 async def test_no_budget_or_no_connection_no_poll() -> None:
     busy = BusyPoll(0.0)
     busy.add(0)
