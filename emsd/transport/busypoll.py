@@ -88,6 +88,7 @@ class BusyPoll:
     def add(self, fd: int) -> None:
         """Poll client connection ``fd`` from now on (until ``remove``)."""
         if fd >= 0 and fd not in self._fds:
+            self._expected.discard(fd)  # a peer socket closed while awaited: its number reused
             self._fds.add(fd)
             self._poller.register(fd, select.POLLIN | select.POLLRDHUP)
 
@@ -122,8 +123,9 @@ class BusyPoll:
         try:
             yield poll
         finally:
-            self._expected.discard(fd)
-            self._poller.unregister(fd)
+            if fd in self._expected:  # else closed meanwhile, and the number is a client's now
+                self._expected.discard(fd)
+                self._poller.unregister(fd)
             if spun:
                 start, cap, caught = spun[0]
                 self.answer_window = next_window(self.answer_window, cap, caught,

@@ -109,6 +109,31 @@ def test_an_answer_from_another_node_ends_its_poll_and_the_socket_leaves_the_set
             s.close()
 
 
+def test_a_peer_socket_closed_while_awaited_whose_number_a_client_takes_stays_the_clients() -> None:
+    busy = BusyPoll(0.001, crowded=lambda now: False)
+    a, b = socket.socketpair()
+    c = d = None
+    try:
+        with busy.awaiting(a.fileno()) as poll:
+            poll()
+            fd = a.fileno()
+            a.close()  # the link hung up by another task while its request was out
+            c, d = socket.socketpair()
+            if fd not in (c.fileno(), d.fileno()):
+                pytest.skip("the kernel did not hand the closed socket's number out again")
+            mine = c if c.fileno() == fd else d
+            busy.add(fd)  # a new client connection under that number
+        other = d if mine is c else c
+        other.send(b"the client's request")
+        busy._spin()  # the client's connection is still polled
+        assert busy.spins == 1
+        busy.remove(fd)  # and it leaves cleanly (this raised KeyError)
+    finally:
+        for s in (a, b, c, d):
+            if s is not None:
+                s.close()
+
+
 def test_a_clients_request_ends_a_poll_for_an_answer() -> None:
     a, b = socket.socketpair()
     c, d = socket.socketpair()
