@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None  # daemons keep their pool files beside the socket
 sys.path.insert(0, str(ROOT / "tests"))
 import zk  # noqa: E402
+from bench_sdk import wait_filled  # noqa: E402
 
 from emsd.placement import ClusterView, Member, Ring  # noqa: E402
 from emsd.pool.keys import KeyBatch  # noqa: E402
@@ -150,10 +151,7 @@ def bench_emsd(rounds: int, between: Callable[[], None]) -> dict[str, float]:
                 t_fetch = daemon_fetch(sock_a, ns, raw)
                 cc = sdk(sock_a)
                 cc.register_kvcache(kv)
-                # A new connection fills its page tables for the pool in the background once a KV
-                # cache is registered (about a second of a core per GiB here): an engine does that
-                # once, at start; this benchmark reconnects every round and must not time it.
-                assert cc._client().wait_populated(60)
+                wait_filled(cc, 60)  # this benchmark reconnects every round: not timed
                 before = sum(sum(p.cpu_times()[:2]) for p in cpu)
                 t0 = time.perf_counter()
                 res = cc.load(slots, hashes=keys, offsets=[TOKENS] * BATCH)

@@ -88,14 +88,15 @@ def connect(sock_dir: Path, tenant: bool = False):  # noqa: ANN201 - returns the
     return Ems.get_cc()
 
 
-def wait_filled(cc: Any) -> None:
+def wait_filled(cc: Any, timeout: float = 120.0) -> None:
     """Wait until the SDK connection of ``cc`` has filled its page tables for the pool
-    (``DaemonClient.wait_populated``). A connection starts that fill in the background when
-    a KV cache is registered, about 0.2 s of a core per GiB of a prefaulted pool here (more
-    while the daemon still prefaults it); an engine does it once, at start, while a
-    benchmark that connects and then times its first calls would time the fill too."""
-    if not cc._client().wait_populated(120):
-        raise RuntimeError("the SDK's page-table fill did not end in 120 s")
+    (``DaemonClient.wait_populated``); raises ``RuntimeError`` after ``timeout`` seconds. A
+    connection starts that fill in the background when a KV cache is registered, about 0.2 s
+    of a core per GiB of a prefaulted pool here (more while the daemon still prefaults it); an
+    engine does it once, at start, while a benchmark that connects and then times its first
+    calls would time the fill too."""
+    if not cc._client().wait_populated(timeout):
+        raise RuntimeError(f"the SDK's page-table fill did not end in {timeout:.0f} s")
 
 
 def bench_throughput(rounds: int, tenant: bool = False) -> dict[str, float]:

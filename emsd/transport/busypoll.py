@@ -115,7 +115,7 @@ class BusyPoll:
 
         def poll() -> None:
             start = time.perf_counter()
-            cap = self.budget / CROWDED_SHARE if self._crowded(start) else self.budget
+            cap = self._budget_at(start)
             window = min(self.answer_window, cap)
             self.answer_window = window
             spun.append((start, cap, self._poll_until(start + window)))
@@ -147,13 +147,17 @@ class BusyPoll:
     def _spin(self) -> None:
         self._due = False
         start = time.perf_counter()
-        # A crowded host: the budget is a share of itself, for the poll and for adapting it.
-        self._cap = self.budget / CROWDED_SHARE if self._crowded(start) else self.budget
+        self._cap = self._budget_at(start)
         self.window = min(self.window, self._cap)
         if self._poll_until(start + self.window):
             self.window = next_window(self.window, self._cap, True, 0.0)
         else:
             self._slept_at = start
+
+    def _budget_at(self, now: float) -> float:
+        """The budget of a poll starting ``now``: on a crowded host a share of itself, for the
+        poll and for adapting its window."""
+        return self.budget / CROWDED_SHARE if self._crowded(now) else self.budget
 
     def _poll_until(self, end: float) -> bool:
         """Poll every socket of the set until one is readable (True) or ``end`` has passed
