@@ -1,11 +1,16 @@
 """Request handling: decoded control frames in, responses out (sans-I/O).
 
-``Service.handle`` takes one request of one client ``Session`` and returns
-the response header and payload. It never awaits and never touches a socket,
-so the transport (``emsd.transport.unix``) stays a thin shell and the whole
-protocol can be driven from tests without a process. Work with other nodes
-around a request (a PIN's fetch first, a COMMIT's forward after) is named by
-``remote_fetch`` and ``follow_up`` and carried out by ``emsd.coordinator``.
+``Service.serve_sync`` takes one request of one client ``Session`` and returns
+the response header, its payload and the work with other nodes or the disk
+tier that completes the answer, as data (``emsd.effects``). Nothing here
+awaits, touches a socket or reads a clock of the event loop: the decisions
+(which blocks to forward, which keys to ask the owners about, what to fetch
+before a PIN: ``before``) are made from the request and this pool's state,
+and ``emsd.remote`` carries them out in the order ``emsd.coordinator`` gives.
+Whatever that work needs travels in the effect, not in the session. So the
+transport (``emsd.transport.unix``) stays a thin shell and the whole protocol
+can be driven from tests without a process; ``handle`` is ``serve_sync``
+without the effects, for callers that reach no other node.
 
 A ``Session`` is what the daemon knows of one client connection: its tenant,
 the namespaces it opened, the reservations it has not committed yet and the
@@ -52,7 +57,6 @@ per-tenant total from each session's ``uncommitted`` with integer arithmetic).
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import logging
 import os
@@ -60,12 +64,25 @@ import select
 import struct
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from emsd.effects import (
+    NONE,
+    AskOwners,
+    Before,
+    Drain,
+    DropElsewhere,
+    Effects,
+    Fetch,
+    Forward,
+    Promote,
+    RefreshOwners,
+    SetPlacement,
+)
 from emsd.faults import FAULTS
 from emsd.logs import Once
 from emsd.metrics import Metrics
@@ -119,14 +136,11 @@ class Session:
     pending: set[int] = field(default_factory=set)
     pins: Counter[int] = field(default_factory=Counter)
     tenant: str = DEFAULT_TENANT  # who the HELLO proved to be
-    fetched: set[int] = field(default_factory=set)  # copies fetched for the PIN being handled
     transient: set[int] = field(default_factory=set)  # pinned copies to drop on release (wr off)
     parsed: tuple[bytes, tuple[Any, Any, Any], tuple[int, KeyBatch, bytes]] | None = None  # Service._keys
     granted: dict[int, int] = field(default_factory=dict)  # byte offset -> chunk size, chunks granted
     granted_bytes: int = 0
     pending_bytes: int = 0  # block lengths of ``pending``
-    put: np.ndarray | None = None  # entries the PUT being handled committed (for forward_commit)
-    copies: tuple[int, KeyBatch] | None = None  # keys the save being handled found here as copies
     closed: bool = False  # Service.close has released what it held
 
     @property
@@ -142,6 +156,7 @@ class Session:
 
 
 Response = tuple[dict[str, Any], list[bytes]]
+Planned = tuple[dict[str, Any], list[bytes], Effects]  # a handler's answer and the work after it
 
 
 class Service:
@@ -206,8 +221,20 @@ class Service:
         return info
 
     def handle(self, session: Session, header: dict[str, Any], payload: bytes) -> Response:
-        """Answer one request; never raises for bad input (answers with a status)."""
+        """Answer one request from this pool alone (``serve_sync`` without its effects: for
+        callers with no other node to reach, such as tests of a handler)."""
+        resp, parts, _ = self.serve_sync(session, header, payload)
+        return resp, parts
+
+    def serve_sync(self, session: Session, header: dict[str, Any], payload: bytes) -> Planned:
+        """Answer one request; never raises for bad input (answers with a status).
+
+        The third value is the work with other nodes that completes the answer
+        (``emsd.effects``, in order; empty for a standalone node and for an error
+        answer): the coordinator runs it and merges its fields into the answer.
+        """
         op = header.get("op")
+        effects = NONE
         start = time.perf_counter()
         name = _op_name(op)
         try:
@@ -216,10 +243,13 @@ class Service:
                 raise RequestError(Status.INVALID_ARGUMENT, f"unknown op {op!r}")
             held = session.uncommitted
             try:
-                resp, parts = handler(self, session, header, payload)
+                out = handler(self, session, header, payload)
             finally:
                 if session.uncommitted != held:  # RESERVE, COMMIT, GRANT, PUT: the tenant's total follows
                     self._hold(session.tenant, session.uncommitted - held)
+            resp, parts = out[0], out[1]
+            if len(out) == 3:  # a handler with work after it (in a cluster)
+                effects = out[2]
             resp.setdefault("st", Status.OK)
             result = "ok"
         except RequestError as exc:
@@ -230,7 +260,7 @@ class Service:
         self.metrics.observe_op(name, result, time.perf_counter() - start)
         resp["v"] = PROTOCOL_VERSION
         resp["id"] = header.get("id", 0)
-        return resp, parts
+        return resp, parts, effects
 
     def close(self, session: Session, expired: bool = False) -> None:
         """Release everything a closed connection held.
@@ -296,17 +326,17 @@ class Service:
                 done += 1
         return done
 
-    # -- cluster hooks (async work around a synchronous handler) ----------------
+    # -- work around a handler, named as effects (emsd.effects; carried out by emsd.remote) --
 
-    def remote_fetch(self, session: Session, header: dict[str, Any],
-                     payload: bytes) -> Awaitable[None] | None:
-        """For a PIN whose keys are not all here: promoting the next ones from the disk tier,
-        then fetching the rest from their owners.
+    def before(self, session: Session, header: dict[str, Any], payload: bytes) -> Before | None:
+        """The work a PIN whose keys are not all here needs before its handler, or None.
 
-        The transport awaits it, then handles the PIN as usual (the fetched
-        blocks are local by then, kept as read cache). None: nothing to fetch
-        (standalone without a disk tier, ``lo`` = read_local_only without one,
-        all present, or a bad request that the synchronous handler will refuse).
+        ``Promote`` when the next missing block is on the disk tier (then, in a cluster, the
+        rest from their owners), else ``Fetch`` of the missing tail from the owners. The
+        coordinator runs it, then answers with ``after_fetch`` (the fetched blocks are local
+        by then, kept as read cache). None: nothing to fetch (not a PIN, standalone without
+        a disk tier, ``lo`` = read_local_only without one, all present, or a bad request that
+        the handler will refuse).
         """
         remote = self.cluster is not None and not header.get("lo")
         if header.get("op") != Op.PIN or not (remote or self.tiers is not None):
@@ -318,151 +348,40 @@ class Service:
         count = self.store.exists(ns, keys)
         if count == len(keys):
             return None
-        deadline = _now() + _timeout(header)
+        budget = _timeout(header)
         keep = header.get("wr", True) is not False
         if self.tiers is not None and self.tiers.wanted(ns, keys, count):
-            return self._promote(session, ns, keys, count, deadline, keep if remote else None)
+            return Promote(ns, keys, count, budget, remote, keep)
         if not remote:
             return None
-        return self._fetch(session, ns, keys.take(slice(count, None)), deadline, keep)
+        return Fetch(ns, keys.take(slice(count, None)), budget, keep)
 
-    async def _promote(self, session: Session, ns: int, keys: KeyBatch, count: int, deadline: float,
-                       keep: bool | None) -> None:
-        """Blocks from the disk tier, then (``keep`` not None: in a cluster) the rest from owners."""
-        assert self.tiers is not None
-        await self.tiers.promote(ns, keys, count, deadline)
-        count = self.store.exists(ns, keys)
-        if keep is not None and count < len(keys) and _now() < deadline:
-            await self._fetch(session, ns, keys.take(slice(count, None)), deadline, keep)
+    def after_fetch(self, session: Session, header: dict[str, Any], payload: bytes,
+                    fetched: frozenset[int]) -> tuple[dict[str, Any], list[bytes], Effects]:
+        """``serve_sync`` of a PIN whose ``before`` work has run. ``fetched``: the copies that
+        work made with ``wr`` off; those this PIN pins stay only until the session releases
+        them (``Session.transient``), the others are dropped now."""
+        resp, parts, effects = self.serve_sync(session, header, payload)
+        if fetched:
+            pinned = np.frombuffer(parts[2], dtype="<u4").tolist() if resp["st"] == Status.OK else []
+            held = fetched.intersection(pinned)
+            session.transient |= held
+            self._drop_transient(session, set(fetched - held))
+        return resp, parts, effects
 
-    async def _fetch(self, session: Session, ns: int, keys: KeyBatch, deadline: float, keep: bool) -> None:
-        """Fetch ``keys`` from their owners; copies stay as read cache, or (``keep`` off) until released."""
-        assert self.cluster is not None
-        name = self.namespace_name(ns)
-        before = None if keep else self.store.index.find(ns, keys)
-        await self.cluster.fetch(name, keys, deadline)
-        remote = self._remote(name, keys)
-        self.store.mark_cached(ns, keys if remote.all() else keys.take(remote))
-        if before is not None:
-            after = self.store.index.find(ns, keys)
-            new = (after != before) & (after >= FIRST_ID) & remote
-            session.fetched = set(after[new].tolist())
+    def drop_fetched(self, session: Session, fetched: frozenset[int]) -> None:
+        """Copies fetched with ``wr`` off for a PIN that is not answered (its client left)."""
+        self._drop_transient(session, set(fetched))
 
-    def follow_up(self, session: Session, header: dict[str, Any], payload: bytes,
-                  resp: dict[str, Any]) -> Awaitable[dict[str, Any]] | None:
-        """Asynchronous work that completes a handled request before it is answered, or None.
-
-        COMMIT or PUT in a cluster: forward the blocks to their owners. A RESERVE or
-        PUT that found keys here only as read-cache copies: check that their owners still
-        hold them (``_refresh_owners``). EXISTS that did not find every key here: ask the
-        owners of the rest. DRAIN: leave the ring and move a batch of owned blocks. DROP:
-        the other members drop the namespace too.
-        """
-        copies, session.copies = session.copies, None
-        if self.cluster is None or resp.get("st"):
+    def _forward(self, h: dict[str, Any], resp: dict[str, Any], handles: np.ndarray) -> Forward | None:
+        """In a cluster, the ``Forward`` of a COMMIT's or PUT's committed ``handles`` (None when
+        there are none). The answer says ``reached`` for none of them until the work says more."""
+        if self.cluster is None or handles.size == 0:
             return None
-        op = header.get("op")
-        if op == Op.DRAIN:
-            return self._drain_batch(_now() + _timeout(header), resp)
-        if op == Op.DROP:
-            return self._drop_elsewhere(header, resp)
-        if op == Op.PLACEMENT:
-            return self._set_placement(header, resp)
-        if op == Op.EXISTS and not header.get("lo") and resp.get("count", 0) < header.get("n", 0):
-            return self._exists_remote(session, header, payload, resp)
-        forward = self.forward_commit(header, payload, resp, session)
-        if copies is None:
-            return forward
-        return self._refresh_owners(copies, _now() + _timeout(header), forward, resp)
+        resp["reached"] = bytes(handles.size)
+        return Forward(handles, bool(h.get("wr", True)), _timeout(h))
 
-    async def _refresh_owners(self, copies: tuple[int, KeyBatch], deadline: float,
-                              forward: Awaitable[dict[str, Any]] | None,
-                              resp: dict[str, Any]) -> dict[str, Any]:
-        """A save (RESERVE or PUT) that found keys here only as read-cache copies: after its own
-        forward (``forward``), ask their owners whether they still hold them (no bytes move) and
-        push the copies from the first one they lack (an owner that restarted cold or evicted
-        them gets them back). Best effort within ``deadline``: the answer does not change."""
-        assert self.cluster is not None
-        if forward is not None:
-            resp = await forward
-        ns, keys = copies
-        name = self.namespace_name(ns)
-        held = await self.cluster.exists(name, keys, np.zeros(len(keys), dtype=bool), deadline)
-        if held == len(keys) or _now() >= deadline:
-            return resp
-        pinned = self.pin_checked(ns, keys.take(slice(held, None)))
-        try:
-            got = await self.cluster.push(name, keys.take(slice(held, held + pinned.count)),
-                                          pinned.offsets, pinned.lengths, deadline)
-        finally:
-            self.store.release(pinned.handles)
-        log.debug("a save found %d copies whose owners lacked %d: %d pushed", len(keys),
-                  len(keys) - held, int(np.count_nonzero(got)))
-        return resp
-
-    async def _exists_remote(self, session: Session, header: dict[str, Any], payload: bytes,
-                             resp: dict[str, Any]) -> dict[str, Any]:
-        """Extend an EXISTS answer with the keys other nodes hold (nothing moves, nothing pinned)."""
-        assert self.cluster is not None
-        ns, keys, _ = self._keys(session, header, payload)
-        here = self.store.present(ns, keys) if self.tiers is None else self.tiers.present(ns, keys)
-        resp["count"] = await self.cluster.exists(self.namespace_name(ns), keys, here,
-                                                  _now() + _timeout(header))
-        return resp
-
-    async def _set_placement(self, header: dict[str, Any], resp: dict[str, Any]) -> dict[str, Any]:
-        """Rewrite the cluster's placement record (checked by ``_placement``); every node's watch
-        then rebuilds its ring. Answers the new record."""
-        assert self.cluster is not None
-        try:
-            rec = await self.cluster.set_placement(int(header["vnodes"]), int(header["replicas"]))
-        except placement_record.NotWritten as exc:
-            resp.update(st=int(Status.IO_ERROR), msg=f"the placement record was not written: {exc}")
-            return resp
-        resp.update(vnodes=rec.vnodes, replicas=rec.replicas, version=rec.version)
-        return resp
-
-    async def _drop_elsewhere(self, header: dict[str, Any], resp: dict[str, Any]) -> dict[str, Any]:
-        """A DROP done here: the other members of the view drop the namespace too; ``missed``
-        counts those that did not answer in time (their blocks may still be found)."""
-        assert self.cluster is not None
-        name = self.namespace_name(self._live(int(header["ns"])))
-        resp["missed"] = await self.cluster.drop(name, _now() + _timeout(header))
-        return resp
-
-    async def _drain_batch(self, deadline: float, resp: dict[str, Any]) -> dict[str, Any]:
-        """Leave the ring, then push owned blocks (oldest namespaces first) until the deadline.
-
-        Each pushed block becomes a read-cache copy here; ``remaining`` counts
-        the owned blocks still to move, ``moved`` those that reached an owner
-        in this call, ``failed`` those no owner took.
-        """
-        assert self.cluster is not None
-        await self.cluster.leave()
-        moved = failed = 0
-        idx = self.store.index
-        while _now() < deadline:
-            owned = self._owned_here()
-            if owned.size == 0:
-                break
-            ns = int(idx.nstag[owned[0]] >> 8)
-            batch = owned[(idx.nstag[owned] >> 8) == ns][:DRAIN_BATCH]
-            keys = idx.keys_of(batch)
-            pinned = self.pin_checked(ns, keys)
-            try:
-                got = await self.cluster.push(self.namespace_name(ns), keys.take(slice(0, pinned.count)),
-                                              pinned.offsets, pinned.lengths, deadline)
-            finally:
-                self.store.release(pinned.handles)
-            self.store.mark_cached(ns, keys)  # moved or not: this node owns nothing now
-            moved += int(np.count_nonzero(got))
-            failed += len(keys) - int(np.count_nonzero(got))
-        remaining = int(self._owned_here().size)
-        resp.update(moved=moved, failed=failed, remaining=remaining)
-        log.info("drain: %d blocks moved, %d not taken, %d to go", moved, failed, remaining)
-        return resp
-
-    def _owned_here(self) -> np.ndarray:
+    def owned_here(self) -> np.ndarray:
         """Ids of the READY blocks this node owns (not read-cache copies) in live namespaces:
         what a drain moves (a dropped namespace's leftovers must not reach another node)."""
         idx = self.store.index
@@ -472,61 +391,9 @@ class Service:
             owned = owned[~np.isin(idx.ns_of(owned), list(self._retired))]
         return owned
 
-    def forward_commit(self, header: dict[str, Any], payload: bytes, resp: dict[str, Any],
-                       session: Session | None = None) -> Awaitable[dict[str, Any]] | None:
-        """For a COMMIT or a PUT in a cluster: send the committed blocks to their owners.
-
-        The answer gains ``reached``: one byte per committed handle (COMMIT) or
-        NEW key (PUT, whose handles its handler left in ``session.put``), 1 when
-        the block is now at its owner (or is owned here). With ``wr`` false
-        (write_rcache off) the local copies of blocks that reached another
-        owner are dropped.
-        """
-        op = header.get("op")
-        if self.cluster is None or resp.get("st") or op not in (Op.COMMIT, Op.PUT):
-            return None
-        if op == Op.PUT:
-            handles = session.put if session is not None else None
-            if handles is None or handles.size == 0:
-                return None
-        else:
-            nc = header.get("c", 0)
-            if not nc:
-                return None
-            handles = np.frombuffer(payload, dtype="<u4", count=nc).astype(np.uint32)
-        resp["reached"] = bytes(handles.size)  # what the answer says if forwarding fails outright
-        return self._push(handles, bool(header.get("wr", True)), _now() + _timeout(header), resp)
-
-    async def _push(self, handles: np.ndarray, keep: bool, deadline: float,
-                    resp: dict[str, Any]) -> dict[str, Any]:
-        assert self.cluster is not None
-        reached = np.zeros(handles.size, dtype=np.uint8)
-        nss = self.store.index.ns_of(handles)
-        for ns in np.unique(nss).tolist():
-            if ns in self._retired:  # reserved before a drop: not pushed, not "reached"
-                continue
-            sel = np.flatnonzero(nss == ns)
-            keys = self.store.index.keys_of(handles[sel])
-            pinned = self.pin_checked(ns, keys)  # hold them while they are sent
-            try:
-                got = await self.cluster.push(self.namespace_name(ns), keys.take(slice(0, pinned.count)),
-                                              pinned.offsets, pinned.lengths, deadline)
-            finally:
-                self.store.release(pinned.handles)
-            reached[sel[: pinned.count]] = got
-            sent = keys.take(slice(0, pinned.count))
-            moved = sent.take(np.flatnonzero(got & self._remote(self.namespace_name(ns), sent)))
-            if keep:
-                self.store.mark_cached(ns, moved)  # now a read-cache copy of the owner's block
-            else:
-                self.store.discard(ns, moved)
-        resp["reached"] = reached.tobytes()
-        return resp
-
-    def _remote(self, ns_name: str, keys: KeyBatch) -> np.ndarray:
-        """True per key that other nodes own and this one does not (its copy is a read cache)."""
-        assert self.cluster is not None
-        return ~self.cluster.placement.owned_here(ns_name, keys)
+    def retired(self, ns: int) -> bool:
+        """Whether namespace id ``ns`` was dropped (its blocks are nobody's to find)."""
+        return ns in self._retired
 
     # -- handlers -------------------------------------------------------------
 
@@ -679,7 +546,7 @@ class Service:
             log.info("tenant %r at its namespace cap: %d unused namespaces freed", tenant, len(unused))
         return len(unused)
 
-    def _reserve(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+    def _reserve(self, s: Session, h: dict[str, Any], p: bytes) -> Planned:
         ns, keys, rest = self._keys(s, h, p)
         n = len(keys)
         if len(rest) != 8 * n:
@@ -707,12 +574,12 @@ class Service:
             nbytes = int(sizes[new].sum())
             self.metrics.reserved(int(new.sum()), nbytes, int((res.status == _FAILED).sum()))
         s.pending_bytes += nbytes
-        self._note_copies(s, ns, keys, res.status)
-        return {"n": n}, [
+        resp: dict[str, Any] = {"n": n}
+        return resp, [
             np.asarray(res.offsets, dtype="<u8").tobytes(),  # no copy when already so (x86)
             np.asarray(res.handles, dtype="<u4").tobytes(),
             np.asarray(res.status, dtype=np.uint8).tobytes(),
-        ]
+        ], self._after_save(h, resp, ns, keys, res.status)
 
     def _grant(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         if not self.grants:
@@ -747,13 +614,12 @@ class Service:
             s.forget_grants(offsets.tolist())
             self.store.ungrant(offsets)
 
-    def _put(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+    def _put(self, s: Session, h: dict[str, Any], p: bytes) -> Planned:
         ns, keys, rest = self._keys(s, h, p)
         n = len(keys)
         if len(rest) != 16 * n:
             raise RequestError(Status.INVALID_ARGUMENT, f"offsets and sizes: expected {16 * n} bytes, "
                                f"got {len(rest)}")
-        s.put = None
         if n == 1 and self.store.scalar_paths and self.tenants.quota(s.tenant) is None:
             return self._put_one(s, h, ns, keys, rest)
         at = np.frombuffer(rest, dtype="<u8", count=n).astype(np.uint64)
@@ -774,13 +640,13 @@ class Service:
         if self.checksums is not None:
             self.checksums.seal(handles)  # written before the PUT was sent: digest before READY
         self.store.commit_reserved(handles)
-        s.put = handles
-        self._note_copies(s, ns, keys, res.status)
         self.metrics.reserved(int(new.size), int(sizes[new].sum()),
                               int((res.status == _FAILED).sum()), "put")
-        return {"n": n}, [np.asarray(res.status, dtype=np.uint8).tobytes()]
+        resp: dict[str, Any] = {"n": n}
+        return resp, [np.asarray(res.status, dtype=np.uint8).tobytes()], \
+            self._after_save(h, resp, ns, keys, res.status, handles)
 
-    def _put_one(self, s: Session, h: dict[str, Any], ns: int, keys: KeyBatch, rest: bytes) -> Response:
+    def _put_one(self, s: Session, h: dict[str, Any], ns: int, keys: KeyBatch, rest: bytes) -> Planned:
         """``_put`` of one block for a tenant without a quota (a one-block save): the same
         checks, answer and effects in scalar steps."""
         at, size = _AT_SIZE.unpack(rest)
@@ -793,11 +659,11 @@ class Service:
             if self.checksums is not None:
                 self.checksums.seal(handles)  # written before the PUT was sent: digest before READY
             self.store.commit_reserved(handles)
-        s.put = handles
         answer = bytes((status,))
-        self._note_copies(s, ns, keys, np.frombuffer(answer, dtype=np.uint8))
         self.metrics.reserved(int(new), size if new else 0, int(status == _FAILED), "put")
-        return {"n": 1}, [answer]
+        resp: dict[str, Any] = {"n": 1}
+        effects = self._after_save(h, resp, ns, keys, np.frombuffer(answer, dtype=np.uint8), handles)
+        return resp, [answer], effects
 
     def hold_quota(self, ns: int, nbytes: int) -> None:
         """Namespace ``ns``'s tenant holds ``nbytes`` more (or, negative, fewer) bytes reserved
@@ -846,21 +712,33 @@ class Service:
             return k
         return max(0, min(k, (quota - self._quota_held(tenant)) // chunk))
 
-    def _note_copies(self, s: Session, ns: int, keys: KeyBatch, status: np.ndarray) -> None:
-        """In a cluster, remember the keys of a save that are here only as read-cache copies
-        (PRESENT, READY and marked cached) for ``follow_up``: their owners may have lost them."""
-        s.copies = None
+    def _after_save(self, h: dict[str, Any], resp: dict[str, Any], ns: int, keys: KeyBatch,
+                    status: np.ndarray, handles: np.ndarray | None = None) -> Effects:
+        """The work after a save (RESERVE, or PUT with the ``handles`` it committed) in a
+        cluster: the ``Forward`` of those blocks, then ``RefreshOwners`` of the keys it found
+        here only as read-cache copies (``_copies``). None standalone."""
         if self.cluster is None:
-            return
+            return NONE
+        forward = None if handles is None else self._forward(h, resp, handles)
+        copies = self._copies(h, ns, keys, status)
+        if copies is None:
+            return NONE if forward is None else (forward,)
+        return (copies,) if forward is None else (forward, copies)
+
+    def _copies(self, h: dict[str, Any], ns: int, keys: KeyBatch, status: np.ndarray) -> RefreshOwners | None:
+        """The keys of a save (answered ``status``) that are here only as read-cache copies
+        (PRESENT, READY and marked cached), to check with their owners, who may have lost them;
+        None when there are none (the usual save: every key new)."""
         present = np.flatnonzero(status == _PRESENT)
-        if present.size == 0:  # the usual save: every key new
-            return
+        if present.size == 0:
+            return None
         idx = self.store.index
         ids = idx.find(ns, keys.take(present))
         copy = ids >= FIRST_ID
         copy[copy] = (idx.cached[ids[copy]] != 0) & (idx.state[ids[copy]] == READY)
-        if copy.any():
-            s.copies = (ns, keys.take(present[copy]))
+        if not copy.any():
+            return None
+        return RefreshOwners(ns, keys.take(present[copy]), _timeout(h))
 
     def _fit_connection(self, s: Session, sizes: np.ndarray) -> int:
         """How many leading blocks of ``sizes`` a RESERVE of ``s`` may hold pending: a connection
@@ -889,7 +767,7 @@ class Service:
         else:
             self._uncommitted.pop(tenant, None)
 
-    def _commit(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+    def _commit(self, s: Session, h: dict[str, Any], p: bytes) -> Planned:
         nc, na = h.get("c", 0), h.get("a", 0)
         if type(nc) is not int or type(na) is not int or nc < 0 or na < 0:
             raise RequestError(Status.INVALID_ARGUMENT, "commit counts c/a must be ints >= 0")
@@ -914,7 +792,9 @@ class Service:
             done = self.store.commit_reserved(commit)
         if na:
             self.store.abort(abort)
-        return {"committed": int(done)}, []
+        resp: dict[str, Any] = {"committed": int(done)}
+        forward = self._forward(h, resp, handles[:nc]) if nc else None
+        return resp, [], NONE if forward is None else (forward,)
 
     def _lengths(self, handles: list[int]) -> int:
         """Total length of the distinct entries ``handles`` (PENDING entries of a session)."""
@@ -929,11 +809,6 @@ class Service:
             raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
         pinned = self.pin_checked(ns, keys, _prev_key(h))
         s.pins.update(pinned.handles.tolist())
-        if s.fetched:  # fetched for this PIN with write_rcache off: kept only while pinned
-            held = s.fetched & set(pinned.handles.tolist())
-            s.transient |= held
-            self._drop_transient(s, s.fetched - held)
-            s.fetched = set()
         self.metrics.looked_up("pin", pinned.count, len(keys) - pinned.count,
                                int(pinned.lengths.sum()))
         return {"count": pinned.count}, [
@@ -1000,7 +875,7 @@ class Service:
             s.transient.difference_update(drop)
             self.store.discard_handles(np.array(drop, dtype=np.uint32))
 
-    def _exists(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
+    def _exists(self, s: Session, h: dict[str, Any], p: bytes) -> Planned:
         ns, keys, rest = self._keys(s, h, p)
         if rest:
             raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
@@ -1008,7 +883,10 @@ class Service:
         if self.tiers is not None:  # blocks on disk count too (a load promotes them)
             count = self.tiers.exists(ns, keys, count)
         self.metrics.looked_up("exists", count, len(keys) - count, 0)
-        return {"count": count}, []
+        if self.cluster is None or h.get("lo") or count == len(keys):
+            return {"count": count}, [], NONE
+        here = self.store.present(ns, keys) if self.tiers is None else self.tiers.present(ns, keys)
+        return {"count": count}, [], (AskOwners(self.namespace_name(ns), keys, here, _timeout(h)),)
 
     def _stats(self, s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         st = self.store.stats()
@@ -1073,35 +951,38 @@ class Service:
             return {"owners": [[self.node_id]] * n}, []
         return {"owners": self.cluster.placement.owner_ids(name, keys)}, []
 
-    def _drain(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
+    def _drain(self, _s: Session, h: dict[str, Any], _p: bytes) -> Planned:
         if self.cluster is None:
             raise RequestError(Status.INVALID_ARGUMENT, "a standalone node has no ring to leave")
-        return {}, []  # the work follows (follow_up)
+        return {}, [], (Drain(_timeout(h)),)
 
-    def _placement(self, _s: Session, h: dict[str, Any], _p: bytes) -> Response:
+    def _placement(self, _s: Session, h: dict[str, Any], _p: bytes) -> Planned:
         if self.cluster is None or not self.cluster.shares_placement:
             raise RequestError(Status.INVALID_ARGUMENT, "only a ZooKeeper cluster keeps a placement "
                                "record; static members take cluster.vnodes and cluster.replicas from config")
         why = placement_record.invalid(h.get("vnodes"), h.get("replicas"))
         if why is not None:
             raise RequestError(Status.INVALID_ARGUMENT, why)
-        return {}, []  # the write follows (follow_up): ZooKeeper calls block
+        return {}, [], (SetPlacement(int(h["vnodes"]), int(h["replicas"]), _timeout(h)),)  # ZooKeeper: async
 
     def _ping(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         return {}, []
 
-    def _drop(self, s: Session, h: dict[str, Any], _p: bytes) -> Response:
-        dropped = self.drop_namespace(self.namespace_name(self._live(_opened(s, h.get("ns")))))
-        return {"dropped": dropped, "missed": 0}, []  # in a cluster the other members follow (follow_up)
+    def _drop(self, s: Session, h: dict[str, Any], _p: bytes) -> Planned:
+        name = self.namespace_name(self._live(_opened(s, h.get("ns"))))
+        dropped = self.drop_namespace(name)
+        if self.cluster is None:
+            return {"dropped": dropped, "missed": 0}, [], NONE
+        return {"dropped": dropped, "missed": 0}, [], (DropElsewhere(name, _timeout(h)),)
 
     # -- helpers ---------------------------------------------------------------
 
     def _keys(self, s: Session, h: dict[str, Any], p: bytes) -> tuple[int, KeyBatch, bytes]:
         """(namespace, keys, rest of payload) of a keyed request; checks every field.
 
-        A request looked at twice (a PIN by ``remote_fetch`` then its handler, an
-        EXISTS by its handler then ``follow_up``) is parsed once: the session keeps
-        the last answer with the payload object it came from. Payloads are
+        A PIN looked at twice (by ``before``, then by its handler) is parsed
+        once: the session keeps the last answer with the payload object it came
+        from (a parse of one key costs about 2 us, on every PIN in a cluster). Payloads are
         immutable ``bytes`` and a session's namespaces are never closed, so the
         same object with the same fields gives the same answer (an empty payload,
         which may be one shared object, is always parsed). The namespace is
@@ -1134,11 +1015,6 @@ class Service:
         Op.PLACEMENT: _placement,
         Op.TOUCH: _touch,
     }
-
-
-def _now() -> float:
-    """The running loop's clock (``time.monotonic()`` unless a simulation gives it a virtual one)."""
-    return asyncio.get_running_loop().time()
 
 
 def _timeout(header: dict[str, Any]) -> float:

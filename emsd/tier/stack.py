@@ -9,7 +9,7 @@ knowing the other:
   a block whose staged bytes no longer match its seal is not written.
 - ``exists`` and ``present`` count a key as held when it is in DRAM or on disk
   (``exists``: the leading run of such keys, as the store counts READY ones).
-- ``promote`` is the asynchronous step before a PIN (``Service.remote_fetch``,
+- ``promote`` is the asynchronous step before a PIN (a ``Promote`` effect of ``Service.before``,
   like a remote fetch): the keys of the PIN's leading run that are only on
   disk get chunks in the pool (PENDING entries the stack owns), reader threads
   read them straight into those chunks (one I/O a run of adjacent slots) and

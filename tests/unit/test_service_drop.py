@@ -127,6 +127,6 @@ def test_a_drain_never_moves_what_is_left_of_a_dropped_namespace() -> None:
     kept = _save(svc, other, ns_other, [1])
     resp, parts = _call(svc, s, Op.PIN, _keys([1, 2]), ns=ns, n=2, kt=0)
     assert resp["count"] == 2
-    assert sorted(svc._owned_here().tolist()) == sorted([*np.frombuffer(parts[2], "<u4").tolist(), *kept])
+    assert sorted(svc.owned_here().tolist()) == sorted([*np.frombuffer(parts[2], "<u4").tolist(), *kept])
     _call(svc, s, Op.DROP, ns=ns)  # the pinned pair stays READY under the old id
-    assert svc._owned_here().tolist() == kept.tolist()
+    assert svc.owned_here().tolist() == kept.tolist()

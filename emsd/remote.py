@@ -1,0 +1,202 @@
+"""The work that ``emsd.effects`` values describe, carried out on the event loop.
+
+``Remote`` does, for one ``Service``, what the service's handlers name but do
+not do: fetch, promote, forward, ask, drop, drain, write the placement record.
+It acts on the pool only through the service's and the store's public methods,
+and on other nodes through ``Cluster`` (and the disk tier through
+``TierStack``). Each step takes the effect and an absolute ``deadline`` on the
+loop's clock (the coordinator adds the effect's budget to the loop's time when
+it gets the effect). ``before`` returns the set of copies a PIN's session may
+keep only while it pins them; ``AFTER[type(effect)](remote, effect, deadline)``
+returns the answer fields the work sets. Peers failing are misses here (the
+cluster turns them into zeros); anything that raises is logged by the
+coordinator and the answer stays as the handler left it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from emsd.cluster import Cluster
+from emsd.effects import (
+    AskOwners,
+    Before,
+    Drain,
+    DropElsewhere,
+    Fetch,
+    Forward,
+    RefreshOwners,
+    SetPlacement,
+)
+from emsd.placement import record as placement_record
+from emsd.pool.index import FIRST_ID
+from emsd.pool.keys import KeyBatch
+from emsd.service import DRAIN_BATCH, Service
+from emsd.transport.frames import Status
+
+log = logging.getLogger("emsd.service")
+
+Fields = dict[str, Any]  # answer fields an effect's work sets
+
+
+def now() -> float:
+    """The running loop's clock (``time.monotonic()`` unless a simulation gives it a virtual one)."""
+    return asyncio.get_running_loop().time()
+
+
+def remote_only(cluster: Cluster, name: str, keys: KeyBatch) -> np.ndarray:
+    """True per key that other nodes own and this one does not (its copy is a read cache)."""
+    return ~cluster.placement.owned_here(name, keys)
+
+
+class Remote:
+    """Carries out the effects of one ``Service``'s requests (see the module docstring)."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    @property
+    def cluster(self) -> Cluster:
+        cluster = self.service.cluster
+        assert cluster is not None  # only a node in a cluster makes effects that reach peers
+        return cluster
+
+    # -- before a PIN ------------------------------------------------------------
+
+    async def before(self, effect: Before, deadline: float) -> frozenset[int]:
+        """Run a PIN's ``Promote`` or ``Fetch``; the handles of the copies fetched with ``keep``
+        off (the session may hold them only while pinned)."""
+        if isinstance(effect, Fetch):
+            return await self.fetch(effect.ns, effect.keys, deadline, effect.keep)
+        tiers = self.service.tiers
+        assert tiers is not None
+        await tiers.promote(effect.ns, effect.keys, effect.count, deadline)
+        count = self.service.store.exists(effect.ns, effect.keys)
+        if effect.fetch and count < len(effect.keys) and now() < deadline:
+            return await self.fetch(effect.ns, effect.keys.take(slice(count, None)), deadline, effect.keep)
+        return frozenset()
+
+    async def fetch(self, ns: int, keys: KeyBatch, deadline: float, keep: bool) -> frozenset[int]:
+        """Fetch ``keys`` from their owners; the copies stay as read cache. Returns the handles
+        of the new copies when ``keep`` is off (else none)."""
+        store = self.service.store
+        name = self.service.namespace_name(ns)
+        before = None if keep else store.index.find(ns, keys)
+        await self.cluster.fetch(name, keys, deadline)
+        remote = remote_only(self.cluster, name, keys)
+        store.mark_cached(ns, keys if remote.all() else keys.take(remote))
+        if before is None:
+            return frozenset()
+        after = store.index.find(ns, keys)
+        new = (after != before) & (after >= FIRST_ID) & remote
+        return frozenset(after[new].tolist())
+
+    # -- after a handler -----------------------------------------------------------
+
+    async def forward(self, effect: Forward, deadline: float) -> Fields:
+        """Push the committed blocks to their owners, per namespace, each pinned while sent."""
+        service, store, cluster = self.service, self.service.store, self.cluster
+        handles = effect.handles
+        reached = np.zeros(handles.size, dtype=np.uint8)
+        nss = store.index.ns_of(handles)
+        for ns in np.unique(nss).tolist():
+            if service.retired(ns):  # reserved before a drop: not pushed, not "reached"
+                continue
+            sel = np.flatnonzero(nss == ns)
+            keys = store.index.keys_of(handles[sel])
+            name = service.namespace_name(ns)
+            pinned = service.pin_checked(ns, keys)  # hold them while they are sent
+            try:
+                got = await cluster.push(name, keys.take(slice(0, pinned.count)),
+                                         pinned.offsets, pinned.lengths, deadline)
+            finally:
+                store.release(pinned.handles)
+            reached[sel[: pinned.count]] = got
+            sent = keys.take(slice(0, pinned.count))
+            moved = sent.take(np.flatnonzero(got & remote_only(cluster, name, sent)))
+            if effect.keep:
+                store.mark_cached(ns, moved)  # now a read-cache copy of the owner's block
+            else:
+                store.discard(ns, moved)
+        return {"reached": reached.tobytes()}
+
+    async def refresh_owners(self, effect: RefreshOwners, deadline: float) -> Fields:
+        """Ask the owners of a save's read-cache copies whether they still hold them; push the
+        copies from the first one they lack (an owner that restarted cold gets them back)."""
+        service, cluster, keys = self.service, self.cluster, effect.keys
+        name = service.namespace_name(effect.ns)
+        held = await cluster.exists(name, keys, np.zeros(len(keys), dtype=bool), deadline)
+        if held == len(keys) or now() >= deadline:
+            return {}
+        pinned = service.pin_checked(effect.ns, keys.take(slice(held, None)))
+        try:
+            got = await cluster.push(name, keys.take(slice(held, held + pinned.count)),
+                                     pinned.offsets, pinned.lengths, deadline)
+        finally:
+            service.store.release(pinned.handles)
+        log.debug("a save found %d copies whose owners lacked %d: %d pushed", len(keys),
+                  len(keys) - held, int(np.count_nonzero(got)))
+        return {}
+
+    async def ask_owners(self, effect: AskOwners, deadline: float) -> Fields:
+        """The EXISTS count with the keys other nodes hold (nothing moves, nothing pinned)."""
+        return {"count": await self.cluster.exists(effect.name, effect.keys, effect.here, deadline)}
+
+    async def set_placement(self, effect: SetPlacement, _deadline: float) -> Fields:
+        """Rewrite the placement record; every node's watch then rebuilds its ring."""
+        try:
+            rec = await self.cluster.set_placement(effect.vnodes, effect.replicas)
+        except placement_record.NotWritten as exc:
+            return {"st": int(Status.IO_ERROR), "msg": f"the placement record was not written: {exc}"}
+        return {"vnodes": rec.vnodes, "replicas": rec.replicas, "version": rec.version}
+
+    async def drop_elsewhere(self, effect: DropElsewhere, deadline: float) -> Fields:
+        """The other members drop the namespace; ``missed``: those that did not answer in time."""
+        return {"missed": await self.cluster.drop(effect.name, deadline)}
+
+    async def drain(self, _effect: Drain, deadline: float) -> Fields:
+        """Leave the ring, then push owned blocks (oldest namespaces first) until the deadline.
+
+        Each pushed block becomes a read-cache copy here; ``remaining`` counts
+        the owned blocks still to move, ``moved`` those that reached an owner
+        in this call, ``failed`` those no owner took.
+        """
+        service, store, cluster = self.service, self.service.store, self.cluster
+        await cluster.leave()
+        moved = failed = 0
+        idx = store.index
+        while now() < deadline:
+            owned = service.owned_here()
+            if owned.size == 0:
+                break
+            ns = int(idx.nstag[owned[0]] >> 8)
+            batch = owned[(idx.nstag[owned] >> 8) == ns][:DRAIN_BATCH]
+            keys = idx.keys_of(batch)
+            pinned = service.pin_checked(ns, keys)
+            try:
+                got = await cluster.push(service.namespace_name(ns), keys.take(slice(0, pinned.count)),
+                                         pinned.offsets, pinned.lengths, deadline)
+            finally:
+                store.release(pinned.handles)
+            store.mark_cached(ns, keys)  # moved or not: this node owns nothing now
+            moved += int(np.count_nonzero(got))
+            failed += len(keys) - int(np.count_nonzero(got))
+        remaining = int(service.owned_here().size)
+        log.info("drain: %d blocks moved, %d not taken, %d to go", moved, failed, remaining)
+        return {"moved": moved, "failed": failed, "remaining": remaining}
+
+
+# The step that carries out each kind of effect after a handler (a dict: no isinstance chain).
+AFTER: dict[type, Callable[[Remote, Any, float], Awaitable[Fields]]] = {
+    Forward: Remote.forward,
+    RefreshOwners: Remote.refresh_owners,
+    AskOwners: Remote.ask_owners,
+    SetPlacement: Remote.set_placement,
+    DropElsewhere: Remote.drop_elsewhere,
+    Drain: Remote.drain,
+}
