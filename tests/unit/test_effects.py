@@ -1,0 +1,206 @@
+"""The work with other nodes as data: what ``Service`` returns (``emsd.effects``) and what the
+coordinator does with it (``emsd.remote``), on a pool in this process with a fake cluster.
+
+The fake stands in for ``Cluster`` where the service and ``Remote`` reach it: it owns every
+key (this node owns none), records what is pushed and answers as told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from emsd.coordinator import Coordinator
+from emsd.effects import AskOwners, Drain, DropElsewhere, Fetch, Forward, RefreshOwners
+from emsd.metrics import Metrics
+from emsd.pool.keys import KeyBatch
+from emsd.pool.store import BlockStore
+from emsd.service import Response, Service, Session
+from emsd.transport.frames import Op, Status
+
+POOL, PAGE, BLOCK = 8 << 20, 1 << 20, 4096
+
+
+class FakePlacement:
+    def owned_here(self, _name: str, keys: KeyBatch) -> np.ndarray:
+        return np.zeros(len(keys), dtype=bool)
+
+
+class FakeCluster:
+    """Owns every key elsewhere; ``fail``: every push raises; ``fetch`` stores the keys here."""
+
+    shares_placement = True
+
+    def __init__(self, svc: Service, fail: bool = False) -> None:
+        self.svc = svc
+        self.fail = fail
+        self.placement = FakePlacement()
+        self.pushed: list[tuple[str, list[int]]] = []
+
+    async def push(self, name: str, keys: KeyBatch, _offsets: np.ndarray, _lengths: np.ndarray,
+                   _deadline: float) -> np.ndarray:
+        if self.fail:
+            raise ConnectionError("peer gone")
+        self.pushed.append((name, [int(k) for k in keys.words[:, 0]]))
+        return np.ones(len(keys), dtype=bool)
+
+    async def fetch(self, name: str, keys: KeyBatch, _deadline: float) -> None:
+        store, ns = self.svc.store, self.svc.namespace_id(name)
+        res = store.reserve(ns, keys, np.full(len(keys), BLOCK, dtype=np.uint64))
+        store.commit_reserved(res.handles)
+
+    async def exists(self, _name: str, keys: KeyBatch, _here: np.ndarray, _deadline: float) -> int:
+        return len(keys)
+
+
+def _service(cluster: bool = True, fail: bool = False) -> tuple[Service, Session, int]:
+    svc = Service(BlockStore(POOL, PAGE), "t", "shm", Metrics())
+    if cluster:
+        svc.cluster = FakeCluster(svc, fail)  # type: ignore[assignment]
+    s = Session()
+    s.authenticated = True
+    resp, _ = svc.handle(s, {"op": int(Op.NAMESPACE), "name": "n", "id": 1}, b"")
+    return svc, s, resp["ns"]
+
+
+def _keys(keys: list[int]) -> bytes:
+    return np.array(keys, "<u8").tobytes()
+
+
+def _put(svc: Service, s: Session, ns: int, keys: list[int], **extra: Any) -> tuple[dict[str, Any], bytes]:
+    """A PUT of ``keys`` into chunks granted now (not sent yet): its header and payload."""
+    n = len(keys)
+    resp, parts = svc.handle(s, {"op": int(Op.GRANT), "size": BLOCK, "k": n}, b"")
+    at = np.frombuffer(parts[0], "<u8")
+    header = {"op": int(Op.PUT), "ns": ns, "n": n, "kt": 0, **extra}
+    payload = _keys(keys) + at.tobytes() + np.full(n, BLOCK, "<u8").tobytes()
+    return header, payload
+
+
+def _save(svc: Service, ns: int, keys: list[int]) -> np.ndarray:
+    res = svc.store.reserve(ns, KeyBatch.from_user(keys), np.full(len(keys), BLOCK, dtype=np.uint64))
+    svc.store.commit_reserved(res.handles)
+    return res.handles
+
+
+def _served(coord: Coordinator, s: Session, header: dict[str, Any], payload: bytes) -> Response:
+    async def main() -> Response:
+        answer = coord.serve(s, header, payload)
+        return answer if isinstance(answer, tuple) else await answer
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_put_in_a_cluster_names_the_forward_of_the_blocks_it_committed(n: int) -> None:
+    svc, s, ns = _service()
+    resp, _, effects = svc.serve_sync(s, *_put(svc, s, ns, list(range(10, 10 + n)), wr=False))
+    assert resp["st"] == Status.OK and resp["reached"] == bytes(n)  # none until the forward says
+    assert len(effects) == 1 and isinstance(effects[0], Forward)
+    forward = effects[0]
+    committed = svc.store.index.find(ns, KeyBatch.from_user(list(range(10, 10 + n))))
+    assert forward.handles.tolist() == committed.tolist() and forward.keep is False
+
+
+def test_a_commit_in_a_cluster_names_the_forward_of_its_committed_handles_only() -> None:
+    svc, s, ns = _service()
+    resp, parts = svc.handle(s, {"op": int(Op.RESERVE), "ns": ns, "n": 3, "kt": 0},
+                             _keys([1, 2, 3]) + np.full(3, BLOCK, "<u8").tobytes())
+    handles = np.frombuffer(parts[1], "<u4")
+    header = {"op": int(Op.COMMIT), "c": 2, "a": 1, "to": 1000}
+    resp, _, effects = svc.serve_sync(s, header, handles.astype("<u4").tobytes())
+    assert resp["committed"] == 2 and resp["reached"] == b"\0\0"
+    (forward,) = effects
+    assert isinstance(forward, Forward) and forward.handles.tolist() == handles[:2].tolist()
+    assert forward.keep is True and forward.budget == pytest.approx(0.9)
+
+
+def test_a_pin_of_absent_keys_names_a_fetch_of_the_missing_tail() -> None:
+    svc, s, ns = _service()
+    _save(svc, ns, [1])
+    header = {"op": int(Op.PIN), "ns": ns, "n": 3, "kt": 0, "wr": False}
+    fetch = svc.before(s, header, _keys([1, 2, 3]))
+    assert isinstance(fetch, Fetch) and fetch.keep is False and fetch.ns == ns
+    assert fetch.keys.words[:, 0].tolist() == [2, 3]
+    assert svc.before(s, {**header, "lo": True}, _keys([1, 2, 3])) is None  # read_local_only
+    assert svc.before(s, {**header, "n": 1}, _keys([1])) is None  # all here
+
+
+def test_an_exists_in_a_cluster_asks_the_owners_of_what_is_not_here() -> None:
+    svc, s, ns = _service()
+    _save(svc, ns, [1])
+    header = {"op": int(Op.EXISTS), "ns": ns, "n": 2, "kt": 0}
+    resp, _, effects = svc.serve_sync(s, header, _keys([1, 2]))
+    (ask,) = effects
+    assert resp["count"] == 1 and isinstance(ask, AskOwners)
+    assert ask.name == "n" and ask.here.tolist() == [True, False]
+    assert svc.serve_sync(s, {**header, "lo": True}, _keys([1, 2]))[2] == ()
+    assert svc.serve_sync(s, {**header, "n": 1}, _keys([1]))[2] == ()
+
+
+def test_a_save_of_read_cache_copies_names_a_check_with_their_owners() -> None:
+    svc, s, ns = _service()
+    _save(svc, ns, [5])
+    svc.store.mark_cached(ns, KeyBatch.from_user([5]))
+    resp, _, effects = svc.serve_sync(s, {"op": int(Op.RESERVE), "ns": ns, "n": 2, "kt": 0},
+                                      _keys([5, 6]) + np.full(2, BLOCK, "<u8").tobytes())
+    (refresh,) = effects
+    assert isinstance(refresh, RefreshOwners) and refresh.keys.words[:, 0].tolist() == [5]
+
+
+def test_drop_and_drain_in_a_cluster_name_the_other_members() -> None:
+    svc, s, ns = _service()
+    _, _, effects = svc.serve_sync(s, {"op": int(Op.DROP), "ns": ns}, b"")
+    assert effects == (DropElsewhere("n", pytest.approx(4.9)),)
+    _, _, effects = svc.serve_sync(s, {"op": int(Op.DRAIN), "to": 2000}, b"")
+    assert effects == (Drain(pytest.approx(1.9)),)
+
+
+def test_a_standalone_service_names_no_work_and_is_answered_at_once() -> None:
+    svc, s, ns = _service(cluster=False)
+    resp, _, effects = svc.serve_sync(s, *_put(svc, s, ns, [1]))
+    assert effects == () and "reached" not in resp
+    assert svc.before(s, {"op": int(Op.PIN), "ns": ns, "n": 1, "kt": 0}, _keys([9])) is None
+    assert svc.serve_sync(s, {"op": int(Op.EXISTS), "ns": ns, "n": 1, "kt": 0}, _keys([9]))[2] == ()
+    header, payload = _put(svc, s, ns, [2])
+    assert isinstance(Coordinator(svc).serve(s, header, payload), tuple)  # no task, no await
+
+
+def test_an_error_answer_names_no_work() -> None:
+    svc, s, ns = _service()
+    resp, _, effects = svc.serve_sync(s, {"op": int(Op.COMMIT), "c": 1, "a": 0}, _keys([0])[:4])
+    assert resp["st"] == Status.INVALID_ARGUMENT and effects == ()
+
+
+def test_the_coordinator_merges_the_forwards_result_into_the_answer() -> None:
+    svc, s, ns = _service()
+    header, payload = _put(svc, s, ns, [20, 21])
+    resp, _ = _served(Coordinator(svc), s, {**header, "id": 7}, payload)
+    assert resp["st"] == Status.OK and resp["reached"] == b"\1\1" and resp["id"] == 7
+    assert svc.cluster.pushed == [("n", [20, 21])]  # type: ignore[union-attr]
+    assert svc.store.index.cached[svc.store.index.find(ns, KeyBatch.from_user([20]))].tolist() == [1]
+
+
+def test_peers_failing_leave_the_answer_as_the_handler_made_it() -> None:
+    svc, s, ns = _service(fail=True)
+    header, payload = _put(svc, s, ns, [30])
+    resp, _ = _served(Coordinator(svc), s, header, payload)
+    assert resp["st"] == Status.OK and resp["reached"] == b"\0"
+    assert svc.store.stats().pinned == 0  # released after the failed push
+
+
+def test_copies_fetched_with_wr_off_stay_only_while_the_pin_holds_them() -> None:
+    svc, s, ns = _service()
+    header = {"op": int(Op.PIN), "ns": ns, "n": 2, "kt": 0, "wr": False, "to": 1000}
+    resp, parts = _served(Coordinator(svc), s, header, _keys([40, 41]))
+    handles = np.frombuffer(parts[2], "<u4")
+    assert resp["count"] == 2 and s.transient == set(handles.tolist())
+    svc.handle(s, {"op": int(Op.RELEASE)}, handles.astype("<u4").tobytes())
+    assert svc.store.exists(ns, KeyBatch.from_user([40, 41])) == 0 and not s.transient
+
+
+def test_the_session_carries_no_data_between_a_handler_and_its_work() -> None:
+    assert not {"put", "copies", "fetched"} & set(Session.__dataclass_fields__)
