@@ -357,7 +357,7 @@ class Service:
         return Fetch(ns, keys.take(slice(count, None)), budget, keep)
 
     def after_fetch(self, session: Session, header: dict[str, Any], payload: bytes,
-                    fetched: frozenset[int]) -> tuple[dict[str, Any], list[bytes], Effects]:
+                    fetched: frozenset[int]) -> Planned:
         """``serve_sync`` of a PIN whose ``before`` work has run. ``fetched``: the copies that
         work made with ``wr`` off; those this PIN pins stay only until the session releases
         them (``Session.transient``), the others are dropped now."""
