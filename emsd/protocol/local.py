@@ -203,13 +203,10 @@ def _st_bytes(a: np.ndarray) -> bytes:
 
 
 def _reached(header: dict[str, Any], n: int) -> bytes | None:
-    """``reached`` of a cluster's COMMIT or PUT answer: n bytes, or None when absent."""
+    """``reached`` of a cluster's COMMIT or PUT answer: ``n`` bytes, or None when absent or
+    not ``n`` bytes (a hint the SDK has always ignored then, not a broken answer)."""
     reached = header.get("reached")
-    if reached is None:
-        return None
-    if not isinstance(reached, bytes) or len(reached) != n:
-        raise FrameError(f"reached must be {n} bytes")
-    return reached
+    return reached if isinstance(reached, bytes) and len(reached) == n else None
 
 
 def _count(header: dict[str, Any], field: str, asked: int) -> int:
@@ -430,9 +427,7 @@ class GrantRequest(NamedTuple):
     back: np.ndarray = _NO_U8  # u64 offsets
 
     def encode(self) -> Encoded:
-        header = {"size": self.size, "k": self.k}
-        if self.need != 1:
-            header["need"] = self.need
+        header = {"size": self.size, "k": self.k, "need": self.need}
         return header, [_u8_bytes(self.back)] if len(self.back) else []
 
     @classmethod
