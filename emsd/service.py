@@ -919,7 +919,7 @@ class Service:
         count, nbytes = self.store.touch(ns, keys, req.prev)
         self.metrics.looked_up("pin", count, 0, nbytes)  # loads, whichever way they read
         self.metrics.looked_up("exists", req.found, 0, 0)
-        return CountAnswer(count).encode()
+        return CountAnswer.encode_of(count)
 
     def pin_checked(self, ns: int, keys: KeyBatch, prev: KeyBatch | None = None) -> Pinned:
         """``store.pin``, cut before the first block whose checksum fails (``pool.checksum``)."""
@@ -972,7 +972,7 @@ class Service:
         if self.tiers is not None:  # blocks on disk count too (a load promotes them)
             count = self.tiers.exists(ns, keys, count)
         self.metrics.looked_up("exists", count, len(keys) - count, 0)
-        return CountAnswer(count).encode()
+        return CountAnswer.encode_of(count)
 
     def _stats(self, s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         st = self.store.stats()

@@ -105,19 +105,17 @@ def _int(header: dict[str, Any], field: str, least: int, most: int, default: int
 
 def _flag(header: dict[str, Any], field: str, default: bool) -> bool:
     value = header.get(field, default)
-    if type(value) is not bool:
+    if value is not default and type(value) is not bool:
         raise FrameError(f"{field} must be a bool (got {value!r})")
-    return value
+    return value  # type: ignore[no-any-return]
 
 
 def _budget(header: dict[str, Any]) -> int | None:
     """``to``: milliseconds for peer work (absent: the daemon's default; ``_timeout`` there caps it)."""
     to = header.get("to")
-    if to is None:
-        return None
-    if type(to) is not int or not 0 <= to < MAX_COUNT:
-        raise FrameError(f"to must be milliseconds, an int >= 0 (got {to!r})")
-    return to
+    if to is None or (type(to) is int and 0 <= to < MAX_COUNT):
+        return to
+    raise FrameError(f"to must be milliseconds, an int >= 0 (got {to!r})")
 
 
 def ns_id(header: dict[str, Any]) -> int:
@@ -178,16 +176,18 @@ def _optional(header: dict[str, Any], to: int | None = None, prev: KeyBatch | No
     return header
 
 
-def _split(header: dict[str, Any], payload: bytes, split: Split | None, exact: bool = False,
-           most: int = MAX_BATCH_KEYS) -> Split:
-    if split is not None:
-        return split
-    return split_keys(header.get("n"), header.get("kt"), payload, most, exact)
-
-
-def _no_rest(rest: bytes) -> None:
-    if rest:
+def _head(header: dict[str, Any], payload: bytes, split: Split | None,
+          exact: bool) -> tuple[int, KeyBatch, bytes]:
+    """A keyed request's namespace id, keys and the payload after them (none with ``exact``),
+    in one call: the per-request part of every keyed decode, kept to few steps."""
+    ns = header.get("ns")
+    if type(ns) is not int or not 0 <= ns <= MAX_NS:
+        raise FrameError(f"ns must be an int in 0..{MAX_NS} (got {ns!r})")
+    keys, rest = split if split is not None else split_keys(
+        header.get("n"), header.get("kt"), payload, MAX_BATCH_KEYS, exact)
+    if exact and rest:
         raise FrameError("unexpected bytes after the keys")
+    return ns, keys, rest
 
 
 def _u8_bytes(a: np.ndarray) -> bytes:
@@ -231,8 +231,7 @@ class ReserveRequest(NamedTuple):
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, split: Split | None = None) -> ReserveRequest:
-        ns = ns_id(header)
-        keys, rest = _split(header, payload, split)
+        ns, keys, rest = _head(header, payload, split, False)
         n = len(keys)
         _exact(rest, 8 * n, "sizes")
         return cls(ns, keys, _u64s(rest, n), prev_key(header), _budget(header))
@@ -313,9 +312,7 @@ class PinRequest(NamedTuple):
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, split: Split | None = None) -> PinRequest:
-        ns = ns_id(header)
-        keys, rest = _split(header, payload, split, exact=True)
-        _no_rest(rest)
+        ns, keys, _ = _head(header, payload, split, True)
         return cls(ns, keys, prev_key(header), _flag(header, "lo", False), _flag(header, "wr", True),
                    _budget(header))
 
@@ -371,9 +368,7 @@ class TouchRequest(NamedTuple):
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, split: Split | None = None) -> TouchRequest:
-        ns = ns_id(header)
-        keys, rest = _split(header, payload, split, exact=True)
-        _no_rest(rest)
+        ns, keys, _ = _head(header, payload, split, True)
         return cls(ns, keys, prev_key(header), _int(header, "x", 0, MAX_FOUND, 0))
 
 
@@ -391,9 +386,7 @@ class ExistsRequest(NamedTuple):
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, split: Split | None = None) -> ExistsRequest:
-        ns = ns_id(header)
-        keys, rest = _split(header, payload, split, exact=True)
-        _no_rest(rest)
+        ns, keys, _ = _head(header, payload, split, True)
         return cls(ns, keys, _flag(header, "lo", False), _budget(header))
 
 
@@ -405,6 +398,11 @@ class CountAnswer(NamedTuple):
 
     def encode(self) -> Encoded:
         return {"count": self.held}, []
+
+    @staticmethod
+    def encode_of(held: int) -> Encoded:
+        """``CountAnswer(held).encode()`` without building the tuple (every EXISTS and TOUCH)."""
+        return {"count": held}, []
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> CountAnswer:
@@ -473,8 +471,7 @@ class PutRequest(NamedTuple):
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, split: Split | None = None) -> PutRequest:
-        ns = ns_id(header)
-        keys, rest = _split(header, payload, split)
+        ns, keys, rest = _head(header, payload, split, False)
         n = len(keys)
         _exact(rest, 16 * n, "offsets and sizes")
         return cls(ns, keys, _u64s(rest, n), _u64s(rest, n, 8 * n), prev_key(header),
