@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -56,9 +56,28 @@ from ems.requests import BatchRequest, exists_keys, hash_request, slots_within, 
 from ems.result import CcFuture, CcResult
 from ems.touches import Touches
 from emsd.pool.keys import KT_INT, KeyBatch
-from emsd.transport.frames import MAX_BATCH_KEYS, Op
+from emsd.protocol.local import (
+    CommitAnswer,
+    CommitRequest,
+    DropAnswer,
+    DropRequest,
+    ExistsAnswer,
+    ExistsRequest,
+    NamespaceAnswer,
+    NamespaceRequest,
+    PinAnswer,
+    PinRequest,
+    PutAnswer,
+    PutRequest,
+    ReleaseRequest,
+    ReserveAnswer,
+    ReserveRequest,
+)
+from emsd.transport.frames import MAX_BATCH_KEYS, FrameError, Op
 
 _NEW, _PRESENT, _FAILED = 0, 1, 2
+_NO_HANDLES = np.zeros(0, dtype=np.uint32)
+_A = TypeVar("_A")
 ASYNC_WORKERS = 4
 
 
@@ -161,25 +180,22 @@ class ContextCaching:
         start = time.perf_counter_ns()
         opt = resolve_option(option)
         fast = _int_keys_wire(hashes)
-        if fast is not None:
-            n, kt, raw = len(fast) // 8, KT_INT, fast
-        else:
-            keys = exists_keys(hashes)
-            n, (kt, raw) = len(keys), keys.to_wire()
+        keys = KeyBatch.from_wire(KT_INT, fast, len(fast) // 8) if fast is not None else exists_keys(hashes)
+        n = len(keys)
         if n == 0:
             return CcResult(0, 0)
         client = self._connected()
         deadline = _deadline(opt)
         ns = self._ns(client, deadline)
-        if client.index is not None and _all_published(client, ns, KeyBatch.from_wire(kt, raw, n)):
-            self._touches.add(client, ns, kt, 0, b"", exists=n)  # counted by the daemon later
+        if client.index is not None and _all_published(client, ns, keys):
+            self._touches.add(client, ns, KT_INT, 0, b"", exists=n)  # counted by the daemon later
             result = CcResult(n, n)  # all in this node's pool: nothing to ask
             self._profiler.record("exists", start, result)
             return result
-        query = {"ns": ns, "n": n, "kt": kt, "lo": opt.read_local_only, **_budget(deadline)}
+        query = ExistsRequest(ns, keys, opt.read_local_only, _to(deadline))
         self._touches.send_with_next(client)
-        header, _ = client.call(Op.EXISTS, query, [raw], timeout=_remaining(deadline))
-        result = CcResult(int(header["count"]), n)
+        header, payload = client.call(Op.EXISTS, *query.encode(), timeout=_remaining(deadline))
+        result = CcResult(_answer(ExistsAnswer.decode, header, payload, n).held, n)
         self._profiler.record("exists", start, result)
         return result
 
@@ -199,14 +215,15 @@ class ContextCaching:
         opt = resolve_option(option)
         client, deadline = self._connected(), _deadline(opt)
         ns = self._ns(client, deadline)
-        header, _ = client.call(Op.DROP, {"ns": ns, **_budget(deadline)}, timeout=_remaining(deadline))
+        header, payload = client.call(Op.DROP, *DropRequest(ns, _to(deadline)).encode(),
+                                      timeout=_remaining(deadline))
         self._ns_for = None  # the name has a new id now: ask for it (the shared index knows only it)
-        missed = header.get("missed", 0)
+        dropped, missed = _answer(DropAnswer.decode, header, payload)
         if missed:
             raise EmsException(EmsErrorCode.EMS_IO_ERROR,
                                f"clear: {missed} cluster member(s) did not confirm the drop; "
                                "their blocks may still be found")
-        return int(header.get("dropped", 0))
+        return dropped
 
     # -- the work ------------------------------------------------------------------
 
@@ -251,20 +268,18 @@ class ContextCaching:
         ns = self._ns(client, deadline)
         self._touches.send_with_next(client)
         sizes = layout.block_bytes(req.counts).astype("<u8")
-        kt, raw = req.keys.to_wire()
         _remaining(deadline)  # a call whose time is up reserves nothing
         size = int(sizes[0]) if self._granted and (n == 1 or int(sizes.min()) == int(sizes.max())) else 0
         at = client.grants.take(size, n, _left(deadline)) if size else None
-        keyed = {"ns": ns, "n": n, "kt": kt}
         if at is not None:
-            return self._put(req, opt, client, deadline, keyed, raw, sizes, at)
-        result = self._reserve_commit(req, opt, client, deadline, keyed, raw, sizes)
+            return self._put(req, opt, client, deadline, ns, sizes, at)
+        result = self._reserve_commit(req, opt, client, deadline, ns, sizes)
         if size:
             client.grants.ask(size, n)
         return result
 
     def _put(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient, deadline: float | None,
-             keyed: dict[str, Any], raw: bytes, sizes: np.ndarray, at: np.ndarray) -> CcResult:
+             ns: int, sizes: np.ndarray, at: np.ndarray) -> CcResult:
         """Copy into the granted chunks ``at``, then one PUT; unused chunks go back to the grants."""
         layout, n, size = self.layout, len(req.keys), int(sizes[0])
         try:
@@ -275,9 +290,8 @@ class ContextCaching:
         except BaseException:
             client.grants.give_back(size, at)
             raise
-        fields = {**keyed, "wr": opt.write_rcache, **_budget(deadline), **_prev(req)}
-        pending = client.submit(Op.PUT, fields, [raw, at.astype("<u8").tobytes(), sizes.tobytes()],
-                                late=_unused_back(client, size, at))
+        put = PutRequest(ns, req.keys, at, sizes, req.prev, opt.write_rcache, _to(deadline))
+        pending = client.submit(Op.PUT, *put.encode(), late=_unused_back(client, size, at))
         client.grants.ask(size, n)  # the daemon handles it after answering the PUT
         try:
             header, payload = client.wait(pending, _left(deadline))
@@ -289,38 +303,36 @@ class ContextCaching:
         return CcResult(done(header, payload, client, size, at), req.total)
 
     def _reserve_commit(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient,
-                        deadline: float | None, keyed: dict[str, Any], raw: bytes,
-                        sizes: np.ndarray) -> CcResult:
+                        deadline: float | None, ns: int, sizes: np.ndarray) -> CcResult:
         """RESERVE places (the copy is planned while the daemon answers), copy, COMMIT."""
         layout, n = self.layout, len(req.keys)
-        pending = client.submit(Op.RESERVE, {**keyed, **_budget(deadline), **_prev(req)},
-                                [raw, sizes.tobytes()], late=_abort_late(client, n))
+        reserve = ReserveRequest(ns, req.keys, sizes, req.prev, _to(deadline))
+        pending = client.submit(Op.RESERVE, *reserve.encode(), late=_abort_late(client, n))
         try:
             plan = layout.plan(req.slots, req.counts)  # while the daemon reserves
         except BaseException:
             with contextlib.suppress(EmsException):  # undo the reservation, keep the first error
                 _abort_late(client, n)({}, client.wait(pending, _left(deadline))[1])
             raise
-        _, payload = client.wait(pending, _left(deadline))
-        offsets, handles, status = _split_reservation(payload, n)
+        offsets, handles, status = _answer(ReserveAnswer.decode, *client.wait(pending, _left(deadline)), n)
         if not status.any():  # every key NEW (0): the usual save of new blocks
-            good, new, keys, mine = n, np.arange(n), None, payload[8 * n : 12 * n]
+            good, new, keys, mine = n, np.arange(n), None, handles
         else:
             failed = np.flatnonzero(status == _FAILED)
             good = int(failed[0]) if failed.size else n
             new = keys = np.flatnonzero(status[:good] == _NEW)
-            offsets, mine = offsets[new], handles[new].astype("<u4").tobytes()
+            offsets, mine = offsets[new], handles[new]
         if new.size:
             try:
                 client.map_in(offsets)
                 segs = layout.place(plan, client.pool_addr, offsets, keys, pool_size=client.pool_size)
                 layout.copy(segs, client.pool_addr, client.pool_size, to_pool=True)
             except BaseException:
-                client.send_noreply(Op.COMMIT, {"c": 0, "a": int(new.size)}, [mine])
+                client.send_noreply(Op.COMMIT, *CommitRequest(_NO_HANDLES, mine).encode())
                 raise
-            commit = {"c": int(new.size), "a": 0, "wr": opt.write_rcache, **_budget(deadline)}
-            answer, _ = client.call(Op.COMMIT, commit, [mine], timeout=_remaining(deadline))
-            good = _reached(answer, new, good)
+            commit = CommitRequest(mine, wr=opt.write_rcache, to=_to(deadline))
+            answer = client.call(Op.COMMIT, *commit.encode(), timeout=_remaining(deadline))
+            good = _reached(_answer(CommitAnswer.decode, *answer, new.size).reached, new, good)
         return CcResult(good, req.total)
 
     def _load(self, req: BatchRequest, opt: CcKvOption) -> CcResult:
@@ -329,26 +341,21 @@ class ContextCaching:
             return CcResult(0, req.total)
         layout, client, deadline = self.layout, self._connected(), _deadline(opt)
         ns = self._ns(client, deadline)
-        kt, raw = req.keys.to_wire()
-        if client.index is not None and self._load_published(req, client, ns, kt, raw):
+        if client.index is not None and self._load_published(req, client, ns):
             return CcResult(n, req.total)
         self._touches.send_with_next(client)
-        pin = {"ns": ns, "n": n, "kt": kt, "lo": opt.read_local_only, "wr": opt.write_rcache,
-               **_budget(deadline), **_prev(req)}
+        pin = PinRequest(ns, req.keys, req.prev, opt.read_local_only, opt.write_rcache, _to(deadline))
         _remaining(deadline)  # a call whose time is up pins nothing
-        pending = client.submit(Op.PIN, pin, [raw], late=_release_late(client))
+        pending = client.submit(Op.PIN, *pin.encode(), late=_release_late(client, n))
         try:
             plan = layout.plan(req.slots, req.counts, req.skip)  # while the daemon pins
         except BaseException:
             with contextlib.suppress(EmsException):  # drop the pins, keep the first error
                 header, payload = client.wait(pending, _left(deadline))
-                _release_late(client)(header, payload)
+                _release_late(client, n)(header, payload)
             raise
-        header, payload = client.wait(pending, _left(deadline))
-        count = int(header["count"])
-        offsets = np.frombuffer(payload, dtype="<u8", count=count)
-        lengths = np.frombuffer(payload, dtype="<u8", count=count, offset=8 * count)
-        handles = payload[16 * count : 20 * count]
+        offsets, lengths, handles = _answer(PinAnswer.decode, *client.wait(pending, _left(deadline)), n)
+        count = len(handles)
         try:
             expected = layout.block_bytes(req.counts[:count]).astype(np.uint64)
             wrong = np.flatnonzero(lengths != expected)
@@ -360,10 +367,10 @@ class ContextCaching:
                 layout.copy(segs, client.pool_addr, client.pool_size, to_pool=False)
         finally:
             if count:
-                client.send_noreply(Op.RELEASE, {}, [handles])
+                client.send_noreply(Op.RELEASE, *ReleaseRequest(handles).encode())
         return CcResult(hits, req.total)
 
-    def _load_published(self, req: BatchRequest, client: DaemonClient, ns: int, kt: int, raw: bytes) -> bool:
+    def _load_published(self, req: BatchRequest, client: DaemonClient, ns: int) -> bool:
         """A load without a round trip, when every key is in the shared index
         (``emsd.pool.shared_index``): copy the blocks, then check that none was retracted
         meanwhile and that the daemon is still up; the keys go to the daemon later, batched
@@ -380,6 +387,7 @@ class ContextCaching:
         layout.copy(segs, client.pool_addr, client.pool_size, to_pool=False)
         if not unchanged() or client.hung_up():
             return False
+        kt, raw = req.keys.to_wire()
         self._touches.add(client, ns, kt, len(req.keys), raw)
         return True
 
@@ -401,9 +409,9 @@ class ContextCaching:
         if cached is not None and cached[0] is client:
             return cached[1]
         with self._lock:
-            header, _ = client.call(Op.NAMESPACE, {"name": self._namespace},
-                                    timeout=_remaining(deadline))
-            self._ns_for = (client, int(header["ns"]))
+            answer = client.call(Op.NAMESPACE, *NamespaceRequest(self._namespace).encode(),
+                                 timeout=_remaining(deadline))
+            self._ns_for = (client, _answer(NamespaceAnswer.decode, *answer).ns)
             return self._ns_for[1]
 
 
@@ -477,45 +485,28 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def _budget(deadline: float | None) -> dict[str, int]:
+def _to(deadline: float | None) -> int | None:
     """The ``to`` field: milliseconds the daemon may spend on peers for this request."""
-    if deadline is None:
-        return {}
-    return {"to": max(1, int((deadline - time.monotonic()) * 1000))}
+    return None if deadline is None else max(1, int((deadline - time.monotonic()) * 1000))
 
 
-def _prev(req: BatchRequest) -> dict[str, bytes]:
-    """The ``pk`` field: the wire form of the key before the request's first (8 bytes for an
-    int key, 33 tagged), if the request left a prefix out."""
-    if req.prev is None:
-        return {}
-    return {"pk": req.prev.to_wire()[1]}
+def _answer(decode: Callable[..., _A], header: dict[str, Any], payload: bytes, *asked: int) -> _A:
+    """``decode(header, payload, *asked)`` of an answer from emsd (``emsd.protocol.local``); one
+    that does not fit its request is ``EMS_IO_ERROR``."""
+    try:
+        return decode(header, payload, *asked)
+    except FrameError as exc:
+        raise EmsException(EmsErrorCode.EMS_IO_ERROR, f"malformed answer from emsd: {exc}") from None
 
 
-def _split_reservation(payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if len(payload) != 13 * n:
-        raise EmsException(EmsErrorCode.EMS_IO_ERROR, "malformed RESERVE answer from emsd")
-    offsets = np.frombuffer(payload, dtype="<u8", count=n)
-    handles = np.frombuffer(payload, dtype="<u4", count=n, offset=8 * n)
-    status = np.frombuffer(payload, dtype=np.uint8, count=n, offset=12 * n)
-    return offsets, handles, status
-
-
-def _reached(answer: dict[str, Any], new: np.ndarray, good: int) -> int:
+def _reached(reached: bytes | None, new: np.ndarray, good: int) -> int:
     """``good`` cut at the first of the keys at positions ``new`` (the committed ones, in
     order) that a cluster answer's ``reached`` says did not reach its owner."""
-    reached = answer.get("reached")
-    if isinstance(reached, bytes) and len(reached) == new.size:
+    if reached is not None:
         lost = new[np.frombuffer(reached, dtype=np.uint8) == 0]
         if lost.size:
             return min(good, int(lost[0]))
     return good
-
-
-def _put_status(payload: bytes, n: int) -> np.ndarray:
-    if len(payload) != n:
-        raise EmsException(EmsErrorCode.EMS_IO_ERROR, "malformed PUT answer from emsd")
-    return np.frombuffer(payload, dtype=np.uint8)
 
 
 def _put_success(answer: dict[str, Any], payload: bytes, client: DaemonClient, size: int,
@@ -524,32 +515,30 @@ def _put_success(answer: dict[str, Any], payload: bytes, client: DaemonClient, s
     FAILED one, cut at the first NEW one that (in a cluster) did not reach its owner; the
     chunks the blocks did not take go back to the grants."""
     n = at.size
-    status = _put_status(payload, n)
+    status, reached = _answer(PutAnswer.decode, answer, payload, n)
     client.grants.give_back(size, at[status != _NEW])
     failed = np.flatnonzero(status == _FAILED)
     good = int(failed[0]) if failed.size else n
-    return _reached(answer, np.flatnonzero(status == _NEW), good)
+    return _reached(reached, np.flatnonzero(status == _NEW), good)
 
 
 def _one_put_success(answer: dict[str, Any], payload: bytes, client: DaemonClient, size: int,
                      at: np.ndarray) -> int:
     """``_put_success`` of a one-block PUT, in scalar steps: 1 when the block is stored
     (PRESENT, or NEW and, in a cluster, at its owner), 0 when FAILED or not at its owner."""
-    if len(payload) != 1:
-        raise EmsException(EmsErrorCode.EMS_IO_ERROR, "malformed PUT answer from emsd")
-    status = payload[0]
+    status, reached = _answer(PutAnswer.one, answer, payload)
     if status != _NEW:
         client.grants.give_back(size, at)
         return int(status != _FAILED)
-    return 0 if answer.get("reached") == b"\0" else 1
+    return int(reached)
 
 
 def _unused_back(client: DaemonClient, size: int, at: np.ndarray) -> Callable[[dict[str, Any], bytes], None]:
     """For a PUT whose answer came after the call timed out: its unused chunks are free again."""
 
-    def late(_header: dict[str, Any], payload: bytes) -> None:
-        if len(payload) == at.size:
-            client.grants.give_back(size, at[np.frombuffer(payload, dtype=np.uint8) != _NEW])
+    def late(header: dict[str, Any], payload: bytes) -> None:
+        with contextlib.suppress(FrameError):
+            client.grants.give_back(size, at[PutAnswer.decode(header, payload, at.size).status != _NEW])
 
     return late
 
@@ -557,24 +546,23 @@ def _unused_back(client: DaemonClient, size: int, at: np.ndarray) -> Callable[[d
 def _abort_late(client: DaemonClient, n: int) -> Callable[[dict[str, Any], bytes], None]:
     """Undo a reservation whose answer came after the call timed out."""
 
-    def late(_header: dict[str, Any], payload: bytes) -> None:
-        if len(payload) != 13 * n:
-            return
-        _, handles, status = _split_reservation(payload, n)
-        new = handles[status == _NEW]
-        if new.size:
-            client.send_noreply(Op.COMMIT, {"c": 0, "a": int(new.size)}, [new.astype("<u4").tobytes()])
+    def late(header: dict[str, Any], payload: bytes) -> None:
+        with contextlib.suppress(FrameError):
+            _, handles, status = ReserveAnswer.decode(header, payload, n)
+            new = handles[status == _NEW]
+            if new.size:
+                client.send_noreply(Op.COMMIT, *CommitRequest(_NO_HANDLES, new).encode())
 
     return late
 
 
-def _release_late(client: DaemonClient) -> Callable[[dict[str, Any], bytes], None]:
+def _release_late(client: DaemonClient, n: int) -> Callable[[dict[str, Any], bytes], None]:
     """Drop pins whose answer came after the call timed out."""
 
     def late(header: dict[str, Any], payload: bytes) -> None:
-        count = int(header.get("count", 0))
-        if count:
-            client.send_noreply(Op.RELEASE, {}, [payload[16 * count : 20 * count]])
+        with contextlib.suppress(FrameError):
+            handles = PinAnswer.decode(header, payload, n).handles
+            if handles.size:
+                client.send_noreply(Op.RELEASE, *ReleaseRequest(handles).encode())
 
     return late
-

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ems.common.exception import EmsErrorCode, EmsException
-from emsd.transport.frames import Op
+from emsd.protocol.local import GrantAnswer, GrantRequest
+from emsd.transport.frames import FrameError, Op
 
 if TYPE_CHECKING:
     from ems.client import DaemonClient, Pending
@@ -61,13 +62,13 @@ class Grants:
             pending = self._asked.pop(size, None)
         if pending is not None:
             try:
-                _, payload = self._client.wait(pending, timeout)
+                header, payload = self._client.wait(pending, timeout)
             except EmsException as exc:  # not answered in time (its late answer comes back) or refused
                 if exc.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT:  # a size it never grants
                     with self._lock:
                         self._idle[size] = NEVER
             else:
-                got = _offsets(payload)
+                got = _offsets(header, payload)
                 if got.size == 0:  # none to spare (this connection's share is held, or the pool's)
                     with self._lock:
                         self._idle[size] = IDLE_AFTER_NONE
@@ -105,14 +106,14 @@ class Grants:
                 return
             try:
                 self._asked[size] = self._client.submit(
-                    Op.GRANT, {"size": size, "k": want - have, "need": max(n - have, 1)},
+                    Op.GRANT, *GrantRequest(size, want - have, max(n - have, 1)).encode(),
                     late=self._late(size))
             except EmsException:
                 pass
 
     def _late(self, size: int) -> Any:
-        def late(_header: dict[str, Any], payload: bytes) -> None:
-            self.give_back(size, _offsets(payload))
+        def late(header: dict[str, Any], payload: bytes) -> None:
+            self.give_back(size, _offsets(header, payload))
 
         return late
 
@@ -124,6 +125,9 @@ def refill(size: int, n: int, pool_size: int) -> int:
     return max(n, min(REFILL_BYTES, pool_size // REFILL_SHARE) // size)
 
 
-def _offsets(payload: bytes) -> np.ndarray:
-    """A GRANT answer's offsets (uint64; the daemon sends whole 8-byte entries)."""
-    return np.frombuffer(payload, dtype="<u8", count=len(payload) // 8).astype(np.uint64)
+def _offsets(header: dict[str, Any], payload: bytes) -> np.ndarray:
+    """A GRANT answer's offsets (uint64); none from an answer that does not decode."""
+    try:
+        return GrantAnswer.decode(header, payload).offsets
+    except FrameError:
+        return _NONE

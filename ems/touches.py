@@ -25,12 +25,14 @@ import time
 
 from ems.client import DaemonClient
 from ems.common.exception import EmsException
+from emsd.pool.keys import KeyBatch
+from emsd.protocol.local import TouchRequest
 from emsd.transport.frames import Op
 
 TOUCH_KEYS = 64  # keys that make a batch go on its own
 TOUCH_DELAY = 0.02  # seconds after a batch's first load that it goes at the latest
 
-Batch = tuple[DaemonClient, dict[str, int], bytes]
+Batch = tuple[DaemonClient, TouchRequest]
 
 
 class Touches:
@@ -113,22 +115,20 @@ class Touches:
 
     def _take(self) -> Batch:
         assert self._client is not None
-        fields = {"ns": self._ns, "n": self._n, "kt": self._kt}
-        if self._x:
-            fields["x"] = self._x
-        batch = (self._client, fields, b"".join(self._raw))
+        keys = KeyBatch.from_wire(self._kt, b"".join(self._raw), self._n)  # the SDK's own: valid
+        batch = (self._client, TouchRequest(self._ns, keys, found=self._x))
         self._raw, self._n, self._x, self._client = [], 0, 0, None
         return batch
 
 
 def _send(batch: Batch, later: bool) -> None:
-    client, fields, raw = batch
+    client, touch = batch
     if client.broken:
         return  # a lost connection's touches are dropped: they are hints
     try:
         if later:
-            client.send_later(Op.TOUCH, fields, [raw])
+            client.send_later(Op.TOUCH, *touch.encode())
         else:
-            client.send_noreply(Op.TOUCH, fields, [raw])
+            client.send_noreply(Op.TOUCH, *touch.encode())
     except EmsException:
         pass

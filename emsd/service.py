@@ -19,29 +19,9 @@ so one client can never commit, abort or release another's blocks. When the
 connection closes, ``Service.close`` aborts its reservations and drops its
 pins: a client killed mid-save or mid-load leaks nothing.
 
-Payload layouts (little-endian, n keys; see ``emsd.pool.keys`` for keys):
-
-- RESERVE  request: keys, then sizes u64 x n (``to``: ms; in a cluster, keys found here only as
-           read-cache copies are checked with their owners before the answer, within it).
-           response: offsets u64 x n, handles u32 x n, status u8 x n.
-- COMMIT   request: handles u32 x (commit + abort), header ``c``/``a`` counts.
-- PIN      request: keys. response header ``count``; payload offsets u64,
-           lengths u64, handles u32, each x count.
-- RELEASE  request: handles u32 x n.
-- TOUCH    request: keys (``pk`` as PIN's; ``x``: keys exists found in the shared index, counted
-           as exists hits). response header ``count``: the keys READY here, each stamped as a
-           PIN and its RELEASE would (clients read them through the shared index).
-- EXISTS   request: keys (``lo``: this node only; ``to``: ms). response header ``count``: leading
-           keys held here or, in a cluster, by their owners (asked after the local look).
-- GRANT    request header ``size`` (block bytes), ``k`` and ``need`` (default 1); payload:
-           offsets u64 of granted chunks given back. response header ``k``; payload: offsets
-           u64 x k of chunks for blocks of ``size`` bytes, now this connection's
-           (``BlockStore.grant``): up to the ``k`` asked, none if fewer than ``need`` fit the
-           bounds below (the SDK asks for its next save's worth; fewer would only sit idle).
-- PUT      request: keys, then offsets u64 x n (chunks granted to this connection, already
-           written), then sizes u64 x n. The NEW blocks are committed at once (a save in one
-           round trip); the other keys' chunks stay granted. response: status u8 x n (as
-           RESERVE's); in a cluster header ``reached`` as COMMIT's, one byte per NEW key.
+Requests are decoded and answers encoded through ``emsd.protocol.local``, whose
+docstring holds the layouts of every op; a request it refuses (``FrameError``) is
+answered with its status like a ``RequestError``, and the connection stays.
 
 Grants are bounded: a connection holds at most 1/``GRANT_SESSION_SHARE`` of the
 pool, all connections together 1/``GRANT_TOTAL_SHARE``; a GRANT past either bound
@@ -61,7 +41,6 @@ import heapq
 import logging
 import os
 import select
-import struct
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -86,16 +65,38 @@ from emsd.effects import (
 from emsd.faults import FAULTS
 from emsd.logs import Once
 from emsd.metrics import Metrics
-from emsd.placement import record as placement_record
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
     from emsd.tier.stack import TierStack
 from emsd.pool.checksum import Checksums
 from emsd.pool.index import FIRST_ID, READY
-from emsd.pool.keys import KT_INT, KT_TAGGED, TAGGED_ITEMSIZE, KeyBatch, KeyError_
+from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore, Pinned
 from emsd.pool.store import Status as SlotStatus
+from emsd.protocol.local import (
+    CommitAnswer,
+    CommitRequest,
+    CountAnswer,
+    DropAnswer,
+    DropRequest,
+    ExistsRequest,
+    GrantAnswer,
+    GrantRequest,
+    NamespaceAnswer,
+    NamespaceRequest,
+    OwnerAnswer,
+    OwnerRequest,
+    PinAnswer,
+    PinRequest,
+    PlacementRequest,
+    PutAnswer,
+    PutRequest,
+    ReleaseRequest,
+    ReserveAnswer,
+    ReserveRequest,
+    TouchRequest,
+)
 from emsd.tenants import DEFAULT as DEFAULT_TENANT
 from emsd.tenants import PREFIX as TENANT_PREFIX
 from emsd.tenants import Tenants
@@ -103,16 +104,13 @@ from emsd.transport.frames import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameError, 
 
 log = logging.getLogger("emsd.service")
 
-MAX_NAMESPACE_LEN = 4096
 MAX_NAMESPACES_PER_SESSION = 1024
 MAX_NAMESPACES_PER_TENANT = 1024  # default tenants.max_namespaces
 FREED = "\0free"  # the name of a namespace id freed for reuse (_free_unused)
 RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_namespace)
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
-OWNER_KEYS = 1024  # keys an OWNER request may name
 # Slot statuses as numpy scalars: comparing an array with one skips the enum's slow lookup.
 _NEW, _FAILED, _PRESENT = (np.uint8(st) for st in (SlotStatus.NEW, SlotStatus.FAILED, SlotStatus.PRESENT))
-_AT_SIZE = struct.Struct("<QQ")  # a one-block PUT after its key: the granted chunk's offset, the block's size
 GRANT_SESSION_SHARE = 64  # a connection holds at most 1/64 of the pool in granted chunks
 GRANT_TOTAL_SHARE = 16  # all connections together at most 1/16
 CONNECTION_UNCOMMITTED_SHARE = 2  # default pool.connection_uncommitted: half the pool
@@ -252,7 +250,7 @@ class Service:
                 effects = out[2]
             resp.setdefault("st", Status.OK)
             result = "ok"
-        except RequestError as exc:
+        except (RequestError, FrameError) as exc:  # a refused request; the connection stays
             resp, parts, result = {"st": int(exc.status), "msg": str(exc)}, [], "error"
         except Exception:  # a bug must not take the daemon down; say so loudly
             log.exception("internal error handling %s", name)
@@ -478,9 +476,7 @@ class Service:
         return self._retired.get(ns, ns)
 
     def _namespace(self, s: Session, h: dict[str, Any], _p: bytes) -> Response:
-        name = h.get("name")
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAMESPACE_LEN:
-            raise RequestError(Status.INVALID_ARGUMENT, "namespace name must be 1-4096 characters")
+        name = NamespaceRequest.decode(h, _p).name
         if s.tenant == DEFAULT_TENANT and name.startswith(TENANT_PREFIX):
             raise RequestError(Status.INVALID_ARGUMENT,
                                f"namespace names starting {TENANT_PREFIX!r} are reserved")
@@ -494,7 +490,7 @@ class Service:
                 ns = self.namespace_id(qualified)
             s.namespaces.add(ns)
             self._ns_open[ns] += 1
-        return {"ns": ns}, []
+        return NamespaceAnswer(ns).encode()
 
     def _room_for_namespace(self, tenant: str) -> None:
         """Make sure ``tenant`` may open one more namespace: at most ``max_namespaces`` live at
@@ -548,16 +544,14 @@ class Service:
 
     def _reserve(self, s: Session, h: dict[str, Any], p: bytes) -> Planned:
         ns, keys, rest = self._keys(s, h, p)
-        n = len(keys)
-        if len(rest) != 8 * n:
-            raise RequestError(Status.INVALID_ARGUMENT, f"sizes: expected {8 * n} bytes, got {len(rest)}")
-        sizes = np.frombuffer(rest, dtype="<u8").astype(np.uint64)
+        req = ReserveRequest.decode(h, p, (keys, rest))
+        n, sizes = len(keys), req.sizes
         fit = min(self._fit_quota(s.tenant, ns, keys, sizes), self._fit_connection(s, sizes))
         if FAULTS is not None and FAULTS.at("pool.reserve") is not None:
             fit = 0  # injected: as if the pool were full of pinned blocks
         evicted = self.store.evicted_total
         res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
-                                 admit=True, prev=_prev_key(h))
+                                 admit=True, prev=req.prev)
         if fit < n:  # over the tenant's quota even after evicting its own blocks: the rest fail
             res = res.padded(n)
         if self.store.evicted_total > evicted and self._pressure.due():
@@ -574,26 +568,15 @@ class Service:
             nbytes = int(sizes[new].sum())
             self.metrics.reserved(int(new.sum()), nbytes, int((res.status == _FAILED).sum()))
         s.pending_bytes += nbytes
-        resp: dict[str, Any] = {"n": n}
-        return resp, [
-            np.asarray(res.offsets, dtype="<u8").tobytes(),  # no copy when already so (x86)
-            np.asarray(res.handles, dtype="<u4").tobytes(),
-            np.asarray(res.status, dtype=np.uint8).tobytes(),
-        ], self._after_save(h, resp, ns, keys, res.status)
+        resp, parts = ReserveAnswer(res.offsets, res.handles, res.status).encode()
+        return resp, parts, self._after_save(h, resp, ns, keys, res.status)
 
     def _grant(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         if not self.grants:
             raise RequestError(Status.INVALID_ARGUMENT, "grants are off on this node (pool.grants)")
-        size, k, need = h.get("size"), h.get("k"), h.get("need", 1)
-        if type(size) is not int or not 1 <= size <= self.store.max_block:
+        size, k, need, back = GrantRequest.decode(h, p)
+        if size > self.store.max_block:
             raise RequestError(Status.INVALID_ARGUMENT, f"size must be an int in 1..{self.store.max_block}")
-        if type(k) is not int or not 0 <= k <= MAX_BATCH_KEYS:
-            raise RequestError(Status.INVALID_ARGUMENT, f"k must be an int in 0..{MAX_BATCH_KEYS}")
-        if type(need) is not int or not 0 <= need <= MAX_BATCH_KEYS:
-            raise RequestError(Status.INVALID_ARGUMENT, f"need must be an int in 0..{MAX_BATCH_KEYS}")
-        if len(p) % 8:
-            raise RequestError(Status.INVALID_ARGUMENT, "offsets given back: not a multiple of 8 bytes")
-        back = np.frombuffer(p, dtype="<u8").astype(np.uint64)
         _granted_chunks(s, back.tolist())
         self._ungrant(s, back)
         chunk = self.store.slabs.chunk_for(size)
@@ -606,7 +589,7 @@ class Service:
         got = self.store.grant(size, min(k, room) if room >= need else 0, self.tenant_group(s.tenant))
         s.granted.update(dict.fromkeys(got.tolist(), chunk))
         s.granted_bytes += chunk * got.size
-        return {"k": int(got.size)}, [np.asarray(got, dtype="<u8").tobytes()]
+        return GrantAnswer(got).encode()
 
     def _ungrant(self, s: Session, offsets: np.ndarray) -> None:
         """Give back chunks granted to ``s`` (checked by the caller)."""
@@ -617,13 +600,10 @@ class Service:
     def _put(self, s: Session, h: dict[str, Any], p: bytes) -> Planned:
         ns, keys, rest = self._keys(s, h, p)
         n = len(keys)
-        if len(rest) != 16 * n:
-            raise RequestError(Status.INVALID_ARGUMENT, f"offsets and sizes: expected {16 * n} bytes, "
-                               f"got {len(rest)}")
         if n == 1 and self.store.scalar_paths and self.tenants.quota(s.tenant) is None:
             return self._put_one(s, h, ns, keys, rest)
-        at = np.frombuffer(rest, dtype="<u8", count=n).astype(np.uint64)
-        sizes = np.frombuffer(rest, dtype="<u8", count=n, offset=8 * n).astype(np.uint64)
+        req = PutRequest.decode(h, p, (keys, rest))
+        at, sizes = req.at, req.sizes
         align = self.store.slabs.align
         chunks = _granted_chunks(s, at.tolist())
         for size, chunk in zip(sizes.tolist(), chunks, strict=True):
@@ -631,7 +611,7 @@ class Service:
         # The chunks named are counted (granted) already: only the blocks' own bytes are new.
         fit = self._fit_quota(s.tenant, ns, keys, sizes, counted=sum(chunks))
         res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
-                                 admit=True, prev=_prev_key(h), at=at[:fit])
+                                 admit=True, prev=req.prev, at=at[:fit])
         if fit < n:
             res = res.padded(n)
         new = np.flatnonzero(res.status == _NEW)
@@ -642,16 +622,15 @@ class Service:
         self.store.commit_reserved(handles)
         self.metrics.reserved(int(new.size), int(sizes[new].sum()),
                               int((res.status == _FAILED).sum()), "put")
-        resp: dict[str, Any] = {"n": n}
-        return resp, [np.asarray(res.status, dtype=np.uint8).tobytes()], \
-            self._after_save(h, resp, ns, keys, res.status, handles)
+        resp, parts = PutAnswer(res.status).encode()
+        return resp, parts, self._after_save(h, resp, ns, keys, res.status, handles)
 
     def _put_one(self, s: Session, h: dict[str, Any], ns: int, keys: KeyBatch, rest: bytes) -> Planned:
         """``_put`` of one block for a tenant without a quota (a one-block save): the same
         checks, answer and effects in scalar steps."""
-        at, size = _AT_SIZE.unpack(rest)
+        at, size, prev = PutRequest.one(h, rest)
         _check_fits(size, _granted_chunks(s, [at])[0], self.store.slabs.align)
-        status, handle = self.store.reserve_granted_one(ns, keys, size, at, _prev_key(h))
+        status, handle = self.store.reserve_granted_one(ns, keys, size, at, prev)
         new = status == _NEW
         handles = np.array((handle,) if new else (), dtype=np.uint32)
         if new:
@@ -659,11 +638,10 @@ class Service:
             if self.checksums is not None:
                 self.checksums.seal(handles)  # written before the PUT was sent: digest before READY
             self.store.commit_reserved(handles)
-        answer = bytes((status,))
         self.metrics.reserved(int(new), size if new else 0, int(status == _FAILED), "put")
-        resp: dict[str, Any] = {"n": 1}
-        effects = self._after_save(h, resp, ns, keys, np.frombuffer(answer, dtype=np.uint8), handles)
-        return resp, [answer], effects
+        resp, parts = PutAnswer.encode_one(status)
+        effects = self._after_save(h, resp, ns, keys, np.frombuffer(parts[0], dtype=np.uint8), handles)
+        return resp, parts, effects
 
     def hold_quota(self, ns: int, nbytes: int) -> None:
         """Namespace ``ns``'s tenant holds ``nbytes`` more (or, negative, fewer) bytes reserved
@@ -768,14 +746,10 @@ class Service:
             self._uncommitted.pop(tenant, None)
 
     def _commit(self, s: Session, h: dict[str, Any], p: bytes) -> Planned:
-        nc, na = h.get("c", 0), h.get("a", 0)
-        if type(nc) is not int or type(na) is not int or nc < 0 or na < 0:
-            raise RequestError(Status.INVALID_ARGUMENT, "commit counts c/a must be ints >= 0")
-        if len(p) != 4 * (nc + na):
-            raise RequestError(Status.INVALID_ARGUMENT, f"handles: expected {4 * (nc + na)} bytes")
-        handles = np.frombuffer(p, dtype="<u4").astype(np.uint32)
-        listed = handles.tolist()
-        commit, abort = handles[:nc], handles[nc:]
+        commit, abort, _, _ = CommitRequest.decode(h, p)
+        nc, na = len(commit), len(abort)
+        listed = commit.tolist() + abort.tolist()
+        asked = commit  # forwarded as listed (a handle listed twice is committed once)
         _own(s.pending, listed[:nc], "commit")
         _own(s.pending, listed[nc:], "abort")
         s.pending.difference_update(listed)
@@ -792,9 +766,9 @@ class Service:
             done = self.store.commit_reserved(commit)
         if na:
             self.store.abort(abort)
-        resp: dict[str, Any] = {"committed": int(done)}
-        forward = self._forward(h, resp, handles[:nc]) if nc else None
-        return resp, [], NONE if forward is None else (forward,)
+        resp, parts = CommitAnswer(int(done)).encode()
+        forward = self._forward(h, resp, asked) if nc else None
+        return resp, parts, NONE if forward is None else (forward,)
 
     def _lengths(self, handles: list[int]) -> int:
         """Total length of the distinct entries ``handles`` (PENDING entries of a session)."""
@@ -805,29 +779,20 @@ class Service:
 
     def _pin(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         ns, keys, rest = self._keys(s, h, p)
-        if rest:
-            raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
-        pinned = self.pin_checked(ns, keys, _prev_key(h))
+        req = PinRequest.decode(h, p, (keys, rest))
+        pinned = self.pin_checked(ns, keys, req.prev)
         s.pins.update(pinned.handles.tolist())
         self.metrics.looked_up("pin", pinned.count, len(keys) - pinned.count,
                                int(pinned.lengths.sum()))
-        return {"count": pinned.count}, [
-            pinned.offsets.astype("<u8").tobytes(),
-            pinned.lengths.astype("<u8").tobytes(),
-            pinned.handles.astype("<u4").tobytes(),
-        ]
+        return PinAnswer(pinned.offsets, pinned.lengths, pinned.handles).encode()
 
     def _touch(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
         ns, keys, rest = self._keys(s, h, p)
-        if rest:
-            raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
-        found = h.get("x", 0)
-        if type(found) is not int or not 0 <= found <= 1 << 32:
-            raise RequestError(Status.INVALID_ARGUMENT, f"x must be a count of keys (got {found!r})")
-        count, nbytes = self.store.touch(ns, keys, _prev_key(h))
+        req = TouchRequest.decode(h, p, (keys, rest))
+        count, nbytes = self.store.touch(ns, keys, req.prev)
         self.metrics.looked_up("pin", count, 0, nbytes)  # loads, whichever way they read
-        self.metrics.looked_up("exists", found, 0, 0)
-        return {"count": count}, []
+        self.metrics.looked_up("exists", req.found, 0, 0)
+        return CountAnswer.encode_of(count)
 
     def pin_checked(self, ns: int, keys: KeyBatch, prev: KeyBatch | None = None) -> Pinned:
         """``store.pin``, cut before the first block whose checksum fails (``pool.checksum``)."""
@@ -835,10 +800,8 @@ class Service:
         return pinned if self.checksums is None else self.checksums.verified(pinned)
 
     def _release(self, s: Session, h: dict[str, Any], p: bytes) -> Response:
-        if len(p) % 4:
-            raise RequestError(Status.INVALID_ARGUMENT, "handles payload is not a multiple of 4")
-        handles = np.frombuffer(p, dtype="<u4").astype(np.uint32)
-        if len(p) == 4:  # one block a call: scalar steps
+        handles = ReleaseRequest.decode(h, p).handles
+        if len(handles) == 1:  # one block a call: scalar steps
             return self._release_one(s, handles)
         need = Counter(handles.tolist())
         for handle, count in need.items():
@@ -877,16 +840,16 @@ class Service:
 
     def _exists(self, s: Session, h: dict[str, Any], p: bytes) -> Planned:
         ns, keys, rest = self._keys(s, h, p)
-        if rest:
-            raise RequestError(Status.INVALID_ARGUMENT, "unexpected bytes after the keys")
+        ExistsRequest.decode(h, p, (keys, rest))  # checks the fields the cluster hooks read
         count = self.store.exists(ns, keys)
         if self.tiers is not None:  # blocks on disk count too (a load promotes them)
             count = self.tiers.exists(ns, keys, count)
         self.metrics.looked_up("exists", count, len(keys) - count, 0)
+        resp, parts = CountAnswer.encode_of(count)
         if self.cluster is None or h.get("lo") or count == len(keys):
-            return {"count": count}, [], NONE
+            return resp, parts, NONE
         here = self.store.present(ns, keys) if self.tiers is None else self.tiers.present(ns, keys)
-        return {"count": count}, [], (AskOwners(self.namespace_name(ns), keys, here, _timeout(h)),)
+        return resp, parts, (AskOwners(self.namespace_name(ns), keys, here, _timeout(h)),)
 
     def _stats(self, s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         st = self.store.stats()
@@ -940,16 +903,10 @@ class Service:
                 "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in p.members]}
 
     def _owner(self, _s: Session, h: dict[str, Any], p: bytes) -> Response:
-        name = h.get("ns")
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAMESPACE_LEN:
-            raise RequestError(Status.INVALID_ARGUMENT, "ns must be a namespace name")
-        keys, _ = _split_keys(h.get("n"), h.get("kt"), p, OWNER_KEYS, exact=True)
-        if not keys:
-            raise RequestError(Status.INVALID_ARGUMENT, f"n must be 1..{OWNER_KEYS}")
-        n = len(keys)
+        req = OwnerRequest.decode(h, p)
         if self.cluster is None:
-            return {"owners": [[self.node_id]] * n}, []
-        return {"owners": self.cluster.placement.owner_ids(name, keys)}, []
+            return OwnerAnswer([[self.node_id]] * len(req.keys)).encode()
+        return OwnerAnswer(self.cluster.placement.owner_ids(req.name, req.keys)).encode()
 
     def _drain(self, _s: Session, h: dict[str, Any], _p: bytes) -> Planned:
         if self.cluster is None:
@@ -960,20 +917,19 @@ class Service:
         if self.cluster is None or not self.cluster.shares_placement:
             raise RequestError(Status.INVALID_ARGUMENT, "only a ZooKeeper cluster keeps a placement "
                                "record; static members take cluster.vnodes and cluster.replicas from config")
-        why = placement_record.invalid(h.get("vnodes"), h.get("replicas"))
-        if why is not None:
-            raise RequestError(Status.INVALID_ARGUMENT, why)
-        return {}, [], (SetPlacement(int(h["vnodes"]), int(h["replicas"]), _timeout(h)),)  # ZooKeeper: async
+        req = PlacementRequest.decode(h, _p)
+        return {}, [], (SetPlacement(req.vnodes, req.replicas, _timeout(h)),)  # ZooKeeper: async
 
     def _ping(self, _s: Session, _h: dict[str, Any], _p: bytes) -> Response:
         return {}, []
 
     def _drop(self, s: Session, h: dict[str, Any], _p: bytes) -> Planned:
-        name = self.namespace_name(self._live(_opened(s, h.get("ns"))))
-        dropped = self.drop_namespace(name)
+        req = DropRequest.decode(h, _p)
+        name = self.namespace_name(self._live(_opened(s, req.ns)))
+        resp, parts = DropAnswer(self.drop_namespace(name)).encode()
         if self.cluster is None:
-            return {"dropped": dropped, "missed": 0}, [], NONE
-        return {"dropped": dropped, "missed": 0}, [], (DropElsewhere(name, _timeout(h)),)
+            return resp, parts, NONE
+        return resp, parts, (DropElsewhere(name, _timeout(h)),)
 
     # -- helpers ---------------------------------------------------------------
 
@@ -1082,17 +1038,3 @@ def _op_name(op: object) -> str:
         return _OP_NAMES.get(op, "unknown")  # type: ignore[call-overload]
     except TypeError:  # unhashable
         return "unknown"
-
-
-def _prev_key(h: dict[str, Any]) -> KeyBatch | None:
-    """The optional ``pk`` field of RESERVE and PIN: the key before the first of the
-    request in its chain (8 bytes: an int key; 33: a tagged key); raises ``RequestError``."""
-    pk = h.get("pk")
-    if pk is None:
-        return None
-    if not isinstance(pk, bytes) or len(pk) not in (8, TAGGED_ITEMSIZE):
-        raise RequestError(Status.INVALID_ARGUMENT, f"pk must be 8 or {TAGGED_ITEMSIZE} bytes of one key")
-    try:
-        return KeyBatch.from_wire(KT_INT if len(pk) == 8 else KT_TAGGED, pk, 1)
-    except KeyError_ as exc:
-        raise RequestError(Status.INVALID_ARGUMENT, f"pk: {exc}") from None

@@ -122,7 +122,8 @@ class KeyBatch:
         if kt == KT_INT:
             if len(data) != 8 * n:
                 raise KeyError_(f"int key payload has {len(data)} bytes, expected {8 * n}")
-            return cls.from_ints(np.frombuffer(data, dtype=_LE_U8))  # copied into the words
+            # copied into the words; bytes are kept as the batch's wire form (to_wire)
+            return cls.from_ints(np.frombuffer(data, dtype=_LE_U8), data if type(data) is bytes else None)
         if kt == KT_TAGGED:
             if len(data) != TAGGED_ITEMSIZE * n:
                 raise KeyError_(

@@ -27,7 +27,7 @@ class FakeDaemon:
         self.answer = answer
         self.late: list[Any] = []
 
-    def submit(self, op: Op, fields: dict[str, Any], late: Any = None) -> Any:
+    def submit(self, op: Op, fields: dict[str, Any], payload: Any = (), late: Any = None) -> Any:
         assert op == Op.GRANT
         self.asked.append(fields)
         self.late.append(late)

@@ -3,34 +3,51 @@ what it reserved, a handle listed twice counts once, and aborts stay apart."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from emsd.metrics import Metrics
+from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
+from emsd.protocol.local import (
+    CommitRequest,
+    NamespaceAnswer,
+    NamespaceRequest,
+    ReserveAnswer,
+    ReserveRequest,
+)
 from emsd.service import Service, Session
 from emsd.transport.frames import Op, Status
+
+
+def _call(svc: Service, s: Session, op: Op, message: Any) -> tuple[dict[str, Any], bytes]:
+    """``message`` handled as a request of ``op``: the answer's header and payload."""
+    fields, parts = message.encode()
+    resp, out = svc.handle(s, {"op": int(op), "id": 1, **fields}, b"".join(parts))
+    return resp, b"".join(out)
 
 
 def _setup() -> tuple[Service, Session, int]:
     svc = Service(BlockStore(8 << 20, 1 << 20), "t", "shm", Metrics())
     s = Session()
     s.authenticated = True
-    resp, _ = svc.handle(s, {"op": int(Op.NAMESPACE), "name": "n", "id": 1}, b"")
-    return svc, s, resp["ns"]
+    resp, payload = _call(svc, s, Op.NAMESPACE, NamespaceRequest("n"))
+    return svc, s, NamespaceAnswer.decode(resp, payload).ns
 
 
 def _reserve(svc: Service, s: Session, ns: int, keys: list[int]) -> np.ndarray:
     n = len(keys)
-    resp, parts = svc.handle(s, {"op": int(Op.RESERVE), "ns": ns, "n": n, "kt": 0, "id": 2},
-                             np.array(keys, "<u8").tobytes() + np.full(n, 4096, "<u8").tobytes())
-    assert resp["st"] == Status.OK and not np.frombuffer(parts[2], np.uint8).any()
-    return np.frombuffer(parts[1], "<u4").copy()
+    resp, payload = _call(svc, s, Op.RESERVE,
+                          ReserveRequest(ns, KeyBatch.from_user(keys), np.full(n, 4096, np.uint64)))
+    assert resp["st"] == Status.OK
+    answer = ReserveAnswer.decode(resp, payload, n)
+    assert not answer.status.any()
+    return answer.handles.copy()
 
 
-def _commit(svc: Service, s: Session, commit: np.ndarray, abort: np.ndarray) -> dict:
-    resp, _ = svc.handle(s, {"op": int(Op.COMMIT), "c": commit.size, "a": abort.size, "id": 3},
-                         np.concatenate([commit, abort]).astype("<u4").tobytes())
-    return resp
+def _commit(svc: Service, s: Session, commit: np.ndarray, abort: np.ndarray) -> dict[str, Any]:
+    return _call(svc, s, Op.COMMIT, CommitRequest(commit.astype(np.uint32), abort.astype(np.uint32)))[0]
 
 
 def test_a_handle_listed_twice_is_committed_once() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from emsd.pool.keys import KeyBatch
-from emsd.service import RequestError, _prev_key
+from emsd.protocol.local import prev_key as _prev_key
+from emsd.transport.frames import FrameError
 
 
 def test_pk_decodes_an_int_key_and_a_tagged_key() -> None:
@@ -18,5 +19,5 @@ def test_pk_decodes_an_int_key_and_a_tagged_key() -> None:
 
 @pytest.mark.parametrize("pk", [b"", b"x" * 9, "text", 5, b"\x40" + bytes(32)])
 def test_a_bad_pk_is_an_invalid_argument(pk: object) -> None:
-    with pytest.raises(RequestError, match="pk"):
+    with pytest.raises(FrameError, match="pk"):
         _prev_key({"pk": pk})
