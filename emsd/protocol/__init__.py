@@ -10,4 +10,6 @@ transport never reads a header field or a payload offset by hand.
   DROP, OWNER, PLACEMENT) and their answers; their layouts are in its docstring.
 - ``emsd.protocol.peer``: the data ops between daemons (GET, PUT, HAS, DROP)
   and their answers.
+- ``emsd.protocol.fields``: the header checks both share (bounded ints,
+  namespace names).
 """

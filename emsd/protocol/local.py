@@ -75,6 +75,8 @@ import numpy as np
 
 from emsd.placement import record as placement_record
 from emsd.pool.keys import KT_INT, KT_TAGGED, TAGGED_ITEMSIZE, KeyBatch, KeyError_
+from emsd.protocol.fields import int_field as _int
+from emsd.protocol.fields import name_field
 from emsd.transport.frames import MAX_BATCH_KEYS, MAX_PAYLOAD, FrameError, split_keys
 
 MAX_NAME = 4096  # characters of a namespace name a client gives
@@ -93,14 +95,6 @@ _NO_U4 = np.zeros(0, dtype=np.uint32)
 
 
 # -- fields -----------------------------------------------------------------------
-
-
-def _int(header: dict[str, Any], field: str, least: int, most: int, default: int | None = None) -> int:
-    """Header field ``field``: an int in ``least..most`` (``default`` when absent, if given)."""
-    value = header.get(field, default)
-    if type(value) is not int or not least <= value <= most:
-        raise FrameError(f"{field} must be an int in {least}..{most} (got {value!r})")
-    return value
 
 
 def _flag(header: dict[str, Any], field: str, default: bool) -> bool:
@@ -137,10 +131,7 @@ def prev_key(header: dict[str, Any]) -> KeyBatch | None:
 
 
 def _name(header: dict[str, Any], field: str) -> str:
-    name = header.get(field)
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
-        raise FrameError(f"{field} must be a namespace name of 1..{MAX_NAME} characters")
-    return name
+    return name_field(header, field, MAX_NAME)
 
 
 def _u64s(raw: bytes, n: int, offset: int = 0) -> np.ndarray:

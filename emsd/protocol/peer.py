@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from emsd.pool.keys import KeyBatch
+from emsd.protocol.fields import int_field, name_field
 from emsd.transport.frames import FrameError, PeerOp, Status, split_keys
 
 MAX_BULK = 1 << 34  # block bytes in one request or answer: far above any batch, far below a wrap
@@ -38,17 +39,11 @@ Encoded = tuple[dict[str, Any], list[bytes]]
 
 
 def _name(header: dict[str, Any]) -> str:
-    ns = header.get("ns")
-    if not isinstance(ns, str) or not 0 < len(ns) <= MAX_NAME:
-        raise FrameError(f"ns must be a namespace name of 1..{MAX_NAME} characters")
-    return ns
+    return name_field(header, "ns", MAX_NAME)
 
 
 def _count(header: dict[str, Any], field: str, most: int) -> int:
-    value = header.get(field)
-    if type(value) is not int or not 0 <= value <= most:
-        raise FrameError(f"{field} must be an int in 0..{most} (got {value!r})")
-    return value
+    return int_field(header, field, 0, most)
 
 
 def block_lengths(raw: bytes, n: int) -> np.ndarray:
