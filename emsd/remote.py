@@ -96,6 +96,20 @@ class Remote:
         new = (after != before) & (after >= FIRST_ID) & remote
         return frozenset(after[new].tolist())
 
+    async def push_pinned(self, ns: int, name: str, keys: KeyBatch,
+                          deadline: float) -> tuple[int, np.ndarray]:
+        """Push the leading ``keys`` whose checksums hold (``Service.pin_checked``) to their
+        owners, each pinned while it is sent: how many were sent, and per sent key 1 when it
+        reached its owner."""
+        store = self.service.store
+        pinned = self.service.pin_checked(ns, keys)
+        try:
+            got = await self.cluster.push(name, keys.take(slice(0, pinned.count)),
+                                          pinned.offsets, pinned.lengths, deadline)
+        finally:
+            store.release(pinned.handles)
+        return pinned.count, got
+
     # -- after a handler -----------------------------------------------------------
 
     async def forward(self, effect: Forward, deadline: float) -> Fields:
@@ -110,14 +124,9 @@ class Remote:
             sel = np.flatnonzero(nss == ns)
             keys = store.index.keys_of(handles[sel])
             name = service.namespace_name(ns)
-            pinned = service.pin_checked(ns, keys)  # hold them while they are sent
-            try:
-                got = await cluster.push(name, keys.take(slice(0, pinned.count)),
-                                         pinned.offsets, pinned.lengths, deadline)
-            finally:
-                store.release(pinned.handles)
-            reached[sel[: pinned.count]] = got
-            sent = keys.take(slice(0, pinned.count))
+            count, got = await self.push_pinned(ns, name, keys, deadline)
+            reached[sel[:count]] = got
+            sent = keys.take(slice(0, count))
             moved = sent.take(np.flatnonzero(got & remote_only(cluster, name, sent)))
             if effect.keep:
                 store.mark_cached(ns, moved)  # now a read-cache copy of the owner's block
@@ -133,12 +142,7 @@ class Remote:
         held = await cluster.exists(name, keys, np.zeros(len(keys), dtype=bool), deadline)
         if held == len(keys) or now() >= deadline:
             return {}
-        pinned = service.pin_checked(effect.ns, keys.take(slice(held, None)))
-        try:
-            got = await cluster.push(name, keys.take(slice(held, held + pinned.count)),
-                                     pinned.offsets, pinned.lengths, deadline)
-        finally:
-            service.store.release(pinned.handles)
+        _, got = await self.push_pinned(effect.ns, name, keys.take(slice(held, None)), deadline)
         log.debug("a save found %d copies whose owners lacked %d: %d pushed", len(keys),
                   len(keys) - held, int(np.count_nonzero(got)))
         return {}
@@ -177,12 +181,7 @@ class Remote:
             ns = int(idx.nstag[owned[0]] >> 8)
             batch = owned[(idx.nstag[owned] >> 8) == ns][:DRAIN_BATCH]
             keys = idx.keys_of(batch)
-            pinned = service.pin_checked(ns, keys)
-            try:
-                got = await cluster.push(service.namespace_name(ns), keys.take(slice(0, pinned.count)),
-                                         pinned.offsets, pinned.lengths, deadline)
-            finally:
-                store.release(pinned.handles)
+            _, got = await self.push_pinned(ns, service.namespace_name(ns), keys, deadline)
             store.mark_cached(ns, keys)  # moved or not: this node owns nothing now
             moved += int(np.count_nonzero(got))
             failed += len(keys) - int(np.count_nonzero(got))
