@@ -10,6 +10,8 @@ transport never reads a header field or a payload offset by hand.
   DROP, OWNER, PLACEMENT) and their answers; their layouts are in its docstring.
 - ``emsd.protocol.peer``: the data ops between daemons (GET, PUT, HAS, DROP)
   and their answers.
+- ``emsd.protocol.rdma``: the RDMA control messages between daemons (QP, PIN,
+  UNPIN, RESERVE, COMMIT) and their answers, sent on the peers' TCP connection.
 - ``emsd.protocol.fields``: the header checks both share (bounded ints,
   namespace names).
 """
