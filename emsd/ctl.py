@@ -40,8 +40,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from emsd.config import ConfigError, load_config
 from emsd.pool.keys import KeyBatch, KeyError_
+from emsd.protocol.local import (
+    DropAnswer,
+    DropRequest,
+    NamespaceAnswer,
+    NamespaceRequest,
+    OwnerAnswer,
+    OwnerRequest,
+    PlacementRequest,
+)
 from emsd.tenants import PREFIX as TENANT_PREFIX
-from emsd.transport.frames import PROTOCOL_VERSION, SOCKET_NAME, FrameDecoder, Op, encode_parts
+from emsd.transport.frames import PROTOCOL_VERSION, SOCKET_NAME, FrameDecoder, FrameError, Op, encode_parts
 
 DEFAULT_SOCKET_DIR = "/dev/shm/ems"
 
@@ -82,9 +91,11 @@ class Control:
             why = frames[0].header.get("msg") if frames else "no answer"
             raise CtlError(f"emsd refused the connection: {why}")
 
-    def call(self, op: Op, fields: dict[str, Any], payload: bytes = b"",
+    def call(self, op: Op, fields: dict[str, Any], payload: list[bytes] | tuple[()] = (),
              timeout: float = 10.0) -> dict[str, Any]:
-        rid = self._send(op, fields, payload)
+        """Send one request (``fields`` and ``payload`` as ``emsd.protocol.local`` encodes it) and
+        return its answer's header; ``CtlError`` if the daemon refuses or does not answer."""
+        rid = self._send(op, fields, *payload)
         self.sock.settimeout(timeout)
         while True:
             try:
@@ -99,10 +110,10 @@ class Control:
                         raise CtlError(f"emsd refused: {frame.header.get('msg')}")
                     return frame.header
 
-    def _send(self, op: Op, fields: dict[str, Any], payload: bytes = b"") -> int:
+    def _send(self, op: Op, fields: dict[str, Any], *payload: bytes) -> int:
         self.ids += 1
         header = {"v": PROTOCOL_VERSION, "id": self.ids, "op": int(op), **fields}
-        self.sock.sendall(b"".join(encode_parts(header, payload) if payload else encode_parts(header)))
+        self.sock.sendall(b"".join(encode_parts(header, *payload)))
         return self.ids
 
     def close(self) -> None:
@@ -234,9 +245,9 @@ def owner(ctl: Control, namespace: str, raw_keys: list[str]) -> dict[str, Any]:
         batch = KeyBatch.from_user(keys)
     except KeyError_ as exc:
         raise CtlError(f"KEY: {exc}", 2) from None
-    kt, wire = batch.to_wire()
-    answer = ctl.call(Op.OWNER, {"ns": namespace, "n": len(keys), "kt": kt}, wire)
-    return {"namespace": namespace, "owners": dict(zip(raw_keys, answer["owners"], strict=True))}
+    answer = ctl.call(Op.OWNER, *OwnerRequest(namespace, batch).encode())
+    owners = _decoded(OwnerAnswer.decode, answer, len(keys)).owners
+    return {"namespace": namespace, "owners": dict(zip(raw_keys, owners, strict=True))}
 
 
 def show_owner(o: dict[str, Any]) -> str:
@@ -264,12 +275,14 @@ def drop(ctl: Control, namespace: str, timeout: float) -> dict[str, Any]:
 
     ``namespace`` is the name ``ctl``'s tenant uses (``tenant_name``).
     """
-    ns = ctl.call(Op.NAMESPACE, {"name": namespace})["ns"]
-    answer = ctl.call(Op.DROP, {"ns": ns, "to": max(1, int(timeout * 1000))}, timeout=timeout + 5)
-    if answer.get("missed"):
-        raise CtlError(f"drop: {answer['missed']} cluster member(s) did not confirm; their blocks "
+    opened = ctl.call(Op.NAMESPACE, *NamespaceRequest(namespace).encode())
+    ns = _decoded(NamespaceAnswer.decode, opened).ns
+    request = DropRequest(ns, max(1, int(timeout * 1000)))
+    answer = _decoded(DropAnswer.decode, ctl.call(Op.DROP, *request.encode(), timeout=timeout + 5))
+    if answer.missed:
+        raise CtlError(f"drop: {answer.missed} cluster member(s) did not confirm; their blocks "
                        "may still be found (run it again)")
-    return {"namespace": namespace, "dropped": answer["dropped"]}
+    return {"namespace": namespace, "dropped": answer.dropped}
 
 
 def tenant_name(namespace: str, access_id: str | None) -> str:
@@ -303,6 +316,15 @@ def table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(fmt.format(*r).rstrip() for r in [head, *rows])
 
 
+def _decoded(decode: Any, header: dict[str, Any], *asked: int) -> Any:
+    """``decode(header, b"", *asked)`` of an answer (``emsd.protocol.local``); ``CtlError`` if it
+    does not fit its request."""
+    try:
+        return decode(header, b"", *asked)
+    except FrameError as exc:
+        raise CtlError(f"malformed answer from emsd: {exc}") from None
+
+
 def _key(text: str) -> int | bytes:
     """An int key, or bytes given as 0x-prefixed hex."""
     try:
@@ -329,7 +351,7 @@ def _scrape(listen: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def placement_set(ctl: Control, vnodes: int, replicas: int) -> dict[str, Any]:
     """Rewrite the cluster's placement record (``emsd.placement.record``) through the local daemon;
     every node rebuilds its ring from it. Returns the new record."""
-    answer = ctl.call(Op.PLACEMENT, {"vnodes": vnodes, "replicas": replicas}, timeout=30)
+    answer = ctl.call(Op.PLACEMENT, *PlacementRequest(vnodes, replicas).encode(), timeout=30)
     return {k: answer[k] for k in ("vnodes", "replicas", "version")}
 
 

@@ -588,10 +588,19 @@ class OwnerRequest(NamedTuple):
 
 
 class OwnerAnswer(NamedTuple):
-    owners: list[list[str]]  # node ids per key
+    owners: list[list[str]]  # node ids per key, primary first
 
     def encode(self) -> Encoded:
         return {"owners": self.owners}, []
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> OwnerAnswer:
+        owners = header.get("owners")
+        if not (isinstance(owners, list) and len(owners) == asked
+                and all(isinstance(ids, list) and ids and all(isinstance(i, str) for i in ids)
+                        for ids in owners)):
+            raise FrameError(f"owners must be {asked} non-empty lists of node ids")
+        return cls(owners)
 
 
 class PlacementRequest(NamedTuple):

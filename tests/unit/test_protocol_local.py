@@ -34,6 +34,7 @@ from emsd.protocol.local import (
     GrantRequest,
     NamespaceAnswer,
     NamespaceRequest,
+    OwnerAnswer,
     OwnerRequest,
     PinAnswer,
     PinRequest,
@@ -184,6 +185,8 @@ def test_every_answer_round_trips_given_what_was_asked(case: tuple[Any, int]) ->
 def test_header_only_answers_round_trip(ns: int, dropped: int, missed: int, _name: str) -> None:
     assert NamespaceAnswer.decode(*framed(NamespaceAnswer(ns).encode())) == NamespaceAnswer(ns)
     assert DropAnswer.decode(*framed(DropAnswer(dropped, missed).encode())) == DropAnswer(dropped, missed)
+    owners = [[_name], [_name, "b"]]
+    assert OwnerAnswer.decode(*framed(OwnerAnswer(owners).encode()), 2) == OwnerAnswer(owners)
 
 
 @given(puts())
@@ -309,6 +312,10 @@ def test_the_bad_cases_differ_from_good_requests_only_in_the_field_named() -> No
     (CountAnswer, {"count": 3}, b"", 2),
     (CountAnswer, {"count": "1"}, b"", 2),
     (CommitAnswer, {"committed": -1}, b"", 2),
+    (OwnerAnswer, {"owners": [["a"]]}, b"", 2),  # fewer keys than asked
+    (OwnerAnswer, {"owners": [["a"], []]}, b"", 2),  # a key with no owner
+    (OwnerAnswer, {"owners": [["a"], [1]]}, b"", 2),
+    (OwnerAnswer, {"owners": "a"}, b"", 1),
 ])
 def test_an_answer_that_does_not_fit_its_request_is_refused(cls: Any, header: dict[str, Any],
                                                             payload: bytes, asked: int) -> None:
