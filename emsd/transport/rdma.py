@@ -8,13 +8,10 @@ Pieces, each behind the ``PeerLink`` interface the cluster already uses:
   membership (``rdma_desc``).
 - ``RdmaServing``: the owner's half, one per peer TCP connection. Data never
   passes through it; it answers small control messages on the existing
-  authenticated TCP connection (``emsd.transport.peer``):
-
-      QP       {qp}                 -> {qp}      connect an RC queue pair pair
-      PIN      {ns, n, kt} + keys   -> {count, tok} + offsets, lengths
-      UNPIN    {tok}                -> {}
-      RESERVE  {ns, n, kt} + keys + lengths -> {tok} + status u8, offsets u64
-      COMMIT   {tok, ok}            -> {stored}
+  authenticated TCP connection (``emsd.transport.peer``): QP (connect an RC
+  queue pair pair), PIN and UNPIN (blocks the client READs), RESERVE and
+  COMMIT (chunks the client WRITEs), each served from a table; their layouts
+  and limits are in ``emsd.protocol.rdma``.
 
   Everything a connection holds (pins, reservations, its QP) is released
   when it closes, so a client that dies mid-transfer leaks nothing.
@@ -48,14 +45,25 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import Status as SlotStatus
-from emsd.protocol.peer import block_lengths
-from emsd.transport.frames import FrameError, PeerOp, split_keys
+from emsd.protocol.peer import Encoded
+from emsd.protocol.rdma import (
+    CommitAnswer,
+    CommitRequest,
+    PinAnswer,
+    PinRequest,
+    QpAnswer,
+    QpRequest,
+    ReserveAnswer,
+    ReserveRequest,
+    UnpinRequest,
+)
+from emsd.transport.frames import FrameError, PeerOp
 from emsd.transport.peer import (
     BULK_STALL,
     PeerConnection,
@@ -69,6 +77,8 @@ from emsd.transport.selection import PeerTransports
 from emsd.transport.verbs import MemoryRegion, Opcode, RdmaError, VerbsEngine, WorkRequest
 
 log = logging.getLogger("emsd.rdma")
+
+_A = TypeVar("_A")
 
 MAX_OUTSTANDING = 32  # work requests in flight per QP
 MAX_SGE = 16  # scatter elements per work request (capped by the device's max_sge)
@@ -185,24 +195,15 @@ class RdmaServing:
         self._tokens = 0
 
     def handle(self, op: int, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        if op == PeerOp.RDMA_QP:
-            return self._qp(header)
-        if op == PeerOp.RDMA_PIN:
-            return self._pin(header, payload)
-        if op == PeerOp.RDMA_UNPIN:
-            handles = self._pins.pop(self._token(header, self._pins), None)
-            if handles is not None:
-                self.access.store.release(handles)
-            return {}, b""
-        if op == PeerOp.RDMA_RESERVE:
-            return self._reserve(header, payload)
-        if op == PeerOp.RDMA_COMMIT:
-            return self._commit(header)
-        raise FrameError(f"unknown RDMA control op {op}")
+        serve = self._serving.get(op)
+        if serve is None:
+            raise FrameError(f"unknown RDMA control op {op}")
+        fields, parts = serve(self, header, payload)
+        return fields, b"".join(parts)
 
-    def _qp(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    def _qp(self, header: dict[str, Any], payload: bytes) -> Encoded:
         try:
-            remote = qp_from_wire(header.get("qp"))
+            remote = qp_from_wire(QpRequest.decode(header, payload).qp)
         except DescriptorError as exc:
             raise FrameError(str(exc)) from None
         if self.qp is not None:
@@ -215,13 +216,7 @@ class RdmaServing:
             e.engine.connect_qp(qp, remote)
         except RdmaError as exc:
             raise PeerRefused(str(exc)) from None
-        return {"qp": qp_to_wire(mine)}, b""
-
-    def _ns(self, header: dict[str, Any]) -> int:
-        name = header.get("ns")
-        if not isinstance(name, str):
-            raise FrameError("ns must be a namespace name")
-        return self.access.namespace_id(name)
+        return QpAnswer(qp_to_wire(mine)).encode()
 
     def _next_token(self) -> int:
         if len(self._pins) + len(self._reserved) >= MAX_HELD:
@@ -229,39 +224,50 @@ class RdmaServing:
         self._tokens += 1
         return self._tokens
 
-    def _token(self, header: dict[str, Any], table: dict[int, Any]) -> int:
-        tok = header.get("tok")
-        if type(tok) is not int or tok not in table:
+    @staticmethod
+    def _held(tok: int, table: dict[int, Any]) -> int:
+        if tok not in table:
             raise FrameError(f"unknown token {tok!r}")
         return tok
 
-    def _pin(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
-        if rest:
-            raise FrameError("unexpected bytes after the keys")
+    def _pin(self, header: dict[str, Any], payload: bytes) -> Encoded:
+        req = PinRequest.decode(header, payload)
         tok = self._next_token()
-        pinned = self.access.pin(self._ns(header), keys)
+        pinned = self.access.pin(self.access.namespace_id(req.ns), req.keys)
         self._pins[tok] = pinned.handles
-        body = pinned.offsets.astype("<u8").tobytes() + pinned.lengths.astype("<u8").tobytes()
-        return {"count": pinned.count, "tok": tok}, body
+        return PinAnswer(tok, pinned.offsets, pinned.lengths).encode()
 
-    def _reserve(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
-        lengths = block_lengths(rest, len(keys))
+    def _unpin(self, header: dict[str, Any], payload: bytes) -> Encoded:
+        handles = self._pins.pop(self._held(UnpinRequest.decode(header, payload).tok, self._pins))
+        self.access.store.release(handles)
+        return {}, []
+
+    def _reserve(self, header: dict[str, Any], payload: bytes) -> Encoded:
+        req = ReserveRequest.decode(header, payload)
         tok = self._next_token()
-        res = self.access.reserve(self._ns(header), keys, lengths, copy=False)
+        res = self.access.reserve(self.access.namespace_id(req.ns), req.keys, req.lengths, copy=False)
         self._reserved[tok] = (res.status, res.handles)
-        return {"tok": tok}, res.status.astype("u1").tobytes() + res.offsets.astype("<u8").tobytes()
+        return ReserveAnswer(tok, res.status, res.offsets).encode()
 
-    def _commit(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        status, handles = self._reserved.pop(self._token(header, self._reserved))
+    def _commit(self, header: dict[str, Any], payload: bytes) -> Encoded:
+        req = CommitRequest.decode(header, payload)
+        status, handles = self._reserved.pop(self._held(req.tok, self._reserved))
         new = handles[status == SlotStatus.NEW]
-        if header.get("ok") is not True:
+        if not req.ok:
             self.access.abort(new)
-            return {"stored": 0}, b""
+            return CommitAnswer(0).encode()
         self.access.commit(new)
         failed = np.flatnonzero(status == SlotStatus.FAILED)
-        return {"stored": int(failed[0]) if failed.size else len(status)}, b""
+        return CommitAnswer(int(failed[0]) if failed.size else len(status)).encode()
+
+    # Each control op and the method that serves it (any other op is refused: ``handle``).
+    _serving: ClassVar[dict[int, Callable[[RdmaServing, dict[str, Any], bytes], Encoded]]] = {
+        PeerOp.RDMA_QP: _qp,
+        PeerOp.RDMA_PIN: _pin,
+        PeerOp.RDMA_UNPIN: _unpin,
+        PeerOp.RDMA_RESERVE: _reserve,
+        PeerOp.RDMA_COMMIT: _commit,
+    }
 
     def close(self) -> None:
         if self.qp is not None:  # first: no remote write lands after the aborts below
@@ -317,9 +323,9 @@ class SelectingLink:
         qp: Any = None
         try:
             qp, mine = e.engine.create_qp(e.max_outstanding, e.max_sge)
-            call = self.tcp.call(PeerOp.RDMA_QP, {"qp": qp_to_wire(mine)})
-            answer, _ = await asyncio.wait_for(call, timeout)
-            e.engine.connect_qp(qp, qp_from_wire(answer.get("qp")))
+            call = self.tcp.request(QpRequest(qp_to_wire(mine)).encode())
+            answer, body = await asyncio.wait_for(call, timeout)
+            e.engine.connect_qp(qp, qp_from_wire(QpAnswer.decode(answer, body).qp))
         except (RdmaError, PeerRefused, DescriptorError, TimeoutError) as exc:
             if qp is not None:
                 e.engine.destroy_qp(qp)
@@ -400,19 +406,13 @@ class SelectingLink:
 
     async def _rdma_get(self, ns_name: str, keys: KeyBatch) -> int | None:
         """PIN, READ, commit, UNPIN; None when RDMA failed and the request must go over TCP."""
-        kt, raw = keys.to_wire()
         try:
-            fields = {"ns": ns_name, "n": len(keys), "kt": kt}
-            header, body = await self.tcp.call(PeerOp.RDMA_PIN, fields, raw)
+            header, body = await self.tcp.request(PinRequest(ns_name, keys).encode())
         except PeerRefused as exc:
             self._fell_back(str(exc))
             return None
-        count, tok = header.get("count"), header.get("tok")
-        if type(count) is not int or not 0 <= count <= len(keys) or len(body) != 16 * count:
-            self.close()
-            raise PeerError(f"PIN answer from {self.peer_id} is malformed")
-        offsets = np.frombuffer(body[: 8 * count], dtype="<u8").astype(np.uint64)
-        lengths = np.frombuffer(body[8 * count :], dtype="<u8").astype(np.uint64)
+        pinned = self._answer(PinAnswer.decode, header, body, len(keys), "PIN")
+        count, tok, offsets, lengths = pinned.count, pinned.tok, pinned.offsets, pinned.lengths
         res = self.access.reserve(self.access.namespace_id(ns_name), keys.take(slice(0, count)), lengths,
                                   copy=True)
         new = np.flatnonzero(res.status == SlotStatus.NEW)
@@ -421,7 +421,7 @@ class SelectingLink:
         except (RdmaError, ValueError) as exc:  # ValueError: a plan that does not fit the regions
             self._drop_qp()
             self.access.abort(res.handles[new])
-            await self.tcp.call(PeerOp.RDMA_UNPIN, {"tok": tok})
+            await self.tcp.request(UnpinRequest(tok).encode())
             self._fell_back(str(exc))
             return None
         except BaseException:
@@ -430,7 +430,7 @@ class SelectingLink:
             self.tcp.close()  # the owner releases the pin with the connection
             raise
         self.access.commit(res.handles[new])
-        await self.tcp.call(PeerOp.RDMA_UNPIN, {"tok": tok})
+        await self.tcp.request(UnpinRequest(tok).encode())
         self.last_bytes = int(lengths.sum())
         failed = np.flatnonzero(res.status == SlotStatus.FAILED)
         return int(failed[0]) if failed.size else count
@@ -438,35 +438,35 @@ class SelectingLink:
     async def _rdma_put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray,
                         lengths: np.ndarray) -> int | None:
         """RESERVE on the owner, WRITE, COMMIT; None when RDMA failed and the request must go over TCP."""
-        kt, raw = keys.to_wire()
-        lengths = lengths.astype("<u8")
         n = len(keys)
         try:
-            header, body = await self.tcp.call(PeerOp.RDMA_RESERVE, {"ns": ns_name, "n": n, "kt": kt},
-                                               raw, lengths.tobytes())
+            header, body = await self.tcp.request(ReserveRequest(ns_name, keys, lengths).encode())
         except PeerRefused as exc:
             self._fell_back(str(exc))
             return None
-        tok = header.get("tok")
-        if len(body) != 9 * n:
-            self.close()
-            raise PeerError(f"RESERVE answer from {self.peer_id} is malformed")
-        status = np.frombuffer(body[:n], dtype="u1")
-        remote = np.frombuffer(body[n:], dtype="<u8").astype(np.uint64)
+        reserved = self._answer(ReserveAnswer.decode, header, body, n, "RESERVE")
+        tok, status, remote = reserved.tok, reserved.status, reserved.offsets
         new = np.flatnonzero(status == SlotStatus.NEW)
         try:
             await self._move(Opcode.WRITE, offsets[new], remote[new], lengths[new])
         except (RdmaError, ValueError) as exc:
             self._drop_qp()
-            await self.tcp.call(PeerOp.RDMA_COMMIT, {"tok": tok, "ok": False})
+            await self.tcp.request(CommitRequest(tok, False).encode())
             self._fell_back(str(exc))
             return None
         except BaseException:
             self._drop_qp()
             self.tcp.close()  # the owner aborts the reservation with the connection
             raise
-        answer, _ = await self.tcp.call(PeerOp.RDMA_COMMIT, {"tok": tok, "ok": True})
-        stored = answer.get("stored")
-        if type(stored) is not int or not 0 <= stored <= n:
-            raise PeerError(f"COMMIT answer from {self.peer_id} has a bad count")
-        return stored
+        answer, body = await self.tcp.request(CommitRequest(tok, True).encode())
+        return self._answer(CommitAnswer.decode, answer, body, n, "COMMIT").stored
+
+    def _answer(self, decode: Callable[[dict[str, Any], bytes, int], _A], header: dict[str, Any],
+                body: bytes, asked: int, what: str) -> _A:
+        """``decode`` of a control answer; one that does not fit its request closes the link
+        (``PeerError``): the peer is broken or not what it claims."""
+        try:
+            return decode(header, body, asked)
+        except FrameError as exc:
+            self.close()
+            raise PeerError(f"{what} answer from {self.peer_id} is malformed: {exc}") from None

@@ -12,14 +12,17 @@ import asyncio
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fake_verbs import FakeEngine, FakeFabric  # noqa: E402
 from test_peer import SECRET, blocks  # noqa: E402
 from test_peer import Node as TcpNode  # noqa: E402
 
 from emsd.pool.keys import KeyBatch  # noqa: E402
-from emsd.transport.frames import PeerOp  # noqa: E402
-from emsd.transport.peer import PeerConnection, PeerServer  # noqa: E402
+from emsd.protocol.rdma import CommitRequest, PinAnswer, PinRequest, ReserveAnswer, ReserveRequest  # noqa: E402
+from emsd.transport.peer import PeerConnection, PeerError, PeerServer  # noqa: E402
 from emsd.transport.rdma import RdmaEndpoint, SelectingLink  # noqa: E402
 from emsd.transport.selection import PeerPath, PeerTransports  # noqa: E402
 
@@ -164,15 +167,39 @@ async def test_pins_held_by_a_connection_are_released_when_it_closes() -> None:
     s.b.put_local("ns", [1, 2], blocks(2, 1000, seed=7))
     link = await s.link()
     try:
-        kt, raw = KeyBatch.from_user([1, 2]).to_wire()
-        header, _ = await link.tcp.call(PeerOp.RDMA_PIN, {"ns": "ns", "n": 2, "kt": kt}, raw)
-        assert header["count"] == 2 and s.b.store.stats().pinned == 2
+        header, body = await link.tcp.request(PinRequest("ns", KeyBatch.from_user([1, 2])).encode())
+        assert PinAnswer.decode(header, body, 2).count == 2 and s.b.store.stats().pinned == 2
         link.close()  # a client that dies between PIN and UNPIN
         for _ in range(200):
             if s.b.store.stats().pinned == 0:
                 break
             await asyncio.sleep(0.01)
         assert s.b.store.stats().pinned == 0
+    finally:
+        link.close()
+        await s.server.close()
+
+
+async def test_a_malformed_commit_closes_the_link_and_aborts_the_reservation() -> None:
+    s = Setup()
+    link = await s.link()
+    try:
+        keys, lengths = KeyBatch.from_user([5, 6]), np.array([1000, 1000], dtype=np.uint64)
+        header, body = await link.tcp.request(ReserveRequest("ns", keys, lengths).encode())
+        tok = ReserveAnswer.decode(header, body, 2).tok
+        assert s.b.store.stats().pending == 2
+        bad = {**CommitRequest(tok, True).encode()[0], "ok": 1}  # commit or abort is a bool
+        with pytest.raises(PeerError):
+            await link.tcp.request((bad, []))
+        for _ in range(200):  # the owner drops the connection and what it held
+            if s.b.store.stats().pending == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert s.b.store.stats().pending == 0 and s.b.store.exists(s.b.ns("ns"), keys) == 0
+        again = PeerConnection(s.a.access, "a", SECRET)  # the owner still serves
+        await again.connect(*s.server._listener.getsockname()[:2])
+        assert await again.get("ns", keys) == 0
+        again.close()
     finally:
         link.close()
         await s.server.close()
