@@ -167,6 +167,24 @@ class Cluster:
                     *rec.params, rec.version)
         return rec
 
+    def transport_summary(self) -> str:
+        """How this node reaches peers, for its start-up line: the transport, and why not RDMA."""
+        why = f" ({self.transports.local_reason})" if self.rdma is None else ""
+        return self.transport_name + why
+
+    def stats(self) -> dict[str, Any]:
+        """STATS' cluster fields: the view, the ring's parameters and who disagrees, transports."""
+        p = self.placement
+        return {"transport": self.transport_name, "peer_transports": self.transports.snapshot(),
+                "share": p.share(), "draining": p.draining,
+                "vnodes": p.params[0], "replicas": p.params[1],
+                "placement_record": None if p.record is None else p.record.version,
+                "placement_config": {"vnodes": self.cfg.vnodes, "replicas": self.cfg.replicas},
+                "placement_config_differs": p.config_differs,
+                "placement_differs": {node: {"vnodes": v, "replicas": r}
+                                      for node, (v, r) in p.disagree.items()},
+                "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in p.members]}
+
     def set_view(self, view: tuple[NodeInfo, ...]) -> None:
         """Adopt a membership view: rebuild the ring, drop the links to departed nodes."""
         for gone in self.peers.retain(self.placement.update(view)):

@@ -37,6 +37,7 @@ from emsd.placement import record as placement_record
 from emsd.pool.index import FIRST_ID
 from emsd.pool.keys import KeyBatch
 from emsd.service import DRAIN_BATCH, Service
+from emsd.solo import Solo
 from emsd.transport.frames import Status
 
 log = logging.getLogger("emsd.service")
@@ -63,7 +64,7 @@ class Remote:
     @property
     def cluster(self) -> Cluster:
         cluster = self.service.cluster
-        assert cluster is not None  # only a node in a cluster makes effects that reach peers
+        assert not isinstance(cluster, Solo)  # a standalone node owns every key: no such effects
         return cluster
 
     # -- before a PIN ------------------------------------------------------------

@@ -35,6 +35,7 @@ from emsd import __version__
 from emsd.config import Config, ConfigError
 from emsd.files import UnsafePath, check_dir
 from emsd.http import HttpEndpoint
+from emsd.membership.base import MembershipState
 from emsd.metrics import Metrics
 from emsd.pool import prefault, shared_index
 from emsd.pool.admission import AdmissionRule
@@ -46,6 +47,7 @@ from emsd.pool.slab import SlabError
 from emsd.pool.store import BlockStore
 from emsd.pool.tenancy import TenantMemory, stop_tenant_keeper
 from emsd.service import RETIRED, Service
+from emsd.solo import Solo
 from emsd.tenants import DEFAULT as DEFAULT_TENANT
 from emsd.tenants import Tenants
 from emsd.tenants import load as load_tenants
@@ -55,6 +57,8 @@ from emsd.transport.unix import UnixControlServer
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
+
+_SERVING = (MembershipState.STANDALONE, MembershipState.JOINED)  # ready to serve in these states
 
 log = logging.getLogger("emsd")
 PREFAULT_THREADS = 4  # enough to reach the memory bandwidth of page zeroing on most hosts
@@ -86,7 +90,7 @@ class Daemon:
             busy_poll=config.node.busy_poll / 1e6,
         )
         self.http = HttpEndpoint(self.metrics, readiness=self.readiness)
-        self.cluster: Cluster | None = None
+        self.cluster: Cluster | Solo | None = None  # the service's, once the pool is attached
         self._pool_view: memoryview | None = None
         self.ledger: Ledger | None = None
         self.prefaulter: prefault.Prefaulter | None = None  # pool.prefault, in the background
@@ -153,9 +157,9 @@ class Daemon:
             service.cluster = await self._join(store, region, service)
             service.cluster.access.tiers = service.tiers
             self.metrics.watch_peer_refusals(service.cluster.server.refusals)
+        self.cluster = service.cluster
         self.metrics.watch_cluster(self._membership)
-        transport = "none" if self.cluster is None else self.cluster.transport_name
-        self.metrics.build.labels(__version__, transport).set(1)
+        self.metrics.build.labels(__version__, self.cluster.transport_name).set(1)
         self.service = service
         if cfg.pool.prefault and prefault.supported(region.mm):
             self.prefaulter = prefault.Prefaulter(region.address(), region.size, PREFAULT_THREADS).start()
@@ -163,13 +167,13 @@ class Daemon:
             self.metrics.watch_prefault(lambda: (self._prefault_progress()["done"], region.size))
         self.metrics.ready.set(1)
         c = self.cluster
-        membership = "standalone" if c is None else (
+        membership = c.state.value if not cfg.cluster.enabled else (
             f"cluster {cfg.cluster.name}, {c.state.value}, {len(c.placement.members)} members")
         log.info("ready: emsd %s node %s; pool %d MiB %s (%s), slab page %d MiB; warm restart %s, "
                  "%d blocks; %s; transport %s; socket %s; metrics %s; pid %d",
                  __version__, cfg.node.id, region.size >> 20, region.kind, region.reason,
                  min(cfg.pool.page_size, region.size) >> 20, self.restart_outcome, self.restored,
-                 membership, self._transport(), cfg.socket_path,
+                 membership, c.transport_summary(), cfg.socket_path,
                  cfg.metrics.listen or "off", os.getpid())
 
     async def _join(self, store: BlockStore, region: Region, service: Service) -> Cluster:
@@ -202,7 +206,6 @@ class Daemon:
             await cluster.stop()
             raise StartupError(f"cluster.peer_listen: cannot listen on {cfg.cluster.peer_listen}: "
                                f"{exc.strerror}") from None
-        self.cluster = cluster
         log.info("cluster %s: peers on %s (advertised %s, %s), ZooKeeper %s, membership %s",
                  cfg.cluster.name, cfg.cluster.peer_listen, cfg.cluster.advertised,
                  "mutual TLS" if tls else "plain TCP", cfg.cluster.zookeeper, cluster.state.value)
@@ -237,12 +240,6 @@ class Daemon:
                      info.device, info.port, info.gid, getattr(endpoint.engine, "gid_index", "?"),
                      endpoint.size >> 20, len(endpoint.local))
         return endpoint, why
-
-    def _transport(self) -> str:
-        if self.cluster is None:
-            return "none"
-        return self.cluster.transport_name + (f" ({self.cluster.transports.local_reason})"
-                                              if self.cluster.rdma is None else "")
 
     def _state_dir(self) -> Path:
         return self.config.pool.state_dir or self.config.node.socket_dir
@@ -445,14 +442,13 @@ class Daemon:
         if self.service is None:
             return "the pool is not attached yet"
         c = self.cluster
-        if c is not None and c.state.value != "joined" and not c.placement.draining:
+        if c is not None and c.state not in _SERVING and not c.placement.draining:
             return f"cluster membership is {c.state.value}"
         return None
 
     def _membership(self) -> tuple[str, int, int]:
-        if self.cluster is None:
-            return "standalone", 1, 0
         c = self.cluster
+        assert c is not None  # watched from the moment the pool is attached
         p = c.placement
         return c.state.value, len(p.members), len(p.disagree) + int(p.config_differs)
 
@@ -469,7 +465,6 @@ class Daemon:
         await self.control.close()
         if self.cluster is not None:
             await self.cluster.stop()  # leave the ring first: peers stop sending here
-            self.cluster = None
         await self.http.close()
         self.service = None
         if self.disk is not None:  # its last demotions written and its index flushed, then the pool goes

@@ -64,6 +64,7 @@ from emsd.effects import (
 )
 from emsd.faults import FAULTS
 from emsd.logs import Once
+from emsd.membership.base import MembershipState
 from emsd.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ from emsd.protocol.local import (
     ReserveRequest,
     TouchRequest,
 )
+from emsd.solo import Solo
 from emsd.tenants import DEFAULT as DEFAULT_TENANT
 from emsd.tenants import PREFIX as TENANT_PREFIX
 from emsd.tenants import Tenants
@@ -188,7 +190,8 @@ class Service:
         self._quarantined: list[tuple[int, Session]] = []
         self._unkept = Once(60.0)  # "namespace will not survive a restart", at most once a minute
         self.started = time.time()
-        self.cluster: Cluster | None = None  # set when the node runs in a cluster
+        # the node's cluster: one of this node alone (``emsd.solo``) unless it runs in a cluster
+        self.cluster: Cluster | Solo = Solo(node_id, store.capacity)
         self.tiers: TierStack | None = None  # set when the disk tier is on ([disk])
         self.prefault: Callable[[], dict[str, Any]] | None = None  # background prefault's progress
         self.info: dict[str, Any] = {}  # start-up facts STATS reports (restart outcome, metrics address)
@@ -228,8 +231,8 @@ class Service:
         """Answer one request; never raises for bad input (answers with a status).
 
         The third value is the work with other nodes that completes the answer
-        (``emsd.effects``, in order; empty for a standalone node and for an error
-        answer): the coordinator runs it and merges its fields into the answer.
+        (``emsd.effects``, in order; empty while this node is alone in its cluster, as a
+        standalone node always is (``emsd.solo``), and for an error answer): the coordinator runs it and merges its fields into the answer.
         """
         op = header.get("op")
         effects = NONE
@@ -332,11 +335,11 @@ class Service:
         ``Promote`` when the next missing block is on the disk tier (then, in a cluster, the
         rest from their owners), else ``Fetch`` of the missing tail from the owners. The
         coordinator runs it, then answers with ``after_fetch`` (the fetched blocks are local
-        by then, kept as read cache). None: nothing to fetch (not a PIN, standalone without
-        a disk tier, ``lo`` = read_local_only without one, all present, or a bad request that
-        the handler will refuse).
+        by then, kept as read cache). None: nothing to fetch (not a PIN, alone in the cluster
+        (standalone) without a disk tier, ``lo`` = read_local_only without one, all present,
+        or a bad request that the handler will refuse).
         """
-        remote = self.cluster is not None and not header.get("lo")
+        remote = not header.get("lo") and not self.cluster.placement.alone()
         if header.get("op") != Op.PIN or not (remote or self.tiers is not None):
             return None
         try:
@@ -374,7 +377,7 @@ class Service:
     def _forward(self, h: dict[str, Any], resp: dict[str, Any], handles: np.ndarray) -> Forward | None:
         """In a cluster, the ``Forward`` of a COMMIT's or PUT's committed ``handles`` (None when
         there are none). The answer says ``reached`` for none of them until the work says more."""
-        if self.cluster is None or handles.size == 0:
+        if handles.size == 0 or self.cluster.placement.alone():
             return None
         resp["reached"] = bytes(handles.size)
         return Forward(handles, bool(h.get("wr", True)), _timeout(h))
@@ -694,8 +697,9 @@ class Service:
                     status: np.ndarray, handles: np.ndarray | None = None) -> Effects:
         """The work after a save (RESERVE, or PUT with the ``handles`` it committed) in a
         cluster: the ``Forward`` of those blocks, then ``RefreshOwners`` of the keys it found
-        here only as read-cache copies (``_copies``). None standalone."""
-        if self.cluster is None:
+        here only as read-cache copies (``_copies``). None while this node is alone (standalone,
+        or its cluster's other members gone): it owns every key."""
+        if self.cluster.placement.alone():
             return NONE
         forward = None if handles is None else self._forward(h, resp, handles)
         copies = self._copies(h, ns, keys, status)
@@ -846,7 +850,7 @@ class Service:
             count = self.tiers.exists(ns, keys, count)
         self.metrics.looked_up("exists", count, len(keys) - count, 0)
         resp, parts = CountAnswer.encode_of(count)
-        if self.cluster is None or h.get("lo") or count == len(keys):
+        if h.get("lo") or count == len(keys) or self.cluster.placement.alone():
             return resp, parts, NONE
         here = self.store.present(ns, keys) if self.tiers is None else self.tiers.present(ns, keys)
         return resp, parts, (AskOwners(self.namespace_name(ns), keys, here, _timeout(h)),)
@@ -870,13 +874,12 @@ class Service:
             "namespaces": len(names),
             "namespace_names": names[:100],
             "uptime_s": time.time() - self.started,
-            "membership": "standalone" if self.cluster is None else self.cluster.state.value,
-            "members": ([self.node_id] if self.cluster is None
-                        else [n.node_id for n in self.cluster.placement.members]),
+            "membership": self.cluster.state.value,
+            "members": [n.node_id for n in self.cluster.placement.members],
             **self.info,
             **({"disk": self.tiers.summary()} if self.tiers is not None else {}),
             **({"prefault": self.prefault()} if self.prefault is not None else {}),
-            **self._cluster_stats(),
+            **self.cluster.stats(),
         }, []
 
     def _visible_names(self, tenant: str) -> list[str]:
@@ -887,34 +890,17 @@ class Service:
         return [self._ns_names[i] for i in ids
                 if i not in self._retired and not self._ns_names[i].startswith("\0")]
 
-    def _cluster_stats(self) -> dict[str, Any]:
-        if self.cluster is None:
-            return {"transport": "none", "share": {self.node_id: 1.0},
-                    "view": [{"id": self.node_id, "capacity": self.store.capacity, "peer": ""}]}
-        c, p = self.cluster, self.cluster.placement
-        return {"transport": c.transport_name, "peer_transports": c.transports.snapshot(),
-                "share": p.share(), "draining": p.draining,
-                "vnodes": p.params[0], "replicas": p.params[1],
-                "placement_record": None if p.record is None else p.record.version,
-                "placement_config": {"vnodes": c.cfg.vnodes, "replicas": c.cfg.replicas},
-                "placement_config_differs": p.config_differs,
-                "placement_differs": {node: {"vnodes": v, "replicas": r}
-                                      for node, (v, r) in p.disagree.items()},
-                "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in p.members]}
-
     def _owner(self, _s: Session, h: dict[str, Any], p: bytes) -> Response:
         req = OwnerRequest.decode(h, p)
-        if self.cluster is None:
-            return OwnerAnswer([[self.node_id]] * len(req.keys)).encode()
         return OwnerAnswer(self.cluster.placement.owner_ids(req.name, req.keys)).encode()
 
     def _drain(self, _s: Session, h: dict[str, Any], _p: bytes) -> Planned:
-        if self.cluster is None:
+        if self.cluster.state is MembershipState.STANDALONE:
             raise RequestError(Status.INVALID_ARGUMENT, "a standalone node has no ring to leave")
         return {}, [], (Drain(_timeout(h)),)
 
     def _placement(self, _s: Session, h: dict[str, Any], _p: bytes) -> Planned:
-        if self.cluster is None or not self.cluster.shares_placement:
+        if not self.cluster.shares_placement:
             raise RequestError(Status.INVALID_ARGUMENT, "only a ZooKeeper cluster keeps a placement "
                                "record; static members take cluster.vnodes and cluster.replicas from config")
         req = PlacementRequest.decode(h, _p)
@@ -927,7 +913,7 @@ class Service:
         req = DropRequest.decode(h, _p)
         name = self.namespace_name(self._live(_opened(s, req.ns)))
         resp, parts = DropAnswer(self.drop_namespace(name)).encode()
-        if self.cluster is None:
+        if self.cluster.placement.alone():
             return resp, parts, NONE
         return resp, parts, (DropElsewhere(name, _timeout(h)),)
 

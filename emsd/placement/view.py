@@ -41,6 +41,7 @@ class PlacementView:
         self.record: Record | None = None  # the cluster's placement record (ZooKeeper), once read
         self.members: tuple[NodeInfo, ...] = (me,)
         self.ring = Ring.build(ClusterView.of([Member(me.node_id, me.capacity)]), *config)
+        self._alone = True  # the ring's only member is this node (``alone``)
         self.draining = False  # left the ring (emsctl drain): owns nothing, serves what it has
         self.disagree: dict[str, Params] = {}  # members whose ring parameters differ (update)
         self._disagree_logged: set[tuple[str, Params]] = set()
@@ -78,6 +79,7 @@ class PlacementView:
             view = (self.me,)
         self.members = view
         self.ring = Ring.build(ClusterView.of(Member(n.node_id, n.capacity) for n in view), *self.params)
+        self._alone = all(n.node_id == self.node_id for n in view)
         self._check(view)
         present = {n.node_id for n in view}
         log.info("placement ring: %d members (%s)", len(view), ", ".join(sorted(present)))
@@ -117,8 +119,9 @@ class PlacementView:
         return self.ring.share()
 
     def alone(self) -> bool:
-        """No other node to talk to."""
-        return all(m.node_id == self.node_id for m in self.ring.view.members)
+        """No other node to talk to: every key is owned here (a standalone node, or a cluster
+        whose other members are gone). Kept with the ring: every request asks."""
+        return self._alone
 
     def others(self) -> list[str]:
         """The other members' node ids."""

@@ -15,6 +15,7 @@ import pytest
 
 from emsd.coordinator import Coordinator
 from emsd.effects import AskOwners, Drain, DropElsewhere, Fetch, Forward, RefreshOwners
+from emsd.membership.base import MembershipState
 from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
@@ -28,11 +29,17 @@ class FakePlacement:
     def owned_here(self, _name: str, keys: KeyBatch) -> np.ndarray:
         return np.zeros(len(keys), dtype=bool)
 
+    lonely = False  # True: the view holds this node only (the others left)
+
+    def alone(self) -> bool:
+        return self.lonely
+
 
 class FakeCluster:
     """Owns every key elsewhere; ``fail``: every push raises; ``fetch`` stores the keys here."""
 
     shares_placement = True
+    state = MembershipState.JOINED
 
     def __init__(self, svc: Service, fail: bool = False) -> None:
         self.svc = svc
@@ -167,6 +174,28 @@ def test_a_standalone_service_names_no_work_and_is_answered_at_once() -> None:
     assert svc.serve_sync(s, {"op": int(Op.EXISTS), "ns": ns, "n": 1, "kt": 0}, _keys([9]))[2] == ()
     header, payload = _put(svc, s, ns, [2])
     assert isinstance(Coordinator(svc).serve(s, header, payload), tuple)  # no task, no await
+
+
+def test_a_node_alone_in_its_cluster_names_no_work_as_a_standalone_one() -> None:
+    svc, s, ns = _service()
+    svc.cluster.placement.lonely = True  # type: ignore[union-attr]
+    resp, _, effects = svc.serve_sync(s, *_put(svc, s, ns, [1]))
+    assert resp["st"] == Status.OK and effects == () and "reached" not in resp
+    assert svc.before(s, {"op": int(Op.PIN), "ns": ns, "n": 1, "kt": 0}, _keys([9])) is None
+    assert svc.serve_sync(s, {"op": int(Op.EXISTS), "ns": ns, "n": 1, "kt": 0}, _keys([9]))[2] == ()
+    svc.cluster.placement.lonely = False  # type: ignore[union-attr]
+    assert svc.serve_sync(s, *_put(svc, s, ns, [2]))[2] != ()
+
+
+def test_a_standalone_service_is_a_cluster_of_itself() -> None:
+    svc, s, _ = _service(cluster=False)
+    stats, _ = svc.handle(s, {"op": int(Op.STATS), "id": 2}, b"")
+    assert stats["membership"] == "standalone" and stats["members"] == ["t"]
+    assert stats["view"] == [{"id": "t", "capacity": POOL, "peer": ""}] and stats["share"] == {"t": 1.0}
+    owners, _ = svc.handle(s, {"op": int(Op.OWNER), "ns": "n", "n": 2, "kt": 0, "id": 3}, _keys([1, 2]))
+    assert owners["owners"] == [["t"], ["t"]]
+    refused, _ = svc.handle(s, {"op": int(Op.DRAIN), "id": 4}, b"")
+    assert refused["st"] == Status.INVALID_ARGUMENT
 
 
 def test_an_error_answer_names_no_work() -> None:
