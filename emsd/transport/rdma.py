@@ -56,12 +56,12 @@ from emsd.pool.keys import KeyBatch
 from emsd.pool.store import Status as SlotStatus
 from emsd.protocol.peer import block_lengths
 from emsd.transport.frames import FrameError, PeerOp, split_keys
+from emsd.transport.owner import BlockOwner
 from emsd.transport.peer import (
     BULK_STALL,
     PeerConnection,
     PeerError,
     PeerRefused,
-    PoolAccess,
 )
 from emsd.transport.rdma_desc import DescriptorError, RdmaDescriptor, qp_from_wire, qp_to_wire
 from emsd.transport.rdma_plan import DEFAULT_CHUNK, Chunk, chunk_region, plan, segments
@@ -105,8 +105,9 @@ class RdmaEndpoint:
             regions = list(ex.map(lambda c: engine.register(c[0], base + c[0], c[1]), chunks))
         return cls(engine, regions, len(pool))
 
-    def serving(self, access: PoolAccess) -> RdmaServing:
-        return RdmaServing(self, access)
+    def serving(self, owner: BlockOwner) -> RdmaServing:
+        """The control messages of one peer connection, over ``owner``'s blocks."""
+        return RdmaServing(self, owner)
 
     def close(self) -> None:
         self.engine.close()
@@ -174,11 +175,12 @@ async def run_work(engine: VerbsEngine, qp: Any, op: Opcode, wrs: Sequence[WorkR
 
 
 class RdmaServing:
-    """The RDMA control messages of one peer connection (``peer.ControlHandler``)."""
+    """The RDMA control messages of one peer connection (``peer.ControlHandler``): blocks are
+    lent and reserved through ``owner`` (``BlockOwner``), as over TCP."""
 
-    def __init__(self, endpoint: RdmaEndpoint, access: PoolAccess) -> None:
+    def __init__(self, endpoint: RdmaEndpoint, owner: BlockOwner) -> None:
         self.endpoint = endpoint
-        self.access = access
+        self.owner = owner
         self.qp: Any = None
         self._pins: dict[int, np.ndarray] = {}  # token -> pinned handles
         self._reserved: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # token -> (status, handles)
@@ -192,7 +194,7 @@ class RdmaServing:
         if op == PeerOp.RDMA_UNPIN:
             handles = self._pins.pop(self._token(header, self._pins), None)
             if handles is not None:
-                self.access.store.release(handles)
+                self.owner.release_lent(handles)
             return {}, b""
         if op == PeerOp.RDMA_RESERVE:
             return self._reserve(header, payload)
@@ -221,7 +223,7 @@ class RdmaServing:
         name = header.get("ns")
         if not isinstance(name, str):
             raise FrameError("ns must be a namespace name")
-        return self.access.namespace_id(name)
+        return self.owner.namespace_id(name)
 
     def _next_token(self) -> int:
         if len(self._pins) + len(self._reserved) >= MAX_HELD:
@@ -240,7 +242,7 @@ class RdmaServing:
         if rest:
             raise FrameError("unexpected bytes after the keys")
         tok = self._next_token()
-        pinned = self.access.pin(self._ns(header), keys)
+        pinned = self.owner.pin_to_lend(self._ns(header), keys)
         self._pins[tok] = pinned.handles
         body = pinned.offsets.astype("<u8").tobytes() + pinned.lengths.astype("<u8").tobytes()
         return {"count": pinned.count, "tok": tok}, body
@@ -249,7 +251,7 @@ class RdmaServing:
         keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
         lengths = block_lengths(rest, len(keys))
         tok = self._next_token()
-        res = self.access.reserve(self._ns(header), keys, lengths, copy=False)
+        res = self.owner.reserve_arriving(self._ns(header), keys, lengths, copy=False)
         self._reserved[tok] = (res.status, res.handles)
         return {"tok": tok}, res.status.astype("u1").tobytes() + res.offsets.astype("<u8").tobytes()
 
@@ -257,9 +259,9 @@ class RdmaServing:
         status, handles = self._reserved.pop(self._token(header, self._reserved))
         new = handles[status == SlotStatus.NEW]
         if header.get("ok") is not True:
-            self.access.abort(new)
+            self.owner.abort_arriving(new)
             return {"stored": 0}, b""
-        self.access.commit(new)
+        self.owner.commit_arrived(new)
         failed = np.flatnonzero(status == SlotStatus.FAILED)
         return {"stored": int(failed[0]) if failed.size else len(status)}, b""
 
@@ -267,11 +269,10 @@ class RdmaServing:
         if self.qp is not None:  # first: no remote write lands after the aborts below
             self.endpoint.engine.destroy_qp(self.qp)
             self.qp = None
-        store = self.access.store
         for handles in self._pins.values():
-            store.release(handles)
+            self.owner.release_lent(handles)
         for status, handles in self._reserved.values():
-            self.access.abort(handles[status == SlotStatus.NEW])
+            self.owner.abort_arriving(handles[status == SlotStatus.NEW])
         self._pins.clear()
         self._reserved.clear()
 
@@ -300,8 +301,9 @@ class SelectingLink:
         self.peer_id = ""  # the node id the peer proved, once connected
 
     @property
-    def access(self) -> PoolAccess:
-        return self.tcp.access
+    def owner(self) -> BlockOwner:
+        """Where the copies a GET fetches are stored: its TCP connection's owner."""
+        return self.tcp.owner
 
     async def connect(self, host: str, port: int, timeout: float = 5.0) -> None:
         """Open the TCP connection, then RDMA if selected; an RDMA failure leaves a TCP link."""
@@ -413,23 +415,23 @@ class SelectingLink:
             raise PeerError(f"PIN answer from {self.peer_id} is malformed")
         offsets = np.frombuffer(body[: 8 * count], dtype="<u8").astype(np.uint64)
         lengths = np.frombuffer(body[8 * count :], dtype="<u8").astype(np.uint64)
-        res = self.access.reserve(self.access.namespace_id(ns_name), keys.take(slice(0, count)), lengths,
-                                  copy=True)
+        res = self.owner.reserve_arriving(self.owner.namespace_id(ns_name), keys.take(slice(0, count)),
+                                          lengths, copy=True)
         new = np.flatnonzero(res.status == SlotStatus.NEW)
         try:
             await self._move(Opcode.READ, res.offsets[new], offsets[new], lengths[new])
         except (RdmaError, ValueError) as exc:  # ValueError: a plan that does not fit the regions
             self._drop_qp()
-            self.access.abort(res.handles[new])
+            self.owner.abort_arriving(res.handles[new])
             await self.tcp.call(PeerOp.RDMA_UNPIN, {"tok": tok})
             self._fell_back(str(exc))
             return None
         except BaseException:
             self._drop_qp()
-            self.access.abort(res.handles[new])
+            self.owner.abort_arriving(res.handles[new])
             self.tcp.close()  # the owner releases the pin with the connection
             raise
-        self.access.commit(res.handles[new])
+        self.owner.commit_arrived(res.handles[new])
         await self.tcp.call(PeerOp.RDMA_UNPIN, {"tok": tok})
         self.last_bytes = int(lengths.sum())
         failed = np.flatnonzero(res.status == SlotStatus.FAILED)
