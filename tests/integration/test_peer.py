@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
 import pytest
 
+from emsd.effects import Promote
 from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
-from emsd.service import Service
+from emsd.service import PEER_PROMOTE_BUDGET, Service
 from emsd.tenants import Tenant, Tenants
 from emsd.transport.frames import PeerOp
 from emsd.transport.peer import PeerConnection, PeerError, PeerServer
@@ -97,6 +99,41 @@ async def test_get_fetches_leading_blocks_into_the_local_pool() -> None:
         assert await conn.get("ns", KeyBatch.from_user([1, 2, 3])) == 3
         assert await conn.get("other", KeyBatch.from_user([1])) == 0
         assert b.store.stats().pinned == 0
+    finally:
+        conn.close()
+        await server.close()
+
+
+async def test_a_get_of_blocks_on_the_owners_disk_promotes_them_first_as_the_service_plans() -> None:
+    """The owner's Service plans the promotion (``peer_promotion``: a ``Promote``, no fetch);
+    the server carries it out through its ``promote`` step before it pins; HAS counts the disk."""
+    a, b = Node("a"), Node("b")
+    data = blocks(3, 300_000, seed=4)
+    b.put_local("ns", [1], data[:1])
+    on_disk = {2: data[1], 3: data[2]}
+    b.service.tiers = SimpleNamespace(  # type: ignore[assignment]  # a disk tier holding 2 and 3
+        wanted=lambda _ns, keys, count: count < len(keys) and count + 1 in on_disk,
+        exists=lambda _ns, keys, count: len(keys))
+    carried: list[tuple[Promote, float]] = []
+
+    async def promote(effect: Promote, deadline: float) -> None:
+        carried.append((effect, deadline))
+        b.put_local("ns", list(on_disk), list(on_disk.values()))
+
+    server = PeerServer(b.service, b.pool, b.name, SECRET, promote=promote)
+    _, port = await server.start("127.0.0.1", 0)
+    conn = await link(a, port)
+    try:
+        assert await conn.exists("ns", KeyBatch.from_user([1, 2, 3])) == 3
+        start = asyncio.get_running_loop().time()
+        assert await conn.get("ns", KeyBatch.from_user([1, 2, 3])) == 3
+        assert a.read("ns", [1, 2, 3]) == data
+        (effect, deadline), = carried
+        assert (effect.ns, effect.count, effect.fetch) == (b.ns("ns"), 1, False)
+        end = asyncio.get_running_loop().time()
+        assert start + PEER_PROMOTE_BUDGET <= deadline <= end + PEER_PROMOTE_BUDGET  # the plan's budget
+        assert await conn.get("ns", KeyBatch.from_user([1, 2, 3])) == 3
+        assert len(carried) == 1  # all in the pool now: nothing to promote
     finally:
         conn.close()
         await server.close()
