@@ -5,6 +5,8 @@ Requests are built and read through ``emsd.protocol.peer`` as a ``PeerServer`` r
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -149,3 +151,17 @@ def test_a_peer_drop_goes_through_the_services_namespace_table() -> None:
     assert svc.drop_namespace(req.ns) == 2
     assert svc.retired(old) and svc.namespace_id(THEIRS) != old
     assert _has(svc, THEIRS, [1]) == 0
+
+
+def test_the_peer_transports_reach_blocks_only_through_their_block_owner() -> None:
+    """No store, quota, checksum or tier in the peer transports: what a peer stores or is lent
+    passes the Service's checks (a second path around them is how a tenant over its quota once
+    evicted other tenants' blocks through another node)."""
+    root = Path(__file__).resolve().parents[2] / "emsd" / "transport"
+    for module in ("peer.py", "rdma.py", "owner.py"):
+        tree = ast.parse((root / module).read_text())
+        used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        assert not used & {"store", "checksums", "tiers", "fit_quota", "hold_quota", "quota"}, module
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not imported & {"emsd.service", "emsd.tenants", "emsd.pool.checksum",
+                               "emsd.tier.stack"}, module
