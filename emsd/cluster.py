@@ -93,8 +93,7 @@ class Cluster:
         self.transports = PeerTransports(cfg.transport, "" if rdma is not None
                                          else rdma_reason or "no RDMA endpoint was opened")
         self.node_id = node_id
-        self.owner = owner
-        self.pool = pool
+        self.pool = pool  # the whole region (tests/sim reads blocks through it)
         extra = advertised(cfg.vnodes, cfg.replicas, follows_record=membership is None)  # None: ZooKeeper
         if rdma is not None:
             extra[EXTRA_KEY] = rdma.descriptor.to_extra()
