@@ -28,9 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import certs  # noqa: E402
 
+from emsd.metrics import Metrics  # noqa: E402
 from emsd.pool.keys import KeyBatch  # noqa: E402
 from emsd.pool.store import BlockStore  # noqa: E402
-from emsd.transport.peer import PeerConnection, PeerServer, PoolAccess  # noqa: E402
+from emsd.service import Service  # noqa: E402
+from emsd.transport.peer import PeerConnection, PeerServer  # noqa: E402
 from emsd.transport.tls import PeerTls  # noqa: E402
 
 BLOCK, BLOCKS = 2 << 20, 32
@@ -42,7 +44,9 @@ class Pool:
     def __init__(self) -> None:
         self.mem = bytearray(POOL)
         self.store = BlockStore(POOL, PAGE)
-        self.access = PoolAccess(self.store, memoryview(self.mem), lambda _name: 0)
+        self.pool = memoryview(self.mem)
+        self.service = Service(self.store, "bench", "bench", Metrics())  # the transports' BlockOwner
+        self.service.namespace_id("ns")  # id 0, where fill() puts the blocks
 
     def fill(self, keys: list[int]) -> None:
         res = self.store.reserve(0, KeyBatch.from_user(keys), np.full(len(keys), BLOCK, np.uint64))
@@ -57,9 +61,9 @@ async def fetch_seconds(tls_pair: tuple[PeerTls, PeerTls] | None) -> float:
     owner, fetcher = Pool(), Pool()
     keys = list(range(1, BLOCKS + 1))
     owner.fill(keys)
-    server = PeerServer(owner.access, "b", SECRET, tls=tls_pair[0] if tls_pair else None)
+    server = PeerServer(owner.service, owner.pool, "b", SECRET, tls=tls_pair[0] if tls_pair else None)
     _, port = await server.start("127.0.0.1", 0)
-    conn = PeerConnection(fetcher.access, "a", SECRET, tls_pair[1] if tls_pair else None)
+    conn = PeerConnection(fetcher.service, fetcher.pool, "a", SECRET, tls_pair[1] if tls_pair else None)
     try:
         await conn.connect("127.0.0.1", port)
         t0 = time.perf_counter()

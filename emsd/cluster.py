@@ -48,7 +48,8 @@ from emsd.placement.view import PlacementView
 from emsd.pool.keys import KeyBatch
 from emsd.transport.busypoll import BusyPoll
 from emsd.transport.link import Dialer
-from emsd.transport.peer import PEER_PROTOCOL, PeerConnection, PeerServer, PoolAccess
+from emsd.transport.owner import BlockOwner
+from emsd.transport.peer import PEER_PROTOCOL, PeerConnection, PeerServer, Promoting
 from emsd.transport.pool import BACKOFF, PeerPool, split_endpoint
 from emsd.transport.rdma import RdmaEndpoint, SelectingLink
 from emsd.transport.rdma_desc import EXTRA_KEY, DescriptorError, RdmaDescriptor
@@ -74,12 +75,15 @@ def _now() -> float:
 
 
 class Cluster:
-    def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, access: PoolAccess,
-                 secret: bytes, dialer: Dialer | None = None, metrics: Metrics | None = None,
-                 rdma: RdmaEndpoint | None = None, rdma_reason: str = "",
+    def __init__(self, cfg: ClusterConfig, node_id: str, capacity: int, owner: BlockOwner,
+                 pool: memoryview, secret: bytes, dialer: Dialer | None = None,
+                 metrics: Metrics | None = None, rdma: RdmaEndpoint | None = None, rdma_reason: str = "",
                  membership: Membership | None = None, tls: PeerTls | None = None,
-                 busy: BusyPoll | None = None) -> None:
-        """``rdma``: this node's registered RDMA endpoint (owned from now on), or None and why not.
+                 busy: BusyPoll | None = None, promote: Promoting | None = None) -> None:
+        """``owner`` keeps the blocks peers send and fetch (``BlockOwner``: the ``Service``) in
+        ``pool`` (the whole region, writable); ``promote`` carries out the disk-tier promotion
+        a peer's GET needs (``PeerServer``).
+        ``rdma``: this node's registered RDMA endpoint (owned from now on), or None and why not.
         ``dialer`` and ``membership`` default to TCP (or RDMA) and ZooKeeper (others: tests/sim/).
         ``tls``: mutual TLS on peer connections (``cluster.tls_*``). ``busy``: the loop's busy
         poll, which the TCP links then use while they wait for answers (``BusyPoll.awaiting``)."""
@@ -89,18 +93,18 @@ class Cluster:
         self.transports = PeerTransports(cfg.transport, "" if rdma is not None
                                          else rdma_reason or "no RDMA endpoint was opened")
         self.node_id = node_id
-        self.access = access
+        self.pool = pool  # the whole region (tests/sim reads blocks through it)
         extra = advertised(cfg.vnodes, cfg.replicas, follows_record=membership is None)  # None: ZooKeeper
         if rdma is not None:
             extra[EXTRA_KEY] = rdma.descriptor.to_extra()
         self.me = NodeInfo(node_id, cfg.advertised, capacity, PEER_PROTOCOL, extra)
         self.placement = PlacementView(self.me, (cfg.vnodes, cfg.replicas))
-        control = None if rdma is None else (lambda: rdma.serving(access))
-        self.server = PeerServer(access, node_id, secret, control=control, tls=tls,
-                                 socket_buffer=cfg.peer_socket_buffer)
+        control = None if rdma is None else (lambda: rdma.serving(owner))
+        self.server = PeerServer(owner, pool, node_id, secret, control=control, tls=tls,
+                                 socket_buffer=cfg.peer_socket_buffer, promote=promote)
         dial: Dialer = dialer or (lambda: SelectingLink(
-            PeerConnection(access, node_id, secret, tls, cfg.peer_socket_buffer, busy), rdma, self.transports,
-            self._advert, self._report))
+            PeerConnection(owner, pool, node_id, secret, tls, cfg.peer_socket_buffer, busy), rdma,
+            self.transports, self._advert, self._report))
         self.peers = PeerPool(dial, self._address, cfg.peer_connections, metrics)
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.

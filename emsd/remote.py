@@ -70,8 +70,9 @@ class Remote:
     # -- before a PIN ------------------------------------------------------------
 
     async def before(self, effect: Before, deadline: float) -> frozenset[int]:
-        """Run a PIN's ``Promote`` or ``Fetch``; the handles of the copies fetched with ``keep``
-        off (the session may hold them only while pinned)."""
+        """Run a PIN's ``Promote`` or ``Fetch`` (or a peer GET's ``Promote``, for ``PeerServer``);
+        the handles of the copies fetched with ``keep`` off (the session may hold them only
+        while pinned)."""
         if isinstance(effect, Fetch):
             return await self.fetch(effect.ns, effect.keys, deadline, effect.keep)
         tiers = self.service.tiers

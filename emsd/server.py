@@ -154,8 +154,7 @@ class Daemon:
                             restart=self.restart_outcome, restored=self.restored,
                             socket=str(cfg.socket_path))
         if cfg.cluster.enabled:
-            service.cluster = await self._join(store, region, service)
-            service.cluster.access.tiers = service.tiers
+            service.cluster = await self._join(region, service)
             self.metrics.watch_peer_refusals(service.cluster.server.refusals)
         self.cluster = service.cluster
         self.metrics.watch_cluster(self._membership)
@@ -176,12 +175,14 @@ class Daemon:
                  membership, c.transport_summary(), cfg.socket_path,
                  cfg.metrics.listen or "off", os.getpid())
 
-    async def _join(self, store: BlockStore, region: Region, service: Service) -> Cluster:
-        """Serve peers and join the cluster; raises ``StartupError`` for a bad secret or a taken id."""
+    async def _join(self, region: Region, service: Service) -> Cluster:
+        """Serve peers and join the cluster; raises ``StartupError`` for a bad secret or a taken id.
+        The peer transports keep blocks through ``service`` (their ``BlockOwner``); a peer's GET
+        promotes from the disk tier as a local PIN does (``Remote.before``)."""
         from emsd.cluster import Cluster
         from emsd.config import ConfigError, read_secret
         from emsd.membership.base import DuplicateNodeError
-        from emsd.transport.peer import PoolAccess
+        from emsd.remote import Remote
         from emsd.transport.tls import PeerTls
 
         cfg = self.config
@@ -192,11 +193,11 @@ class Daemon:
         except (ConfigError, ValueError) as exc:
             raise StartupError(str(exc)) from None
         assert self._pool_view is not None
-        access = PoolAccess(store, self._pool_view, service.namespace_id, service.checksums,
-                            service.drop_namespace, quota=service)
         rdma, why = await asyncio.get_running_loop().run_in_executor(None, self._open_rdma, self._pool_view)
-        cluster = Cluster(cfg.cluster, cfg.node.id, region.size, access, secret, metrics=self.metrics,
-                          rdma=rdma, rdma_reason=why, tls=tls, busy=self.control.busy)
+        promote = None if service.tiers is None else Remote(service).before
+        cluster = Cluster(cfg.cluster, cfg.node.id, region.size, service, self._pool_view, secret,
+                          metrics=self.metrics, rdma=rdma, rdma_reason=why, tls=tls, busy=self.control.busy,
+                          promote=promote)
         try:
             await cluster.start()
         except DuplicateNodeError as exc:

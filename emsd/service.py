@@ -19,6 +19,17 @@ so one client can never commit, abort or release another's blocks. When the
 connection closes, ``Service.close`` aborts its reservations and drops its
 pins: a client killed mid-save or mid-load leaks nothing.
 
+Blocks that arrive from or leave to peers go through the Service too: the peer
+transports (``emsd.transport.peer``, ``emsd.transport.rdma``) hold it as their
+``emsd.transport.owner.BlockOwner`` and store, lend, count and drop blocks through
+``reserve_arriving``, ``commit_arrived``, ``abort_arriving``, ``pin_to_lend``,
+``release_lent``, ``present_count``, ``drop_namespace`` and ``peer_promotion``
+(a ``Promote`` they carry out), never through the store. So a tenant's quota,
+the checksums and the disk tier's promotions have one home: every path that
+stores a tenant's bytes on this node passes a quota check here (a client's save,
+a peer's forwarded save or replica, a fetched copy; a disk-tier promotion in
+``emsd.tier.stack`` through ``fit_quota`` and ``hold_quota``).
+
 Requests are decoded and answers encoded through ``emsd.protocol.local``, whose
 docstring holds the layouts of every op; a request it refuses (``FrameError``) is
 answered with its status like a ``RequestError``, and the connection stays.
@@ -73,7 +84,7 @@ if TYPE_CHECKING:
 from emsd.pool.checksum import Checksums
 from emsd.pool.index import FIRST_ID, READY
 from emsd.pool.keys import KeyBatch
-from emsd.pool.store import BlockStore, Pinned
+from emsd.pool.store import BlockStore, Pinned, Reservation
 from emsd.pool.store import Status as SlotStatus
 from emsd.protocol.local import (
     CommitAnswer,
@@ -111,6 +122,7 @@ MAX_NAMESPACES_PER_TENANT = 1024  # default tenants.max_namespaces
 FREED = "\0free"  # the name of a namespace id freed for reuse (_free_unused)
 RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_namespace)
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
+PEER_PROMOTE_BUDGET = 1.0  # seconds a peer's GET may spend reading blocks from the disk tier
 # Slot statuses as numpy scalars: comparing an array with one skips the enum's slow lookup.
 _NEW, _FAILED, _PRESENT = (np.uint8(st) for st in (SlotStatus.NEW, SlotStatus.FAILED, SlotStatus.PRESENT))
 GRANT_SESSION_SHARE = 64  # a connection holds at most 1/64 of the pool in granted chunks
@@ -232,7 +244,8 @@ class Service:
 
         The third value is the work with other nodes that completes the answer
         (``emsd.effects``, in order; empty while this node is alone in its cluster, as a
-        standalone node always is (``emsd.solo``), and for an error answer): the coordinator runs it and merges its fields into the answer.
+        standalone node always is (``emsd.solo``), and for an error answer): the
+        coordinator runs it and merges its fields into the answer.
         """
         op = header.get("op")
         effects = NONE
@@ -395,6 +408,84 @@ class Service:
     def retired(self, ns: int) -> bool:
         """Whether namespace id ``ns`` was dropped (its blocks are nobody's to find)."""
         return ns in self._retired
+
+    # -- blocks that arrive from and leave to peers (emsd.transport.owner.BlockOwner) --
+    #
+    # The owner's side of a peer's GET, PUT, HAS and DROP (TCP or RDMA) and the copies this node
+    # fetches store and lend blocks only through these, so quotas and checksums are kept here for
+    # peers as for local clients: a tenant over its quota saving through another node evicts its
+    # own blocks here, never another tenant's.
+
+    def reserve_arriving(self, ns: int, keys: KeyBatch, sizes: np.ndarray, copy: bool) -> Reservation:
+        """``store.reserve`` for blocks that arrive from a peer: its forwarded save or replica
+        (``copy`` false), or copies this node fetched (``copy``: they evict only other copies,
+        see ``BlockStore``). Within the tenant quota of ``ns`` (``fit_quota``: the leading keys
+        that fit, after evicting that tenant's own blocks), the keys past it FAILED; the NEW
+        blocks count against the quota from now on (``hold_quota``), so that parts of one
+        transfer arriving side by side cannot each fill it. End them with ``commit_arrived``
+        or ``abort_arriving``."""
+        fit = self.fit_quota(ns, keys, sizes)
+        if fit == len(keys):
+            res = self.store.reserve(ns, keys, sizes, copy=copy)
+        else:
+            res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], copy=copy).padded(len(keys))
+        if res.status.size == 1:  # one block a call: scalar steps
+            held = int(sizes[0]) if res.status[0] == _NEW else 0
+        else:
+            held = int(sizes[res.status == _NEW].sum())
+        if held:
+            self.hold_quota(ns, held)
+        return res
+
+    def commit_arrived(self, handles: np.ndarray) -> int:
+        """``store.commit`` of the NEW blocks of one ``reserve_arriving`` that the peer wrote,
+        sealed first (``pool.checksum``); their quota hold ends (they count as committed bytes
+        now). Returns how many were committed."""
+        if self.checksums is not None:
+            self.checksums.seal(handles)
+        self._unhold(handles)
+        return self.store.commit(handles)
+
+    def abort_arriving(self, handles: np.ndarray) -> int:
+        """``store.abort`` of the NEW blocks of one ``reserve_arriving`` that did not arrive;
+        their quota hold ends."""
+        self._unhold(handles)
+        return self.store.abort(handles)
+
+    def _unhold(self, handles: np.ndarray) -> None:
+        """End the quota hold of PENDING blocks ``handles`` (all of one namespace: one reserve)."""
+        if handles.size == 0:
+            return
+        idx = self.store.index
+        held = idx.length[handles[0]] if handles.size == 1 else idx.length[handles].sum(dtype=np.int64)
+        self.hold_quota(int(idx.ns_of(handles[:1])[0]), -int(held))
+
+    def pin_to_lend(self, ns: int, keys: KeyBatch) -> Pinned:
+        """The leading present ``keys`` pinned to send to a peer (``pin_checked``: cut before
+        the first block whose checksum fails); end with ``release_lent``."""
+        return self.pin_checked(ns, keys)
+
+    def release_lent(self, handles: np.ndarray) -> None:
+        """Release blocks ``pin_to_lend`` pinned."""
+        self.store.release(handles)
+
+    def present_count(self, ns: int, keys: KeyBatch) -> int:
+        """How many leading ``keys`` this node holds, in the pool or on its disk tier (a peer's
+        HAS; a GET promotes what is on disk)."""
+        count = self.store.exists(ns, keys)
+        return count if self.tiers is None else self.tiers.exists(ns, keys, count)
+
+    def peer_promotion(self, ns: int, keys: KeyBatch) -> Promote | None:
+        """The ``Promote`` a peer's GET of ``keys`` needs first: the disk-only blocks after the
+        leading ones in the pool, read within ``PEER_PROMOTE_BUDGET`` (then: misses); never a
+        fetch from other nodes (the peer asked the owner). None: no disk tier, or nothing there
+        to promote."""
+        if self.tiers is None:
+            return None
+        count = self.store.exists(ns, keys)
+        if not self.tiers.wanted(ns, keys, count):
+            return None
+        return Promote(ns, keys, count, PEER_PROMOTE_BUDGET, fetch=False, keep=True)
 
     # -- handlers -------------------------------------------------------------
 
@@ -648,8 +739,8 @@ class Service:
 
     def hold_quota(self, ns: int, nbytes: int) -> None:
         """Namespace ``ns``'s tenant holds ``nbytes`` more (or, negative, fewer) bytes reserved
-        without a session here: blocks a peer is sending or a promotion is reading
-        (``PoolAccess.reserve``), counted by its quota until committed or aborted."""
+        without a session here: blocks a peer is sending (``reserve_arriving``) or a promotion
+        is reading, counted by its quota until committed or aborted."""
         self._hold(Tenants.tenant_of(self.namespace_name(ns)), nbytes)
 
     def fit_quota(self, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
@@ -657,7 +748,7 @@ class Service:
         namespace ``ns``'s tenant, after evicting that tenant's own LRU blocks: the
         quota check of every path that stores bytes without a client session here
         (a forwarded save or a replica from a peer, a read-cache copy of a remote
-        fetch, a promotion from the disk tier; see ``PoolAccess.reserve``)."""
+        fetch, a promotion from the disk tier; see ``reserve_arriving``)."""
         return self._fit_quota(Tenants.tenant_of(self.namespace_name(ns)), ns, keys, sizes)
 
     def _fit_quota(self, tenant: str, ns: int, keys: KeyBatch, sizes: np.ndarray, counted: int = 0) -> int:

@@ -41,8 +41,9 @@ PREFIX = "tenant:"  # daemon-side namespace names of a tenant: "tenant:<id>/<nam
 
 
 class Quota(Protocol):
-    """Tenants' quotas as the paths that store bytes without a client session need them (the
-    peer transport, the disk tier's promotions): ``emsd.service.Service`` is one."""
+    """Tenants' quotas as a path that stores bytes without a client session needs them (the
+    disk tier's promotions; blocks from peers go through ``Service.reserve_arriving``, which
+    uses the same two): ``emsd.service.Service`` is one."""
 
     def fit_quota(self, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
         """How many leading blocks fit namespace ``ns``'s tenant's quota (evicting its own)."""

@@ -39,9 +39,13 @@ frame, so an idle connection holds no thread.
 
 Requests (one at a time per connection; a daemon keeps several connections
 per peer for parallelism; each request and answer is a value type of
-``emsd.protocol.peer``, which both ends encode and decode):
+``emsd.protocol.peer``, which both ends encode and decode). Both ends store,
+lend, count and drop blocks through their daemon's ``BlockOwner``
+(``emsd.transport.owner``: the ``Service``, which keeps quotas and checksums),
+never through the store:
 
-- ``GET {ns, n, kt}`` + keys: the server pins the leading present blocks and
+- ``GET {ns, n, kt}`` + keys: the server promotes what its disk tier holds
+  (``BlockOwner.peer_promotion``), pins the leading present blocks and
   answers ``{count, lengths}`` followed by their bytes, then releases the
   pins. The client reserves local chunks for them, receives each block into
   its chunk (or discards it when the block was already present locally) and
@@ -49,7 +53,8 @@ per peer for parallelism; each request and answer is a value type of
 - ``PUT {ns, n, kt, lengths}`` + keys + the blocks' bytes: the server
   reserves, receives into its chunks and commits; it answers ``{stored}``, the
   number of leading blocks now present on the server.
-- ``HAS {ns, n, kt}`` + keys: ``{count}`` of leading keys the server holds.
+- ``HAS {ns, n, kt}`` + keys: ``{count}`` of leading keys the server holds
+  (its disk tier's too).
 - ``DROP {ns}``: the server drops the namespace (``Service.drop_namespace``)
   and answers ``{dropped}``, the blocks it evicted.
 
@@ -77,9 +82,7 @@ import numpy as np
 
 from emsd.faults import FAULTS
 from emsd.logs import Once
-from emsd.pool.checksum import Checksums
 from emsd.pool.keys import KeyBatch
-from emsd.pool.store import BlockStore, Pinned, Reservation
 from emsd.pool.store import Status as SlotStatus
 from emsd.protocol.peer import (
     DropAnswer,
@@ -92,9 +95,9 @@ from emsd.protocol.peer import (
     PutAnswer,
     PutRequest,
 )
-from emsd.tenants import Quota
 from emsd.transport.busypoll import BusyPoll, no_poll
 from emsd.transport.frames import RDMA_OPS, FrameError, PeerOp, Status
+from emsd.transport.owner import BlockOwner
 from emsd.transport.stream import BULK_STALL as BULK_STALL
 from emsd.transport.stream import JOIN_LIMIT as JOIN_LIMIT
 from emsd.transport.stream import LOOP_BULK as LOOP_BULK
@@ -105,7 +108,7 @@ from emsd.transport.stream import _tune as _tune
 from emsd.transport.tls import PeerTls
 
 if TYPE_CHECKING:
-    from emsd.tier.stack import TierStack
+    from emsd.effects import Promote
 
 log = logging.getLogger("emsd.peer")
 
@@ -123,7 +126,6 @@ MAX_UNAUTHENTICATED_PER_ADDRESS = 16
 SCRATCH = 4 << 20  # discard buffer for blocks the receiver does not keep
 _NO_SCRATCH = memoryview(b"")  # what a closed connection holds instead
 _NEW, _FAILED = int(SlotStatus.NEW), int(SlotStatus.FAILED)  # a reserve's answers, as plain ints
-PROMOTE_BUDGET = 1.0  # seconds a GET may spend reading blocks from the disk tier (then: misses)
 # JOIN_LIMIT, LOOP_BULK, SOCKET_BUFFER, BULK_STALL, PeerError and _tune live in
 # emsd.transport.stream (the streams use them; patch them there) and are imported from here too.
 
@@ -145,69 +147,6 @@ class ControlHandler(Protocol):
 
 def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"\0".join(parts), hashlib.sha256).digest()
-
-
-@dataclass
-class PoolAccess:
-    """What the transport needs of its daemon: the store, the pool bytes, namespaces."""
-
-    store: BlockStore
-    pool: memoryview  # the whole region, writable
-    namespace_id: Callable[[str], int]  # name -> local id (created on first use)
-    checksums: Checksums | None = None  # pool.checksum: seal what arrives, check what leaves
-    drop_namespace: Callable[[str], int] | None = None  # name -> blocks evicted (None: refused)
-    tiers: TierStack | None = None  # the disk tier ([disk]): GET promotes, HAS counts what is on disk
-    quota: Quota | None = None  # the Service: tenants' quotas (None: none)
-
-    def reserve(self, ns: int, keys: KeyBatch, sizes: np.ndarray, copy: bool) -> Reservation:
-        """``store.reserve`` for blocks that arrive from a peer: its forwarded save or replica
-        (``copy`` false), or copies this node fetched (``copy``: they evict only other
-        copies, see ``BlockStore``). Within the tenant quota of ``ns`` (``quota.fit_quota``:
-        the leading keys that fit, after evicting that tenant's own blocks), the keys past it
-        FAILED; the NEW blocks count against the quota from now on (``quota.hold_quota``),
-        so that parts of one transfer arriving side by side cannot each fill it. End them
-        with ``commit`` or ``abort``. Every path that stores a tenant's bytes on this node
-        goes through a quota check: a client's save in ``Service``, the rest here."""
-        if self.quota is None:
-            return self.store.reserve(ns, keys, sizes, copy=copy)
-        fit = self.quota.fit_quota(ns, keys, sizes)
-        if fit == len(keys):
-            res = self.store.reserve(ns, keys, sizes, copy=copy)
-        else:
-            res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], copy=copy).padded(len(keys))
-        if res.status.size == 1:  # one block a call: scalar steps
-            held = int(sizes[0]) if res.status[0] == _NEW else 0
-        else:
-            held = int(sizes[res.status == _NEW].sum())
-        if held:
-            self.quota.hold_quota(ns, held)
-        return res
-
-    def abort(self, handles: np.ndarray) -> int:
-        """``store.abort`` of blocks reserved by ``reserve`` that did not arrive."""
-        self._unhold(handles)
-        return self.store.abort(handles)
-
-    def pin(self, ns: int, keys: KeyBatch) -> Pinned:
-        """``store.pin``, cut before the first block whose checksum fails."""
-        pinned = self.store.pin(ns, keys)
-        return pinned if self.checksums is None else self.checksums.verified(pinned)
-
-    def commit(self, handles: np.ndarray) -> int:
-        """``store.commit`` of blocks ``reserve`` placed and the peer wrote, sealed first
-        (checksums on); their quota hold ends (they count as committed bytes now)."""
-        if self.checksums is not None:
-            self.checksums.seal(handles)
-        self._unhold(handles)
-        return self.store.commit(handles)
-
-    def _unhold(self, handles: np.ndarray) -> None:
-        """End the quota hold of PENDING blocks ``handles`` (all of one namespace: one reserve)."""
-        if self.quota is None or handles.size == 0:
-            return
-        idx = self.store.index
-        held = idx.length[handles[0]] if handles.size == 1 else idx.length[handles].sum(dtype=np.int64)
-        self.quota.hold_quota(int(idx.ns_of(handles[:1])[0]), -int(held))
 
 
 def _address(conn: socket.socket) -> str:
@@ -259,30 +198,31 @@ def _check_id(header: dict[str, Any], rid: int) -> None:
         raise PeerError(f"answer {header.get('id')!r} does not match request {rid}")
 
 
-async def _receive_blocks(stream: PeerStream, access: PoolAccess, ns: int, keys: KeyBatch,
+async def _receive_blocks(stream: PeerStream, owner: BlockOwner, pool: memoryview, ns: int, keys: KeyBatch,
                           lengths: np.ndarray, scratch: memoryview, copy: bool) -> int:
-    """Reserve, receive into the pool, commit; returns how many leading keys are now present.
-    ``copy``: the blocks are copies this node fetched (``PoolAccess.reserve``).
+    """Reserve (``owner.reserve_arriving``: within the tenant's quota), receive into ``pool``,
+    commit; returns how many leading keys are now present. ``copy``: the blocks are copies
+    this node fetched.
 
     Blocks that are already present, or for which there is no space, are
     read off the stream into ``scratch`` and dropped, keeping the stream in
     step. A failure mid-stream aborts what was reserved.
     """
-    res = access.reserve(ns, keys, lengths, copy)
+    res = owner.reserve_arriving(ns, keys, lengths, copy)
     status = res.status.tolist()
     new = [i for i, st in enumerate(status) if st == _NEW]
     views: list[memoryview] = []
     for st, off, size in zip(status, res.offsets.tolist(), lengths.tolist(), strict=True):
         if st == _NEW:
-            views.append(access.pool[off : off + size])
+            views.append(pool[off : off + size])
         else:
             views += _scratch_views(scratch, size)
     try:
         await stream.recv_bulk(views)
     except BaseException:
-        access.abort(res.handles[new])
+        owner.abort_arriving(res.handles[new])
         raise
-    access.commit(res.handles[new])
+    owner.commit_arrived(res.handles[new])
     return status.index(_FAILED) if _FAILED in status else len(keys)
 
 
@@ -299,13 +239,23 @@ class _Served:
     control: ControlHandler | None = None  # made at the first RDMA control message
 
 
-class PeerServer:
-    """Serves this daemon's pool to authenticated peers over TCP (over mutual TLS with ``tls``)."""
+Promoting = Callable[["Promote", float], Awaitable[object]]  # carries out a Promote by a deadline
 
-    def __init__(self, access: PoolAccess, node_id: str, secret: bytes, *,
+
+class PeerServer:
+    """Serves this daemon's pool to authenticated peers over TCP (over mutual TLS with ``tls``).
+
+    ``owner`` stores, lends, counts and drops the blocks (``BlockOwner``: the ``Service``);
+    ``pool`` is the whole region, writable. ``promote`` carries out the disk-tier promotion a
+    GET needs (``owner.peer_promotion``; ``emsd.remote.Remote.before``); None: none is done.
+    """
+
+    def __init__(self, owner: BlockOwner, pool: memoryview, node_id: str, secret: bytes, *,
                  control: Callable[[], ControlHandler] | None = None, tls: PeerTls | None = None,
-                 socket_buffer: int = SOCKET_BUFFER) -> None:
-        self.access = access
+                 socket_buffer: int = SOCKET_BUFFER, promote: Promoting | None = None) -> None:
+        self.owner = owner
+        self.pool = pool
+        self.promote = promote
         self.socket_buffer = socket_buffer  # bytes a direction per accepted connection (_tune)
         self.node_id = node_id
         self.secret = secret
@@ -494,42 +444,34 @@ class PeerServer:
 
     async def _get(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
         req = GetRequest.decode(header, payload)
-        ns, keys = self.access.namespace_id(req.ns), req.keys
-        store = self.access.store
-        tiers = self.access.tiers
-        if tiers is not None:  # blocks only on this node's disk are read into the pool first
-            count = store.exists(ns, keys)
-            if tiers.wanted(ns, keys, count):
-                await tiers.promote(ns, keys, count, link.loop.time() + PROMOTE_BUDGET)
-        pinned = self.access.pin(ns, keys)
+        owner = self.owner
+        ns, keys = owner.namespace_id(req.ns), req.keys
+        if self.promote is not None:  # blocks only on this node's disk are read into the pool first
+            promotion = owner.peer_promotion(ns, keys)
+            if promotion is not None:
+                await self.promote(promotion, link.loop.time() + promotion.budget)
+        pinned = owner.pin_to_lend(ns, keys)
         try:
             header, parts = GetAnswer(pinned.count, pinned.lengths).encode()
             await link.conn.send_frame_bulk({**header, "id": rid}, tuple(parts),
-                                            _views(self.access.pool, pinned.offsets, pinned.lengths))
+                                            _views(self.pool, pinned.offsets, pinned.lengths))
         finally:
-            store.release(pinned.handles)
+            owner.release_lent(pinned.handles)
 
     async def _has(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
         req = HasRequest.decode(header, payload)
-        ns, keys = self.access.namespace_id(req.ns), req.keys
-        count = self.access.store.exists(ns, keys)
-        if self.access.tiers is not None:
-            count = self.access.tiers.exists(ns, keys, count)
+        count = self.owner.present_count(self.owner.namespace_id(req.ns), req.keys)
         await _answer(link, rid, HasAnswer(count))
 
     async def _drop(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
         req = DropRequest.decode(header, payload)
-        if self.access.drop_namespace is None:
-            await link.conn.send_frame({"id": rid, "st": int(Status.INVALID_ARGUMENT),
-                                        "msg": "this node cannot drop namespaces"})
-            return
-        await _answer(link, rid, DropAnswer(self.access.drop_namespace(req.ns)))
+        await _answer(link, rid, DropAnswer(self.owner.drop_namespace(req.ns)))
 
     async def _put(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
         req = PutRequest.decode(header, payload)
-        ns = self.access.namespace_id(req.ns)
-        stored = await _receive_blocks(link.conn, self.access, ns, req.keys, req.lengths, link.scratch,
-                                       copy=False)
+        ns = self.owner.namespace_id(req.ns)
+        stored = await _receive_blocks(link.conn, self.owner, self.pool, ns, req.keys, req.lengths,
+                                       link.scratch, copy=False)
         await _answer(link, rid, PutAnswer(stored))
 
     # Each peer op and the method that serves it (an op not here is refused: see ``_serve``).
@@ -549,11 +491,15 @@ class PeerServer:
 class PeerConnection:
     """One authenticated connection to a peer (over mutual TLS with ``tls``); one request at a time."""
 
-    def __init__(self, access: PoolAccess, node_id: str, secret: bytes, tls: PeerTls | None = None,
-                 socket_buffer: int = SOCKET_BUFFER, busy: BusyPoll | None = None) -> None:
-        """``busy``: the loop's busy poll (``node.busy_poll``), which then also polls for this
-        link's answers (``BusyPoll.awaiting``); None: the loop sleeps while it waits for them."""
-        self.access = access
+    def __init__(self, owner: BlockOwner, pool: memoryview, node_id: str, secret: bytes,
+                 tls: PeerTls | None = None, socket_buffer: int = SOCKET_BUFFER,
+                 busy: BusyPoll | None = None) -> None:
+        """``owner`` stores the copies a GET fetches (``BlockOwner``: the ``Service``) in
+        ``pool`` (the whole region), whose blocks a PUT sends. ``busy``: the loop's busy poll
+        (``node.busy_poll``), which then also polls for this link's answers
+        (``BusyPoll.awaiting``); None: the loop sleeps while it waits for them."""
+        self.owner = owner
+        self.pool = pool
         self.busy = busy
         self.socket_buffer = socket_buffer  # bytes a direction (_tune)
         self.node_id = node_id
@@ -628,10 +574,11 @@ class PeerConnection:
                 if header.get("st") != Status.OK:
                     raise PeerError(f"GET refused: {header.get('msg')}")
                 answer = GetAnswer.decode(header, payload, len(keys))
-                ns = self.access.namespace_id(ns_name)
+                ns = self.owner.namespace_id(ns_name)
                 self.last_bytes = int(answer.lengths.sum())
-                return await _receive_blocks(stream, self.access, ns, keys.take(slice(0, answer.count)),
-                                             answer.lengths, self._scratch, copy=True)
+                return await _receive_blocks(stream, self.owner, self.pool, ns,
+                                             keys.take(slice(0, answer.count)), answer.lengths,
+                                             self._scratch, copy=True)
 
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:
         """Send local blocks (pool ``offsets``/``lengths``) to the peer; returns its leading stored count.
@@ -645,7 +592,7 @@ class PeerConnection:
                 header, parts = PutRequest(ns_name, keys, lengths).encode()
                 with self._awaiting(stream) as poll:
                     await stream.send_frame_bulk({**header, "id": rid}, tuple(parts),
-                                                 _views(self.access.pool, offsets, lengths))
+                                                 _views(self.pool, offsets, lengths))
                     poll()
                     header, payload = await stream.recv_frame()
                 _check_id(header, rid)
@@ -665,7 +612,7 @@ class PeerConnection:
 
     async def drop(self, ns_name: str) -> int:
         """Have the peer drop namespace ``ns_name``: 1 once it has, 0 if it refused (a node
-        that cannot drop, or of a version without DROP; logged, and the peer is still up).
+        of a version without DROP; logged, and the peer is still up).
         Raises ``PeerError`` if the link fails."""
         try:
             await self.request(DropRequest(ns_name).encode())

@@ -64,12 +64,12 @@ from emsd.protocol.rdma import (
     UnpinRequest,
 )
 from emsd.transport.frames import FrameError, PeerOp
+from emsd.transport.owner import BlockOwner
 from emsd.transport.peer import (
     BULK_STALL,
     PeerConnection,
     PeerError,
     PeerRefused,
-    PoolAccess,
 )
 from emsd.transport.rdma_desc import DescriptorError, RdmaDescriptor, qp_from_wire, qp_to_wire
 from emsd.transport.rdma_plan import DEFAULT_CHUNK, Chunk, chunk_region, plan, segments
@@ -115,8 +115,9 @@ class RdmaEndpoint:
             regions = list(ex.map(lambda c: engine.register(c[0], base + c[0], c[1]), chunks))
         return cls(engine, regions, len(pool))
 
-    def serving(self, access: PoolAccess) -> RdmaServing:
-        return RdmaServing(self, access)
+    def serving(self, owner: BlockOwner) -> RdmaServing:
+        """The control messages of one peer connection, over ``owner``'s blocks."""
+        return RdmaServing(self, owner)
 
     def close(self) -> None:
         self.engine.close()
@@ -184,11 +185,12 @@ async def run_work(engine: VerbsEngine, qp: Any, op: Opcode, wrs: Sequence[WorkR
 
 
 class RdmaServing:
-    """The RDMA control messages of one peer connection (``peer.ControlHandler``)."""
+    """The RDMA control messages of one peer connection (``peer.ControlHandler``): blocks are
+    lent and reserved through ``owner`` (``BlockOwner``), as over TCP."""
 
-    def __init__(self, endpoint: RdmaEndpoint, access: PoolAccess) -> None:
+    def __init__(self, endpoint: RdmaEndpoint, owner: BlockOwner) -> None:
         self.endpoint = endpoint
-        self.access = access
+        self.owner = owner
         self.qp: Any = None
         self._pins: dict[int, np.ndarray] = {}  # token -> pinned handles
         self._reserved: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # token -> (status, handles)
@@ -233,19 +235,20 @@ class RdmaServing:
     def _pin(self, header: dict[str, Any], payload: bytes) -> Encoded:
         req = PinRequest.decode(header, payload)
         tok = self._next_token()
-        pinned = self.access.pin(self.access.namespace_id(req.ns), req.keys)
+        pinned = self.owner.pin_to_lend(self.owner.namespace_id(req.ns), req.keys)
         self._pins[tok] = pinned.handles
         return PinAnswer(tok, pinned.offsets, pinned.lengths).encode()
 
     def _unpin(self, header: dict[str, Any], payload: bytes) -> Encoded:
         handles = self._pins.pop(self._held(UnpinRequest.decode(header, payload).tok, self._pins))
-        self.access.store.release(handles)
+        self.owner.release_lent(handles)
         return {}, []
 
     def _reserve(self, header: dict[str, Any], payload: bytes) -> Encoded:
         req = ReserveRequest.decode(header, payload)
         tok = self._next_token()
-        res = self.access.reserve(self.access.namespace_id(req.ns), req.keys, req.lengths, copy=False)
+        res = self.owner.reserve_arriving(self.owner.namespace_id(req.ns), req.keys, req.lengths,
+                                         copy=False)
         self._reserved[tok] = (res.status, res.handles)
         return ReserveAnswer(tok, res.status, res.offsets).encode()
 
@@ -254,9 +257,9 @@ class RdmaServing:
         status, handles = self._reserved.pop(self._held(req.tok, self._reserved))
         new = handles[status == SlotStatus.NEW]
         if not req.ok:
-            self.access.abort(new)
+            self.owner.abort_arriving(new)
             return CommitAnswer(0).encode()
-        self.access.commit(new)
+        self.owner.commit_arrived(new)
         failed = np.flatnonzero(status == SlotStatus.FAILED)
         return CommitAnswer(int(failed[0]) if failed.size else len(status)).encode()
 
@@ -273,11 +276,10 @@ class RdmaServing:
         if self.qp is not None:  # first: no remote write lands after the aborts below
             self.endpoint.engine.destroy_qp(self.qp)
             self.qp = None
-        store = self.access.store
         for handles in self._pins.values():
-            store.release(handles)
+            self.owner.release_lent(handles)
         for status, handles in self._reserved.values():
-            self.access.abort(handles[status == SlotStatus.NEW])
+            self.owner.abort_arriving(handles[status == SlotStatus.NEW])
         self._pins.clear()
         self._reserved.clear()
 
@@ -306,8 +308,9 @@ class SelectingLink:
         self.peer_id = ""  # the node id the peer proved, once connected
 
     @property
-    def access(self) -> PoolAccess:
-        return self.tcp.access
+    def owner(self) -> BlockOwner:
+        """Where the copies a GET fetches are stored: its TCP connection's owner."""
+        return self.tcp.owner
 
     async def connect(self, host: str, port: int, timeout: float = 5.0) -> None:
         """Open the TCP connection, then RDMA if selected; an RDMA failure leaves a TCP link."""
@@ -413,23 +416,23 @@ class SelectingLink:
             return None
         pinned = self._answer(PinAnswer.decode, header, body, len(keys), "PIN")
         count, tok, offsets, lengths = pinned.count, pinned.tok, pinned.offsets, pinned.lengths
-        res = self.access.reserve(self.access.namespace_id(ns_name), keys.take(slice(0, count)), lengths,
-                                  copy=True)
+        res = self.owner.reserve_arriving(self.owner.namespace_id(ns_name), keys.take(slice(0, count)),
+                                          lengths, copy=True)
         new = np.flatnonzero(res.status == SlotStatus.NEW)
         try:
             await self._move(Opcode.READ, res.offsets[new], offsets[new], lengths[new])
         except (RdmaError, ValueError) as exc:  # ValueError: a plan that does not fit the regions
             self._drop_qp()
-            self.access.abort(res.handles[new])
+            self.owner.abort_arriving(res.handles[new])
             await self.tcp.request(UnpinRequest(tok).encode())
             self._fell_back(str(exc))
             return None
         except BaseException:
             self._drop_qp()
-            self.access.abort(res.handles[new])
+            self.owner.abort_arriving(res.handles[new])
             self.tcp.close()  # the owner releases the pin with the connection
             raise
-        self.access.commit(res.handles[new])
+        self.owner.commit_arrived(res.handles[new])
         await self.tcp.request(UnpinRequest(tok).encode())
         self.last_bytes = int(lengths.sum())
         failed = np.flatnonzero(res.status == SlotStatus.FAILED)

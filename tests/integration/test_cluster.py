@@ -236,16 +236,20 @@ def test_zookeeper_down_keeps_serving_and_the_cluster_rejoins(cluster: Any, zook
 def test_a_peer_with_the_wrong_secret_is_refused_and_the_daemon_stays_up(cluster: Any) -> None:
     import asyncio
 
+    from emsd.metrics import Metrics
     from emsd.pool.store import BlockStore
-    from emsd.transport.peer import PeerConnection, PeerError, PoolAccess
+    from emsd.service import Service
+    from emsd.transport.peer import PeerConnection, PeerError
 
     (a,) = cluster(1)
     port = int(a.sections["cluster"]["peer_listen"].rsplit(":", 1)[1])
-    access = PoolAccess(BlockStore(8 << 20, 1 << 20), memoryview(bytearray(8 << 20)), lambda _n: 0)
+    owner = Service(BlockStore(8 << 20, 1 << 20), "intruder", "test", Metrics())
+    pool = memoryview(bytearray(8 << 20))
 
     async def intrude() -> None:
         with pytest.raises(PeerError):
-            await PeerConnection(access, "intruder", b"not-the-cluster-secret").connect("127.0.0.1", port)
+            intruder = PeerConnection(owner, pool, "intruder", b"not-the-cluster-secret")
+            await intruder.connect("127.0.0.1", port)
 
     asyncio.run(intrude())
     assert a.alive() and stats(a)["membership"] == "joined"

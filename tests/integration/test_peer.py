@@ -5,17 +5,20 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
 import pytest
 
+from emsd.effects import Promote
 from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
-from emsd.service import Service
+from emsd.service import PEER_PROMOTE_BUDGET, Service
 from emsd.tenants import Tenant, Tenants
-from emsd.transport.peer import PeerConnection, PeerError, PeerServer, PoolAccess
+from emsd.transport.frames import PeerOp
+from emsd.transport.peer import PeerConnection, PeerError, PeerServer
 
 POOL = 16 << 20
 PAGE = 4 << 20
@@ -23,20 +26,18 @@ SECRET = b"cluster-secret-for-tests"
 
 
 class Node:
-    """A pool, its store and namespace table: what a daemon gives the transport."""
+    """A pool, its store and its Service: what a daemon gives the transport (the Service is
+    the transports' ``BlockOwner``)."""
 
     def __init__(self, name: str, tenants: Tenants | None = None) -> None:
         self.name = name
         self.mem = bytearray(POOL)
+        self.pool = memoryview(self.mem)
         self.store = BlockStore(POOL, PAGE)
-        self.names: dict[str, int] = {}
-        self.service = None if tenants is None else Service(self.store, name, "test", Metrics(), tenants)
-        self.access = PoolAccess(self.store, memoryview(self.mem), self.ns, quota=self.service)
+        self.service = Service(self.store, name, "test", Metrics(), tenants)
 
     def ns(self, name: str) -> int:
-        if self.service is not None:  # the daemon's own namespace table, which knows tenants
-            return self.service.namespace_id(name)
-        return self.names.setdefault(name, len(self.names))
+        return self.service.namespace_id(name)
 
     def put_local(self, ns: str, keys: list[int], blocks: list[bytes]) -> None:
         batch = KeyBatch.from_user(keys)
@@ -71,13 +72,13 @@ async def drain(sock: socket.socket) -> None:
 
 async def link(node: Node, port: int) -> PeerConnection:
     """A connected, authenticated link from ``node`` to the server on ``port``."""
-    conn = PeerConnection(node.access, node.name, SECRET)
+    conn = PeerConnection(node.service, node.pool, node.name, SECRET)
     await conn.connect("127.0.0.1", port)
     return conn
 
 
 async def serve(node: Node, secret: bytes = SECRET) -> tuple[PeerServer, int]:
-    server = PeerServer(node.access, node.name, secret)
+    server = PeerServer(node.service, node.pool, node.name, secret)
     _, port = await server.start("127.0.0.1", 0)
     return server, port
 
@@ -87,7 +88,7 @@ async def test_get_fetches_leading_blocks_into_the_local_pool() -> None:
     data = blocks(5, 300_000, seed=1)
     b.put_local("ns", [1, 2, 3, 5, 6], data)  # 4 is missing
     server, port = await serve(b)
-    conn = PeerConnection(a.access, "a", SECRET)
+    conn = PeerConnection(a.service, a.pool, "a", SECRET)
     try:
         await conn.connect("127.0.0.1", port)
         assert conn.peer_id == "b"
@@ -103,13 +104,48 @@ async def test_get_fetches_leading_blocks_into_the_local_pool() -> None:
         await server.close()
 
 
+async def test_a_get_of_blocks_on_the_owners_disk_promotes_them_first_as_the_service_plans() -> None:
+    """The owner's Service plans the promotion (``peer_promotion``: a ``Promote``, no fetch);
+    the server carries it out through its ``promote`` step before it pins; HAS counts the disk."""
+    a, b = Node("a"), Node("b")
+    data = blocks(3, 300_000, seed=4)
+    b.put_local("ns", [1], data[:1])
+    on_disk = {2: data[1], 3: data[2]}
+    b.service.tiers = SimpleNamespace(  # type: ignore[assignment]  # a disk tier holding 2 and 3
+        wanted=lambda _ns, keys, count: count < len(keys) and count + 1 in on_disk,
+        exists=lambda _ns, keys, count: len(keys))
+    carried: list[tuple[Promote, float]] = []
+
+    async def promote(effect: Promote, deadline: float) -> None:
+        carried.append((effect, deadline))
+        b.put_local("ns", list(on_disk), list(on_disk.values()))
+
+    server = PeerServer(b.service, b.pool, b.name, SECRET, promote=promote)
+    _, port = await server.start("127.0.0.1", 0)
+    conn = await link(a, port)
+    try:
+        assert await conn.exists("ns", KeyBatch.from_user([1, 2, 3])) == 3
+        start = asyncio.get_running_loop().time()
+        assert await conn.get("ns", KeyBatch.from_user([1, 2, 3])) == 3
+        assert a.read("ns", [1, 2, 3]) == data
+        (effect, deadline), = carried
+        assert (effect.ns, effect.count, effect.fetch) == (b.ns("ns"), 1, False)
+        end = asyncio.get_running_loop().time()
+        assert start + PEER_PROMOTE_BUDGET <= deadline <= end + PEER_PROMOTE_BUDGET  # the plan's budget
+        assert await conn.get("ns", KeyBatch.from_user([1, 2, 3])) == 3
+        assert len(carried) == 1  # all in the pool now: nothing to promote
+    finally:
+        conn.close()
+        await server.close()
+
+
 async def test_put_stores_blocks_on_the_peer() -> None:
     a, b = Node("a"), Node("b")
     data = blocks(4, 1 << 20, seed=2)
     a.put_local("ns", [10, 11, 12, 13], data)
     b.put_local("ns", [11], [data[1]])  # already there: skipped, not an error
     server, port = await serve(b)
-    conn = PeerConnection(a.access, "a", SECRET)
+    conn = PeerConnection(a.service, a.pool, "a", SECRET)
     try:
         await conn.connect("127.0.0.1", port)
         pinned = a.store.pin(a.ns("ns"), KeyBatch.from_user([10, 11, 12, 13]))
@@ -151,7 +187,7 @@ async def test_blocks_from_a_peer_count_against_their_tenants_quota_both_ways() 
         assert a.store.ns_bytes(a.ns(mine)) <= 1 << 20
         assert a.read(theirs, [1]) == other  # never touched by team-b's quota
         assert a.store.stats().pending == 0
-        assert a.service is not None  # every hold on the quota ended with its transfer
+        # every hold on the quota ended with its transfer
         assert a.service._quota_held("team-b") == a.store.ns_bytes(a.ns(mine))
     finally:
         get.close()
@@ -165,7 +201,7 @@ async def test_a_wrong_secret_is_refused_both_ways() -> None:
     b.put_local("ns", [1], blocks(1, 1000, seed=3))
     server, port = await serve(b)
     try:
-        intruder = PeerConnection(a.access, "a", b"wrong-secret")
+        intruder = PeerConnection(a.service, a.pool, "a", b"wrong-secret")
         with pytest.raises(PeerError, match="authentication failed|refused"):
             await intruder.connect("127.0.0.1", port)
         assert server.refused == 1
@@ -173,7 +209,7 @@ async def test_a_wrong_secret_is_refused_both_ways() -> None:
         fake, fake_port = await serve(Node("fake"), secret=b"other")
         try:
             with pytest.raises(PeerError):
-                await PeerConnection(a.access, "a", SECRET).connect("127.0.0.1", fake_port)
+                await PeerConnection(a.service, a.pool, "a", SECRET).connect("127.0.0.1", fake_port)
         finally:
             await fake.close()
         good = await link(a, port)
@@ -290,7 +326,7 @@ async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_th
         await asyncio.sleep(30)
 
     owner = asyncio.ensure_future(stalling_owner())
-    conn = PeerConnection(a.access, "a", SECRET)
+    conn = PeerConnection(a.service, a.pool, "a", SECRET)
     try:
         await conn.connect("127.0.0.1", listener.getsockname()[1])
         with pytest.raises(TimeoutError):
@@ -307,11 +343,12 @@ async def test_a_get_cancelled_mid_transfer_leaves_nothing_reserved_and_drops_th
         listener.close()
 
 
-async def test_drop_reaches_the_peer_and_a_bad_or_refused_drop_harms_nothing() -> None:
+async def test_drop_reaches_the_peer_and_a_bad_or_refused_drop_harms_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = Node("a"), Node("b")
     b.put_local("ns", [1, 2], blocks(2, 1000, seed=7))
     asked: list[str] = []
-    b.access.drop_namespace = lambda name: asked.append(name) or 2
+    monkeypatch.setattr(b.service, "drop_namespace", lambda name: asked.append(name) or 2)
     server, port = await serve(b)
     loop = asyncio.get_running_loop()
     try:
@@ -325,7 +362,8 @@ async def test_drop_reaches_the_peer_and_a_bad_or_refused_drop_harms_nothing() -
         await loop.sock_sendall(bad.sock, struct.pack("<II", len(head), 0) + head)
         await drain(bad.sock)  # answered and dropped
         bad.close()
-        b.access.drop_namespace = None  # a node that cannot drop says so; the link stays usable
+        # a node of a version without DROP refuses it (an unknown op); the link stays usable
+        monkeypatch.delitem(PeerServer._serving, PeerOp.DROP)
         refused = await link(a, port)
         assert await refused.drop("ns") == 0
         assert not refused.closed
@@ -366,9 +404,9 @@ async def test_an_unknown_op_is_refused_and_the_link_stays_up_unless_bulk_bytes_
 
 async def test_both_ends_of_a_link_use_the_configured_socket_buffer() -> None:
     a, b = Node("a"), Node("b")
-    server = PeerServer(b.access, b.name, SECRET, socket_buffer=96 << 10)
+    server = PeerServer(b.service, b.pool, b.name, SECRET, socket_buffer=96 << 10)
     _, port = await server.start("127.0.0.1", 0)
-    conn = PeerConnection(a.access, a.name, SECRET, socket_buffer=80 << 10)
+    conn = PeerConnection(a.service, a.pool, a.name, SECRET, socket_buffer=80 << 10)
     try:
         await conn.connect("127.0.0.1", port)
         assert conn.sock is not None

@@ -48,7 +48,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 async def tls_server(node: Node, tls: PeerTls | None) -> tuple[PeerServer, int]:
-    server = PeerServer(node.access, node.name, SECRET, tls=tls)
+    server = PeerServer(node.service, node.pool, node.name, SECRET, tls=tls)
     _, port = await server.start("127.0.0.1", 0)
     return server, port
 
@@ -59,7 +59,7 @@ async def test_blocks_move_both_ways_over_mutual_tls(pki: Pki) -> None:
     b.put_local("ns", [1, 2, 3], there)
     a.put_local("ns", [7, 8, 9], here)
     server, port = await tls_server(b, pki.tls("b"))
-    conn = PeerConnection(a.access, "a", SECRET, pki.tls("a"))
+    conn = PeerConnection(a.service, a.pool, "a", SECRET, pki.tls("a"))
     try:
         await conn.connect("127.0.0.1", port)
         assert conn.peer_id == "b"
@@ -93,7 +93,7 @@ async def test_a_certificate_from_another_ca_is_refused(pki: Pki) -> None:
     server, port = await tls_server(b, pki.tls("b"))
     try:
         # mallory trusts the cluster CA but holds a foreign certificate: the server refuses her.
-        intruder = PeerConnection(a.access, "mallory", SECRET, pki.tls("mallory"))
+        intruder = PeerConnection(a.service, a.pool, "mallory", SECRET, pki.tls("mallory"))
         with pytest.raises(PeerError, match="cannot connect"):
             await intruder.connect("127.0.0.1", port, timeout=3.0)
         wait = 0
@@ -104,7 +104,7 @@ async def test_a_certificate_from_another_ca_is_refused(pki: Pki) -> None:
         # A server with a foreign certificate is refused by a cluster client in turn.
         rogue, rogue_port = await tls_server(Node("mallory"), pki.tls("mallory", ca=pki.ca))
         try:
-            client = PeerConnection(a.access, "a", SECRET, pki.tls("a"))
+            client = PeerConnection(a.service, a.pool, "a", SECRET, pki.tls("a"))
             with pytest.raises(PeerError, match="certificate verify failed"):
                 await client.connect("127.0.0.1", rogue_port, timeout=3.0)
         finally:
@@ -119,10 +119,10 @@ async def test_a_plain_peer_cannot_talk_to_a_tls_peer(pki: Pki) -> None:
     tls_side, tls_port = await tls_server(b, pki.tls("b"))
     plain_side, plain_port = await tls_server(b, None)
     try:
-        plain = PeerConnection(a.access, "a", SECRET)  # right secret, no TLS
+        plain = PeerConnection(a.service, a.pool, "a", SECRET)  # right secret, no TLS
         with pytest.raises(PeerError, match="cannot connect"):
             await plain.connect("127.0.0.1", tls_port, timeout=1.0)
-        with_tls = PeerConnection(a.access, "a", SECRET, pki.tls("a"))
+        with_tls = PeerConnection(a.service, a.pool, "a", SECRET, pki.tls("a"))
         with pytest.raises(PeerError, match="cannot connect"):
             await with_tls.connect("127.0.0.1", plain_port, timeout=3.0)
         assert a.store.exists(a.ns("ns"), KeyBatch.from_user([1])) == 0  # nothing moved
@@ -234,7 +234,7 @@ async def test_a_tls_get_cancelled_mid_transfer_leaves_nothing_reserved(pki: Pki
             await asyncio.sleep(30)
 
     owner = asyncio.ensure_future(stalling_owner())
-    conn = PeerConnection(a.access, "a", SECRET, pki.tls("a"))
+    conn = PeerConnection(a.service, a.pool, "a", SECRET, pki.tls("a"))
     try:
         await conn.connect("127.0.0.1", listener.getsockname()[1])
         with pytest.raises(TimeoutError):
@@ -263,7 +263,7 @@ async def test_stalled_handshakes_do_not_hold_up_an_established_connection(
     data = blocks(4, 1 << 20, seed=5)
     b.put_local("ns", [1, 2, 3, 4], data)
     server, port = await tls_server(b, pki.tls("b"))
-    conn = PeerConnection(a.access, "a", SECRET, pki.tls("a"))
+    conn = PeerConnection(a.service, a.pool, "a", SECRET, pki.tls("a"))
     loop = asyncio.get_running_loop()
     silent = []
     try:
@@ -304,7 +304,7 @@ async def test_silent_connections_do_not_delay_a_new_handshake(pki: Pki,
     server, port = await tls_server(b, pki.tls("b"))
     loop = asyncio.get_running_loop()
     silent = []
-    conn = PeerConnection(a.access, "a", SECRET, pki.tls("a"))
+    conn = PeerConnection(a.service, a.pool, "a", SECRET, pki.tls("a"))
     try:
         for _ in range(peer.MAX_UNAUTHENTICATED_PER_ADDRESS - 1):
             raw = socket.socket()

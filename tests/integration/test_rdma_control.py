@@ -42,14 +42,14 @@ class Setup:
     def __init__(self, serve_rdma: bool = True, **engine: object) -> None:
         fabric = FakeFabric()
         self.a, self.b = Node("a", fabric, **engine), Node("b", fabric)
-        control = (lambda: self.b.endpoint.serving(self.b.access)) if serve_rdma else None
-        self.server = PeerServer(self.b.access, "b", SECRET, control=control)
+        control = (lambda: self.b.endpoint.serving(self.b.service)) if serve_rdma else None
+        self.server = PeerServer(self.b.service, self.b.pool, "b", SECRET, control=control)
         self.transports = PeerTransports("auto", "")
         self.reports: list[str] = []
 
     async def link(self, endpoint: bool = True) -> SelectingLink:
         _, port = await self.server.start("127.0.0.1", 0)
-        tcp = PeerConnection(self.a.access, "a", SECRET)
+        tcp = PeerConnection(self.a.service, self.a.pool, "a", SECRET)
         link = SelectingLink(tcp, self.a.endpoint if endpoint else None, self.transports,
                              lambda peer: (self.b.endpoint.descriptor, ""), self.reports.append)
         await link.connect("127.0.0.1", port)

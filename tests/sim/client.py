@@ -110,7 +110,7 @@ class Client:
         handles = np.frombuffer(parts[1], dtype="<u4")
         status = np.frombuffer(parts[2], dtype=np.uint8)
         new = np.flatnonzero(status == 0)
-        pool = self.service.cluster.access.pool if self.service.cluster else None
+        pool = self.service.cluster.pool if self.service.cluster else None
         assert pool is not None
         for i in new.tolist():
             data = content(self.ns_name, keys[i])
@@ -139,7 +139,7 @@ class Client:
         lengths = np.frombuffer(parts[1], dtype="<u8")
         handles = np.frombuffer(parts[2], dtype="<u4")
         assert self.service.cluster is not None
-        pool = self.service.cluster.access.pool
+        pool = self.service.cluster.pool
         for i in range(count):
             want = content(self.ns_name, keys[i])
             off, n = int(offsets[i]), int(lengths[i])

@@ -39,7 +39,8 @@ import numpy as np
 
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import Status
-from emsd.transport.peer import PeerError, PoolAccess
+from emsd.transport.owner import BlockOwner
+from emsd.transport.peer import PeerError
 
 NEW = int(Status.NEW)
 FAILED = int(Status.FAILED)
@@ -49,8 +50,10 @@ class Endpoint(Protocol):
     """What the network needs of a simulated node."""
 
     node_id: str
-    access: PoolAccess
+    service: BlockOwner  # stores, lends and drops blocks, as over a real transport
+    pool: memoryview
     alive: bool
+    drops: bool  # answers DROP (False: refuses it, as a node of a version without DROP)
 
 
 @dataclass
@@ -143,25 +146,26 @@ class SimLink:
         remote = self._ready()
         with self._failing(f"GET from {remote.node_id}"):
             await self._hop()
-            server = remote.access
-            pinned = server.store.pin(server.namespace_id(ns_name), keys)
+            server = remote.service
+            pinned = server.pin_to_lend(server.namespace_id(ns_name), keys)
             try:
                 await self._hop()
-                store = self.local.access.store
-                ns = self.local.access.namespace_id(ns_name)
-                res = store.reserve(ns, keys.take(slice(0, pinned.count)), pinned.lengths)
+                local = self.local.service
+                ns = local.namespace_id(ns_name)
+                res = local.reserve_arriving(ns, keys.take(slice(0, pinned.count)), pinned.lengths,
+                                             copy=False)
                 new = np.flatnonzero(res.status == NEW)
                 try:
                     await self._hop()
                 except BaseException:
-                    store.abort(res.handles[new])
+                    local.abort_arriving(res.handles[new])
                     raise
-                _copy(server.pool, pinned.offsets[new], self.local.access.pool, res.offsets[new],
+                _copy(remote.pool, pinned.offsets[new], self.local.pool, res.offsets[new],
                       pinned.lengths[new])
-                store.commit(res.handles[new])
+                local.commit_arrived(res.handles[new])
                 self.net.moved["get"] += int(new.size)
             finally:
-                server.store.release(pinned.handles)
+                server.release_lent(pinned.handles)
         self.last_bytes = int(pinned.lengths.sum())
         failed = np.flatnonzero(res.status == FAILED)
         return int(failed[0]) if failed.size else pinned.count
@@ -170,8 +174,8 @@ class SimLink:
         remote = self._ready()
         with self._failing(f"EXISTS at {remote.node_id}"):
             await self._hop()
-            server = remote.access
-            count = server.store.exists(server.namespace_id(ns_name), keys)
+            server = remote.service
+            count = server.present_count(server.namespace_id(ns_name), keys)
             await self._hop(reply=True)
         return count
 
@@ -179,10 +183,10 @@ class SimLink:
         remote = self._ready()
         with self._failing(f"DROP at {remote.node_id}"):
             await self._hop()
-            if remote.access.drop_namespace is None:  # refused, as PeerConnection.drop: the link stays up
+            if not remote.drops:  # refused, as PeerConnection.drop: the link stays up
                 await self._hop(reply=True)
                 return 0
-            remote.access.drop_namespace(ns_name)
+            remote.service.drop_namespace(ns_name)
             await self._hop(reply=True)
         return 1
 
@@ -190,16 +194,16 @@ class SimLink:
         remote = self._ready()
         with self._failing(f"PUT to {remote.node_id}"):
             await self._hop()
-            server = remote.access
-            res = server.store.reserve(server.namespace_id(ns_name), keys, lengths)
+            server = remote.service
+            res = server.reserve_arriving(server.namespace_id(ns_name), keys, lengths, copy=False)
             new = np.flatnonzero(res.status == NEW)
             try:
                 await self._hop()
             except BaseException:
-                server.store.abort(res.handles[new])
+                server.abort_arriving(res.handles[new])
                 raise
-            _copy(self.local.access.pool, offsets[new], server.pool, res.offsets[new], lengths[new])
-            server.store.commit(res.handles[new])
+            _copy(self.local.pool, offsets[new], remote.pool, res.offsets[new], lengths[new])
+            server.commit_arrived(res.handles[new])
             self.net.moved["put"] += int(new.size)
             self.net.puts.append(PutRecord(asyncio.get_running_loop().time(), self.local.node_id,
                                            remote.node_id, ns_name,

@@ -185,11 +185,11 @@ def test_a_peer_that_refuses_a_drop_is_counted_as_missed_not_taken_for_down() ->
         saver = Client(b.service, NS)
         await saver.save(keys, 1000)
         saver.close()
-        b.access.drop_namespace = None  # refuses
+        b.drops = False  # refuses
         refused = await a.cluster.drop(NS, loop.time() + 1.0)
         down = set(a.cluster.peers.down)
         loaded = (await Client(a.service, NS).load(keys, 500)).count  # b not in backoff
-        b.access.drop_namespace = b.service.drop_namespace
+        b.drops = True
         confirmed = await a.cluster.drop(NS, loop.time() + 1.0)
         return refused, confirmed, down, loaded
 

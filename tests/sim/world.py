@@ -59,7 +59,7 @@ from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
 from emsd.service import Service
-from emsd.transport.peer import PEER_PROTOCOL, PoolAccess
+from emsd.transport.peer import PEER_PROTOCOL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_store import check_invariants  # noqa: E402
@@ -103,13 +103,13 @@ class SimNode:
         self.drained = False  # left the ring with DRAIN: still serves, owns nothing
         self.store = BlockStore(capacity, PAGE)
         self.service = Service(self.store, node_id, "sim", Metrics())
-        self.access = PoolAccess(self.store, memoryview(bytearray(capacity)), self.service.namespace_id,
-                                 quota=self.service)
+        self.pool = memoryview(bytearray(capacity))
+        self.drops = True  # answers a peer's DROP (tests set False: a node that refuses it)
         cfg = ClusterConfig(name="sim", zookeeper="sim", peer_listen=addr, replicas=params.replicas,
                             vnodes=32, peer_connections=params.peer_connections)
         me = NodeInfo(node_id, addr, capacity, PEER_PROTOCOL)
         self.membership = SimMembership(coordinator, me)
-        self.cluster = Cluster(cfg, node_id, capacity, self.access, b"sim-secret",
+        self.cluster = Cluster(cfg, node_id, capacity, self.service, self.pool, b"sim-secret",
                                dialer=lambda: net.dialer(self), membership=self.membership)
         self.service.cluster = self.cluster
 
