@@ -435,6 +435,9 @@ class Service:
             held = int(sizes[res.status == _NEW].sum())
         if held:
             self.hold_quota(ns, held)
+        if not copy:  # a peer's save served here (a fetched copy is this node's own load)
+            new = int(np.count_nonzero(res.status == _NEW))
+            self.metrics.reserved(new, held, int(np.count_nonzero(res.status == _FAILED)), "peer_put")
         return res
 
     def commit_arrived(self, handles: np.ndarray) -> int:
@@ -462,8 +465,11 @@ class Service:
 
     def pin_to_lend(self, ns: int, keys: KeyBatch) -> Pinned:
         """The leading present ``keys`` pinned to send to a peer (``pin_checked``: cut before
-        the first block whose checksum fails); end with ``release_lent``."""
-        return self.pin_checked(ns, keys)
+        the first block whose checksum fails); end with ``release_lent``. Counted as lookups
+        of op "peer_get" (the loads this node serves to peers)."""
+        pinned = self.pin_checked(ns, keys)
+        self.metrics.looked_up("peer_get", pinned.count, len(keys) - pinned.count, int(pinned.lengths.sum()))
+        return pinned
 
     def release_lent(self, handles: np.ndarray) -> None:
         """Release blocks ``pin_to_lend`` pinned."""
@@ -471,9 +477,12 @@ class Service:
 
     def present_count(self, ns: int, keys: KeyBatch) -> int:
         """How many leading ``keys`` this node holds, in the pool or on its disk tier (a peer's
-        HAS; a GET promotes what is on disk)."""
+        HAS, counted as lookups of op "peer_has"; a GET promotes what is on disk)."""
         count = self.store.exists(ns, keys)
-        return count if self.tiers is None else self.tiers.exists(ns, keys, count)
+        if self.tiers is not None:
+            count = self.tiers.exists(ns, keys, count)
+        self.metrics.looked_up("peer_has", count, len(keys) - count, 0)
+        return count
 
     def peer_promotion(self, ns: int, keys: KeyBatch) -> Promote | None:
         """The ``Promote`` a peer's GET of ``keys`` needs first: the disk-only blocks after the

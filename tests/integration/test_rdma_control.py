@@ -196,7 +196,7 @@ async def test_a_malformed_commit_closes_the_link_and_aborts_the_reservation() -
                 break
             await asyncio.sleep(0.01)
         assert s.b.store.stats().pending == 0 and s.b.store.exists(s.b.ns("ns"), keys) == 0
-        again = PeerConnection(s.a.access, "a", SECRET)  # the owner still serves
+        again = PeerConnection(s.a.service, s.a.pool, "a", SECRET)  # the owner still serves
         await again.connect(*s.server._listener.getsockname()[:2])
         assert await again.get("ns", keys) == 0
         again.close()

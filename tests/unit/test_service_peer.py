@@ -143,6 +143,21 @@ def test_a_peer_get_plans_a_promotion_from_the_disk_tier_and_has_counts_the_disk
     assert _has(svc, THEIRS, [1, 2, 3]) == 3
 
 
+def test_what_the_owner_serves_peers_is_counted_apart_from_its_own_clients() -> None:
+    svc, pool = _service()
+    keys = svc.metrics.requests.keys
+    assert _put(svc, pool, MINE, [1, 2, 3, 4, 5]).tolist() == [NEW] * 4 + [FAILED]
+    assert svc.metrics.requests.bytes["peer_put"] == 4 * BLOCK and svc.metrics.requests.save_failed == 1
+    assert _lent(svc, MINE, [1, 2, 9]) == 2
+    assert (keys["peer_get", "hit"], keys["peer_get", "miss"]) == (2, 1)
+    assert svc.metrics.requests.bytes["peer_get"] == 2 * BLOCK
+    assert _has(svc, MINE, [1, 7]) == 1 and (keys["peer_has", "hit"], keys["peer_has", "miss"]) == (1, 1)
+    fetched = svc.reserve_arriving(svc.namespace_id(MINE), KeyBatch.from_user([8]), np.full(1, 1, np.uint64),
+                                   copy=True)  # a copy this node fetched for its own client
+    svc.abort_arriving(fetched.handles)
+    assert svc.metrics.requests.bytes["peer_put"] == 4 * BLOCK and ("pin", "hit") not in keys
+
+
 def test_a_peer_drop_goes_through_the_services_namespace_table() -> None:
     svc, pool = _service()
     _put(svc, pool, THEIRS, [1, 2])
