@@ -153,7 +153,7 @@ class SimLink:
                 local = self.local.service
                 ns = local.namespace_id(ns_name)
                 res = local.reserve_arriving(ns, keys.take(slice(0, pinned.count)), pinned.lengths,
-                                             copy=False)
+                                             copy=True)  # a fetched copy, as PeerConnection.get keeps it
                 new = np.flatnonzero(res.status == NEW)
                 try:
                     await self._hop()

@@ -102,6 +102,12 @@ class SimNode:
         self.alive = True
         self.drained = False  # left the ring with DRAIN: still serves, owns nothing
         self.store = BlockStore(capacity, PAGE)
+        # Fetched copies are kept as the daemon keeps them (copy=True: they take at most
+        # copy_floor from owned blocks). A pool of a dozen 8 KiB pages with four size classes
+        # holds too few copies at the default 1/16 for a calm load to always find room (the
+        # policy's own tests are tests/unit/test_store.py and test_cluster.py): the largest
+        # pool.read_cache_share the config allows.
+        self.store.copy_floor = capacity // 2
         self.service = Service(self.store, node_id, "sim", Metrics())
         self.pool = memoryview(bytearray(capacity))
         self.drops = True  # answers a peer's DROP (tests set False: a node that refuses it)
