@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_peer_protocol import fields, framed, names, sizes, user_keys  # the peer messages' strategies
 
 from emsd.pool.keys import KeyBatch
 from emsd.protocol.peer import MAX_NAME
@@ -28,21 +29,10 @@ from emsd.protocol.rdma import (
     ReserveRequest,
     UnpinRequest,
 )
-from emsd.transport.frames import PROTOCOL_VERSION, FrameDecoder, FrameError, PeerOp, Status, encode_parts
+from emsd.transport.frames import FrameError, PeerOp, Status
 
-names = st.text(min_size=1, max_size=40)
-user_keys = st.lists(st.one_of(st.integers(0, 2**64 - 1), st.binary(max_size=32)), max_size=20)
 u64s = st.integers(0, 2**64 - 1)
-sizes = st.integers(1, 1 << 26)
 tokens = st.integers(1, MAX_TOKEN)
-
-
-def framed(encoded: tuple[dict[str, Any], list[bytes]], rid: int = 7) -> tuple[dict[str, Any], bytes]:
-    """``encoded`` sent as a frame with id ``rid`` and read back by the codec."""
-    header, parts = encoded
-    raw = b"".join(encode_parts({"v": PROTOCOL_VERSION, "id": rid, **header}, *parts))
-    (frame,) = FrameDecoder().feed(raw)
-    return frame.header, frame.payload
 
 
 @given(names, user_keys)
@@ -141,8 +131,6 @@ def test_what_a_control_message_must_not_carry_is_refused() -> None:
         PinAnswer.decode({"count": 2, "tok": 1}, b"\0" * 31, asked=2)
 
 
-fields = st.one_of(st.integers(-(2**64), 2**64), st.text(max_size=10), st.binary(max_size=10), st.none(),
-                   st.booleans(), st.floats(allow_nan=False), st.lists(st.integers(), max_size=3))
 field_names = st.sampled_from(["ns", "n", "kt", "count", "tok", "ok", "stored", "qp", "op"])
 
 
