@@ -429,15 +429,18 @@ class Service:
             res = self.store.reserve(ns, keys, sizes, copy=copy)
         else:
             res = self.store.reserve(ns, keys.take(slice(0, fit)), sizes[:fit], copy=copy).padded(len(keys))
-        if res.status.size == 1:  # one block a call: scalar steps
-            held = int(sizes[0]) if res.status[0] == _NEW else 0
+        status = res.status
+        if status.size == 1:  # one block a call: scalar steps
+            new, failed = int(status[0] == _NEW), int(status[0] == _FAILED)
+            held = int(sizes[0]) if new else 0
         else:
-            held = int(sizes[res.status == _NEW].sum())
+            fresh = status == _NEW
+            new, failed = int(np.count_nonzero(fresh)), int(np.count_nonzero(status == _FAILED))
+            held = int(sizes[fresh].sum())
         if held:
             self.hold_quota(ns, held)
         if not copy:  # a peer's save served here (a fetched copy is this node's own load)
-            new = int(np.count_nonzero(res.status == _NEW))
-            self.metrics.reserved(new, held, int(np.count_nonzero(res.status == _FAILED)), "peer_put")
+            self.metrics.reserved(new, held, failed, "peer_put")
         return res
 
     def commit_arrived(self, handles: np.ndarray) -> int:
