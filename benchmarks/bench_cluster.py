@@ -62,14 +62,15 @@ MiB = 1 << 20
 
 
 def start_daemon(work: Path, name: str, zk_hosts: str, secret: Path,
-                 cluster: str = "") -> tuple[subprocess.Popen[bytes], Path]:
-    """Daemon ``name`` of cluster "bench", ready; ``cluster``: more ``[cluster]`` lines."""
+                 cluster: str = "", node: str = "") -> tuple[subprocess.Popen[bytes], Path]:
+    """Daemon ``name`` of cluster "bench", ready; ``cluster``, ``node``: more ``[cluster]`` and
+    ``[node]`` lines."""
     sock = work / name / "sock"
     sock.parent.mkdir(parents=True)
     port, peer = zk.free_port(), zk.free_port()
     cfg = work / name / "emsd.toml"
     cfg.write_text(
-        f'[node]\nid = "{name}"\nsocket_dir = "{sock}"\n'
+        f'[node]\nid = "{name}"\nsocket_dir = "{sock}"\n{node}'
         f'[pool]\nsize = "{POOL >> 20}MiB"\nhugepages = "auto"\npage_size = "64MiB"\n'
         f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n'
         f'[cluster]\nname = "bench"\nzookeeper = "{zk_hosts}"\npeer_listen = "127.0.0.1:{peer}"\n'

@@ -1,6 +1,6 @@
 """One block a call to another node: latency and where the CPU goes, node by node.
 
-    python benchmarks/bench_remote_one.py [--n N] [--rounds R] [--json]
+    python benchmarks/bench_remote_one.py [--n N] [--rounds R] [--busy-poll US] [--json]
 
 A ZooKeeper and two clustered daemons on loopback (bench_cluster's helpers), and
 one SDK client of node A (``benchmarks/peers``' emsd-remote client). Each round
@@ -10,7 +10,9 @@ once, one a call (A fetches it from B, the SDK copies it out). Reported per
 round: p50 and p90 of each call, and the CPU (user and system) that node A,
 node B and the client used per call, read from ``/proc`` around each phase.
 The first round warms up; the last one's figures are the result (``--json``:
-every round). Every load is checked to have found its block.
+every round). Every load is checked to have found its block. ``--busy-poll US``
+sets both daemons' ``node.busy_poll`` and the client's ``EMS_BUSY_POLL_US``
+(0: everyone sleeps while waiting, so the CPU figures are work, not polling).
 
 What it is for: the node the client asks (A) is where a one-block remote call
 spends its time (docs/benchmarks.md, "Two nodes"); its CPU per call is steadier
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -38,6 +41,8 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "peers"), st
 import zk  # noqa: E402
 from bench_cluster import POOL, start_daemon  # noqa: E402
 from clients.emsd_remote_client import EmsdRemoteClient  # noqa: E402
+
+from ems.client import BUSY_POLL_ENV  # noqa: E402
 
 SIZE = 64 << 10
 
@@ -66,8 +71,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=2000, help="blocks a round (default 2000)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, the first a warm-up (default 3)")
+    ap.add_argument("--busy-poll", type=int, default=None, metavar="US",
+                    help="node.busy_poll of both daemons and the client's EMS_BUSY_POLL_US (default: theirs)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    node = ""
+    if args.busy_poll is not None:
+        node = f"busy_poll = {args.busy_poll}\n"
+        os.environ[BUSY_POLL_ENV] = str(args.busy_poll)  # read when the SDK connects, below
     why = zk.available()
     if why:
         sys.exit(f"no ZooKeeper: {why}")
@@ -85,7 +96,7 @@ def main() -> None:
         secret.chmod(0o600)
         nodes = {}
         for name in ("a", "b"):
-            proc, sock = start_daemon(work, name, server.hosts, secret)
+            proc, sock = start_daemon(work, name, server.hosts, secret, node=node)
             stack.callback(proc.wait, 30)
             stack.callback(proc.terminate)
             nodes[name] = (proc, sock)
