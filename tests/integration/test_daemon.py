@@ -25,13 +25,12 @@ from emsd.pool.region import read_hugepage_info
 from emsd.protocol.local import (
     CountAnswer,
     ExistsRequest,
-    NamespaceAnswer,
-    NamespaceRequest,
     PinAnswer,
     PinRequest,
     ReserveRequest,
 )
 from emsd.transport.frames import PROTOCOL_VERSION, Op, Status
+from tests.messages import called, namespace_id
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 4
@@ -366,9 +365,8 @@ def test_full_pool_of_pinned_blocks_shows_in_success_not_an_exception(emsd_facto
         holder = DaemonClient(d.socket_dir / "emsd.sock")
         holder.connect({})
         ns = cc._ns(Ems._current_client(), None)
-        opened = holder.call(Op.NAMESPACE, *NamespaceRequest(cc._namespace).encode(), timeout=5)
-        pin = PinRequest(NamespaceAnswer.decode(*opened).ns, KeyBatch.from_user(list(range(8))))
-        pinned = PinAnswer.decode(*holder.call(Op.PIN, *pin.encode(), timeout=5), 8)
+        pin = PinRequest(namespace_id(holder, cc._namespace), KeyBatch.from_user(list(range(8))))
+        pinned = PinAnswer.decode(*called(holder, Op.PIN, pin), 8)
         assert len(pinned.handles) == 8 and ns >= 0
         res = cc.save(slots, hashes=list(range(100, 108)), offsets=[BLOCK] * 8)
         assert (res.success, res.total) == (0, 8)
@@ -439,7 +437,7 @@ def test_a_submitted_request_given_up_at_once_is_undone_by_its_late_callback(sdk
     client = DaemonClient(sdk_env.socket_dir / "emsd.sock")
     client.connect({})
     try:
-        ns = NamespaceAnswer.decode(*client.call(Op.NAMESPACE, *NamespaceRequest("n").encode(), timeout=5)).ns
+        ns = namespace_id(client, "n")
         keys = KeyBatch.from_user([7, 8])
         reserve = ReserveRequest(ns, keys, np.full(2, 64, np.uint64))
         pending = client.submit(Op.RESERVE, *reserve.encode(), late=_abort_late(client, 2))
