@@ -19,24 +19,7 @@ from emsd.membership.base import MembershipState
 from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
-from emsd.protocol.local import (
-    CommitAnswer,
-    CommitRequest,
-    CountAnswer,
-    DropRequest,
-    ExistsRequest,
-    GrantAnswer,
-    GrantRequest,
-    OwnerAnswer,
-    OwnerRequest,
-    PinAnswer,
-    PinRequest,
-    PutAnswer,
-    PutRequest,
-    ReleaseRequest,
-    ReserveAnswer,
-    ReserveRequest,
-)
+from emsd.protocol import local
 from emsd.service import Response, Service, Session
 from emsd.transport.frames import Op, Status
 from tests.messages import handled, opened, request
@@ -101,8 +84,8 @@ def _sizes(n: int) -> np.ndarray:
 def _put(svc: Service, s: Session, ns: int, keys: list[int], wr: bool = True) -> tuple[dict[str, Any], bytes]:
     """A PUT of ``keys`` into chunks granted now (not sent yet): its header and payload."""
     n = len(keys)
-    at = GrantAnswer.decode(*handled(svc, s, Op.GRANT, GrantRequest(BLOCK, n)), n).offsets
-    return request(Op.PUT, PutRequest(ns, _keys(keys), at, _sizes(n), wr=wr))
+    at = local.GrantAnswer.decode(*handled(svc, s, Op.GRANT, local.GrantRequest(BLOCK, n)), n).offsets
+    return request(Op.PUT, local.PutRequest(ns, _keys(keys), at, _sizes(n), wr=wr))
 
 
 def _save(svc: Service, ns: int, keys: list[int]) -> np.ndarray:
@@ -124,7 +107,7 @@ def test_a_put_in_a_cluster_names_the_forward_of_the_blocks_it_committed(n: int)
     svc, s, ns = _service()
     resp, parts, effects = svc.serve_sync(s, *_put(svc, s, ns, list(range(10, 10 + n)), wr=False))
     assert resp["st"] == Status.OK
-    assert PutAnswer.decode(resp, b"".join(parts), n).reached == bytes(n)  # none until the forward says
+    assert local.PutAnswer.decode(resp, b"".join(parts), n).reached == bytes(n)  # none until the forward says
     assert len(effects) == 1 and isinstance(effects[0], Forward)
     forward = effects[0]
     committed = svc.store.index.find(ns, KeyBatch.from_user(list(range(10, 10 + n))))
@@ -133,11 +116,11 @@ def test_a_put_in_a_cluster_names_the_forward_of_the_blocks_it_committed(n: int)
 
 def test_a_commit_in_a_cluster_names_the_forward_of_its_committed_handles_only() -> None:
     svc, s, ns = _service()
-    reserve = ReserveRequest(ns, _keys([1, 2, 3]), _sizes(3))
-    handles = ReserveAnswer.decode(*handled(svc, s, Op.RESERVE, reserve), 3).handles
-    commit = CommitRequest(handles[:2], handles[2:], to=1000)
+    reserve = local.ReserveRequest(ns, _keys([1, 2, 3]), _sizes(3))
+    handles = local.ReserveAnswer.decode(*handled(svc, s, Op.RESERVE, reserve), 3).handles
+    commit = local.CommitRequest(handles[:2], handles[2:], to=1000)
     resp, _, effects = svc.serve_sync(s, *request(Op.COMMIT, commit))
-    assert CommitAnswer.decode(resp, b"", 2) == CommitAnswer(2, b"\0\0")
+    assert local.CommitAnswer.decode(resp, b"", 2) == local.CommitAnswer(2, b"\0\0")
     (forward,) = effects
     assert isinstance(forward, Forward) and forward.handles.tolist() == handles[:2].tolist()
     assert forward.keep is True and forward.budget == pytest.approx(0.9)
@@ -146,37 +129,38 @@ def test_a_commit_in_a_cluster_names_the_forward_of_its_committed_handles_only()
 def test_a_pin_of_absent_keys_names_a_fetch_of_the_missing_tail() -> None:
     svc, s, ns = _service()
     _save(svc, ns, [1])
-    fetch = svc.before(s, *request(Op.PIN, PinRequest(ns, _keys([1, 2, 3]), wr=False)))
+    fetch = svc.before(s, *request(Op.PIN, local.PinRequest(ns, _keys([1, 2, 3]), wr=False)))
     assert isinstance(fetch, Fetch) and fetch.keep is False and fetch.ns == ns
     assert fetch.keys.words[:, 0].tolist() == [2, 3]
-    local = PinRequest(ns, _keys([1, 2, 3]), lo=True, wr=False)
-    assert svc.before(s, *request(Op.PIN, local)) is None  # read_local_only
-    assert svc.before(s, *request(Op.PIN, PinRequest(ns, _keys([1]), wr=False))) is None  # all here
+    here_only = local.PinRequest(ns, _keys([1, 2, 3]), lo=True, wr=False)
+    assert svc.before(s, *request(Op.PIN, here_only)) is None  # read_local_only
+    assert svc.before(s, *request(Op.PIN, local.PinRequest(ns, _keys([1]), wr=False))) is None  # all here
 
 
 def test_an_exists_in_a_cluster_asks_the_owners_of_what_is_not_here() -> None:
     svc, s, ns = _service()
     _save(svc, ns, [1])
-    resp, _, effects = svc.serve_sync(s, *request(Op.EXISTS, ExistsRequest(ns, _keys([1, 2]))))
+    resp, _, effects = svc.serve_sync(s, *request(Op.EXISTS, local.ExistsRequest(ns, _keys([1, 2]))))
     (ask,) = effects
-    assert CountAnswer.decode(resp, b"", 2).held == 1 and isinstance(ask, AskOwners)
+    assert local.CountAnswer.decode(resp, b"", 2).held == 1 and isinstance(ask, AskOwners)
     assert ask.name == "n" and ask.here.tolist() == [True, False]
-    assert svc.serve_sync(s, *request(Op.EXISTS, ExistsRequest(ns, _keys([1, 2]), lo=True)))[2] == ()
-    assert svc.serve_sync(s, *request(Op.EXISTS, ExistsRequest(ns, _keys([1]))))[2] == ()
+    assert svc.serve_sync(s, *request(Op.EXISTS, local.ExistsRequest(ns, _keys([1, 2]), lo=True)))[2] == ()
+    assert svc.serve_sync(s, *request(Op.EXISTS, local.ExistsRequest(ns, _keys([1]))))[2] == ()
 
 
 def test_a_save_of_read_cache_copies_names_a_check_with_their_owners() -> None:
     svc, s, ns = _service()
     _save(svc, ns, [5])
     svc.store.mark_cached(ns, KeyBatch.from_user([5]))
-    resp, _, effects = svc.serve_sync(s, *request(Op.RESERVE, ReserveRequest(ns, _keys([5, 6]), _sizes(2))))
+    reserve = local.ReserveRequest(ns, _keys([5, 6]), _sizes(2))
+    resp, _, effects = svc.serve_sync(s, *request(Op.RESERVE, reserve))
     (refresh,) = effects
     assert isinstance(refresh, RefreshOwners) and refresh.keys.words[:, 0].tolist() == [5]
 
 
 def test_drop_and_drain_in_a_cluster_name_the_other_members() -> None:
     svc, s, ns = _service()
-    _, _, effects = svc.serve_sync(s, *request(Op.DROP, DropRequest(ns)))
+    _, _, effects = svc.serve_sync(s, *request(Op.DROP, local.DropRequest(ns)))
     assert effects == (DropElsewhere("n", pytest.approx(4.9)),)
     _, _, effects = svc.serve_sync(s, {"op": int(Op.DRAIN), "to": 2000}, b"")
     assert effects == (Drain(pytest.approx(1.9)),)
@@ -186,8 +170,8 @@ def test_a_standalone_service_names_no_work_and_is_answered_at_once() -> None:
     svc, s, ns = _service(cluster=False)
     resp, _, effects = svc.serve_sync(s, *_put(svc, s, ns, [1]))
     assert effects == () and "reached" not in resp
-    assert svc.before(s, *request(Op.PIN, PinRequest(ns, _keys([9])))) is None
-    assert svc.serve_sync(s, *request(Op.EXISTS, ExistsRequest(ns, _keys([9]))))[2] == ()
+    assert svc.before(s, *request(Op.PIN, local.PinRequest(ns, _keys([9])))) is None
+    assert svc.serve_sync(s, *request(Op.EXISTS, local.ExistsRequest(ns, _keys([9]))))[2] == ()
     header, payload = _put(svc, s, ns, [2])
     assert isinstance(Coordinator(svc).serve(s, header, payload), tuple)  # no task, no await
 
@@ -197,8 +181,8 @@ def test_a_node_alone_in_its_cluster_names_no_work_as_a_standalone_one() -> None
     svc.cluster.placement.lonely = True  # type: ignore[union-attr]
     resp, _, effects = svc.serve_sync(s, *_put(svc, s, ns, [1]))
     assert resp["st"] == Status.OK and effects == () and "reached" not in resp
-    assert svc.before(s, *request(Op.PIN, PinRequest(ns, _keys([9])))) is None
-    assert svc.serve_sync(s, *request(Op.EXISTS, ExistsRequest(ns, _keys([9]))))[2] == ()
+    assert svc.before(s, *request(Op.PIN, local.PinRequest(ns, _keys([9])))) is None
+    assert svc.serve_sync(s, *request(Op.EXISTS, local.ExistsRequest(ns, _keys([9]))))[2] == ()
     svc.cluster.placement.lonely = False  # type: ignore[union-attr]
     assert svc.serve_sync(s, *_put(svc, s, ns, [2]))[2] != ()
 
@@ -208,7 +192,7 @@ def test_a_standalone_service_is_a_cluster_of_itself() -> None:
     stats, _ = svc.handle(s, {"op": int(Op.STATS), "id": 2}, b"")
     assert stats["membership"] == "standalone" and stats["members"] == ["t"]
     assert stats["view"] == [{"id": "t", "capacity": POOL, "peer": ""}] and stats["share"] == {"t": 1.0}
-    owners = OwnerAnswer.decode(*handled(svc, s, Op.OWNER, OwnerRequest("n", _keys([1, 2]))), 2)
+    owners = local.OwnerAnswer.decode(*handled(svc, s, Op.OWNER, local.OwnerRequest("n", _keys([1, 2]))), 2)
     assert owners.owners == [["t"], ["t"]]
     refused, _ = svc.handle(s, {"op": int(Op.DRAIN), "id": 4}, b"")
     assert refused["st"] == Status.INVALID_ARGUMENT
@@ -216,7 +200,7 @@ def test_a_standalone_service_is_a_cluster_of_itself() -> None:
 
 def test_an_error_answer_names_no_work() -> None:
     svc, s, ns = _service()
-    not_reserved = CommitRequest(np.zeros(1, dtype=np.uint32))
+    not_reserved = local.CommitRequest(np.zeros(1, dtype=np.uint32))
     resp, _, effects = svc.serve_sync(s, *request(Op.COMMIT, not_reserved))
     assert resp["st"] == Status.INVALID_ARGUMENT and effects == ()
 
@@ -226,7 +210,7 @@ def test_the_coordinator_merges_the_forwards_result_into_the_answer() -> None:
     header, payload = _put(svc, s, ns, [20, 21])
     resp, parts = _served(Coordinator(svc), s, {**header, "id": 7}, payload)
     assert resp["st"] == Status.OK and resp["id"] == 7
-    assert PutAnswer.decode(resp, b"".join(parts), 2).reached == b"\1\1"
+    assert local.PutAnswer.decode(resp, b"".join(parts), 2).reached == b"\1\1"
     assert svc.cluster.pushed == [("n", [20, 21])]  # type: ignore[union-attr]
     assert svc.store.index.cached[svc.store.index.find(ns, KeyBatch.from_user([20]))].tolist() == [1]
 
@@ -235,17 +219,17 @@ def test_peers_failing_leave_the_answer_as_the_handler_made_it() -> None:
     svc, s, ns = _service(fail=True)
     header, payload = _put(svc, s, ns, [30])
     resp, parts = _served(Coordinator(svc), s, header, payload)
-    assert resp["st"] == Status.OK and PutAnswer.decode(resp, b"".join(parts), 1).reached == b"\0"
+    assert resp["st"] == Status.OK and local.PutAnswer.decode(resp, b"".join(parts), 1).reached == b"\0"
     assert svc.store.stats().pinned == 0  # released after the failed push
 
 
 def test_copies_fetched_with_wr_off_stay_only_while_the_pin_holds_them() -> None:
     svc, s, ns = _service()
-    pin = PinRequest(ns, _keys([40, 41]), wr=False, to=1000)
+    pin = local.PinRequest(ns, _keys([40, 41]), wr=False, to=1000)
     resp, parts = _served(Coordinator(svc), s, *request(Op.PIN, pin))
-    handles = PinAnswer.decode(resp, b"".join(parts), 2).handles
+    handles = local.PinAnswer.decode(resp, b"".join(parts), 2).handles
     assert len(handles) == 2 and s.transient == set(handles.tolist())
-    handled(svc, s, Op.RELEASE, ReleaseRequest(handles))
+    handled(svc, s, Op.RELEASE, local.ReleaseRequest(handles))
     assert svc.store.exists(ns, KeyBatch.from_user([40, 41])) == 0 and not s.transient
 
 

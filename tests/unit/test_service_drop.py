@@ -8,19 +8,7 @@ import numpy as np
 from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
-from emsd.protocol.local import (
-    CommitAnswer,
-    CommitRequest,
-    CountAnswer,
-    DropAnswer,
-    DropRequest,
-    ExistsRequest,
-    PinAnswer,
-    PinRequest,
-    ReleaseRequest,
-    ReserveAnswer,
-    ReserveRequest,
-)
+from emsd.protocol import local
 from emsd.service import RETIRED, Service, Session
 from emsd.transport.frames import Op, Status
 from tests.messages import handled, opened
@@ -34,16 +22,17 @@ def _keys(keys: list[int]) -> KeyBatch:
 
 def _reserve(svc: Service, s: Session, ns: int, keys: list[int]) -> tuple[np.ndarray, np.ndarray]:
     n = len(keys)
-    resp, payload = handled(svc, s, Op.RESERVE, ReserveRequest(ns, _keys(keys), np.full(n, SIZE, np.uint64)))
+    reserve = local.ReserveRequest(ns, _keys(keys), np.full(n, SIZE, np.uint64))
+    resp, payload = handled(svc, s, Op.RESERVE, reserve)
     assert resp["st"] == Status.OK
-    reserved = ReserveAnswer.decode(resp, payload, n)
+    reserved = local.ReserveAnswer.decode(resp, payload, n)
     return reserved.handles.copy(), reserved.status.copy()
 
 
 def _commit(svc: Service, s: Session, handles: np.ndarray) -> int:
-    resp, payload = handled(svc, s, Op.COMMIT, CommitRequest(handles))
+    resp, payload = handled(svc, s, Op.COMMIT, local.CommitRequest(handles))
     assert resp["st"] == Status.OK
-    return CommitAnswer.decode(resp, payload, handles.size).committed
+    return local.CommitAnswer.decode(resp, payload, handles.size).committed
 
 
 def _save(svc: Service, s: Session, ns: int, keys: list[int]) -> np.ndarray:
@@ -54,21 +43,21 @@ def _save(svc: Service, s: Session, ns: int, keys: list[int]) -> np.ndarray:
 
 
 def _exists(svc: Service, s: Session, ns: int, keys: list[int]) -> int:
-    resp, payload = handled(svc, s, Op.EXISTS, ExistsRequest(ns, _keys(keys)))
+    resp, payload = handled(svc, s, Op.EXISTS, local.ExistsRequest(ns, _keys(keys)))
     assert resp["st"] == Status.OK
-    return CountAnswer.decode(resp, payload, len(keys)).held
+    return local.CountAnswer.decode(resp, payload, len(keys)).held
 
 
 def _drop(svc: Service, s: Session, ns: int) -> tuple[dict, int]:
     """DROP of ``ns``: the answer's header and, when OK, the blocks it evicted."""
-    resp, payload = handled(svc, s, Op.DROP, DropRequest(ns))
-    return resp, DropAnswer.decode(resp, payload).dropped if resp["st"] == Status.OK else 0
+    resp, payload = handled(svc, s, Op.DROP, local.DropRequest(ns))
+    return resp, local.DropAnswer.decode(resp, payload).dropped if resp["st"] == Status.OK else 0
 
 
-def _pin(svc: Service, s: Session, ns: int, keys: list[int]) -> PinAnswer:
-    resp, payload = handled(svc, s, Op.PIN, PinRequest(ns, _keys(keys)))
+def _pin(svc: Service, s: Session, ns: int, keys: list[int]) -> local.PinAnswer:
+    resp, payload = handled(svc, s, Op.PIN, local.PinRequest(ns, _keys(keys)))
     assert resp["st"] == Status.OK
-    return PinAnswer.decode(resp, payload, len(keys))
+    return local.PinAnswer.decode(resp, payload, len(keys))
 
 
 def test_a_drop_hides_the_blocks_from_every_session_and_saves_store_afresh() -> None:
@@ -103,7 +92,7 @@ def test_pinned_and_pending_blocks_stay_put_but_are_never_found_again() -> None:
     at = svc.store.index.offset[pinned.handles].astype(np.uint64) * svc.store._unit
     assert (at == pinned.offsets).all()  # the load reads on
     assert _commit(svc, s, handles) == 1
-    assert handled(svc, s, Op.RELEASE, ReleaseRequest(pinned.handles))[0]["st"] == Status.OK
+    assert handled(svc, s, Op.RELEASE, local.ReleaseRequest(pinned.handles))[0]["st"] == Status.OK
     assert _exists(svc, s, ns, [1]) == 0 and _exists(svc, s, ns, [7]) == 0
     assert svc.store.stats().entries == 3  # unreachable, evicted when room is needed
 
@@ -116,7 +105,7 @@ def test_dropping_a_namespace_not_opened_is_refused_and_changes_nothing() -> Non
     stranger.authenticated = True
     resp, _ = _drop(svc, stranger, ns)
     assert resp["st"] == Status.INVALID_ARGUMENT and "not opened" in resp["msg"]
-    assert handled(svc, s, Op.DROP, DropRequest(ns), ns=True)[0]["st"] == Status.INVALID_ARGUMENT
+    assert handled(svc, s, Op.DROP, local.DropRequest(ns), ns=True)[0]["st"] == Status.INVALID_ARGUMENT
     assert _exists(svc, s, ns, [1]) == 1
     assert svc.drop_namespace("never-opened") == 0
 
