@@ -100,19 +100,21 @@ def keys_owned_by(owner: str, n: int, start: int, namespace: str, ring: Ring) ->
 def daemon_fetch(sock: Path, ns_name: str, keys: list[int]) -> float:
     """Seconds for node A to fetch ``keys`` from their owner into its pool (a PIN, no tensor copy)."""
     from ems.client import DaemonClient
+    from emsd.protocol.local import NamespaceAnswer, NamespaceRequest, PinAnswer, PinRequest, ReleaseRequest
     from emsd.transport.frames import Op
 
     client = DaemonClient(sock / "emsd.sock")
     client.connect({})
     try:
-        ns = int(client.call(Op.NAMESPACE, {"name": ns_name}, timeout=10)[0]["ns"])
-        kt, wire = KeyBatch.from_ints(np.array(keys, dtype=np.uint64)).to_wire()
+        opened = client.call(Op.NAMESPACE, *NamespaceRequest(ns_name).encode(), timeout=10)
+        ns = NamespaceAnswer.decode(*opened).ns
+        fields, parts = PinRequest(ns, KeyBatch.from_ints(np.array(keys, dtype=np.uint64))).encode()
         t0 = time.perf_counter()
-        header, payload = client.call(Op.PIN, {"ns": ns, "n": len(keys), "kt": kt}, [wire], timeout=30)
+        header, payload = client.call(Op.PIN, fields, parts, timeout=30)
         took = time.perf_counter() - t0
-        count = int(header["count"])
-        assert count == len(keys), header
-        client.send_noreply(Op.RELEASE, {}, [payload[16 * count : 20 * count]])
+        pinned = PinAnswer.decode(header, payload, len(keys))
+        assert len(pinned.handles) == len(keys), header
+        client.send_noreply(Op.RELEASE, *ReleaseRequest(pinned.handles).encode())
         return took
     finally:
         client.close()

@@ -232,6 +232,13 @@ def bench_exists(n: int) -> dict[str, float]:
 def bench_index_memory(entries: int) -> dict[str, float]:
     """RSS growth of the daemon while ``entries`` 64-byte blocks are committed."""
     from emsd.pool.keys import KeyBatch
+    from emsd.protocol.local import (
+        CommitRequest,
+        NamespaceAnswer,
+        NamespaceRequest,
+        ReserveAnswer,
+        ReserveRequest,
+    )
     from emsd.transport.frames import Op
 
     with tempfile.TemporaryDirectory(dir=SHM) as tmp:  # tmpfs: the pool file lives here
@@ -242,20 +249,18 @@ def bench_index_memory(entries: int) -> dict[str, float]:
 
             client = DaemonClient(sock_dir / "emsd.sock")
             client.connect({})
-            ns = client.call(Op.NAMESPACE, {"name": "mem"}, timeout=10)[0]["ns"]
+            opened = client.call(Op.NAMESPACE, *NamespaceRequest("mem").encode(), timeout=10)
+            ns = NamespaceAnswer.decode(*opened).ns
             daemon = psutil.Process(proc.pid)
             before = daemon.memory_info().rss
             batch = 65536
             for start in range(0, entries, batch):
                 n = min(batch, entries - start)
-                kt, raw = KeyBatch.from_ints(np.arange(start, start + n, dtype=np.uint64)).to_wire()
-                sizes = np.full(n, 64, dtype="<u8").tobytes()
-                _, payload = client.call(Op.RESERVE, {"ns": ns, "n": n, "kt": kt}, [raw, sizes],
-                                         timeout=60)
-                status = np.frombuffer(payload, np.uint8, n, 12 * n)
-                assert (status == 0).all(), "pool too small for the index benchmark"
-                handles = payload[8 * n : 12 * n]
-                client.call(Op.COMMIT, {"c": n, "a": 0}, [handles], timeout=60)
+                keys = KeyBatch.from_ints(np.arange(start, start + n, dtype=np.uint64))
+                reserve = ReserveRequest(ns, keys, np.full(n, 64, dtype=np.uint64))
+                reserved = ReserveAnswer.decode(*client.call(Op.RESERVE, *reserve.encode(), timeout=60), n)
+                assert (reserved.status == 0).all(), "pool too small for the index benchmark"
+                client.call(Op.COMMIT, *CommitRequest(reserved.handles).encode(), timeout=60)
             stats = client.call(Op.STATS, {}, timeout=10)[0]
             after = daemon.memory_info().rss
             client.close()

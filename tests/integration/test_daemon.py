@@ -14,13 +14,23 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
 from ems import CcConfig, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.client import DaemonClient
+from emsd.pool.keys import KeyBatch
 from emsd.pool.region import read_hugepage_info
+from emsd.protocol.local import (
+    CountAnswer,
+    ExistsRequest,
+    PinAnswer,
+    PinRequest,
+    ReserveRequest,
+)
 from emsd.transport.frames import PROTOCOL_VERSION, Op, Status
+from tests.messages import called, namespace_id
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 4
@@ -355,11 +365,9 @@ def test_full_pool_of_pinned_blocks_shows_in_success_not_an_exception(emsd_facto
         holder = DaemonClient(d.socket_dir / "emsd.sock")
         holder.connect({})
         ns = cc._ns(Ems._current_client(), None)
-        ns_holder, _ = holder.call(Op.NAMESPACE, {"name": cc._namespace}, timeout=5)
-        from emsd.pool.keys import KeyBatch
-        kt, raw = KeyBatch.from_user(list(range(8))).to_wire()
-        pinned, _ = holder.call(Op.PIN, {"ns": ns_holder["ns"], "n": 8, "kt": kt}, [raw], timeout=5)
-        assert pinned["count"] == 8 and ns >= 0
+        pin = PinRequest(namespace_id(holder, cc._namespace), KeyBatch.from_user(list(range(8))))
+        pinned = PinAnswer.decode(*called(holder, Op.PIN, pin), 8)
+        assert len(pinned.handles) == 8 and ns >= 0
         res = cc.save(slots, hashes=list(range(100, 108)), offsets=[BLOCK] * 8)
         assert (res.success, res.total) == (0, 8)
         assert cc.exists(list(range(8))).success == 8  # pinned blocks survived
@@ -425,22 +433,20 @@ def test_a_submitted_request_given_up_at_once_is_undone_by_its_late_callback(sdk
     """``wait(timeout=0)`` gives up before anyone read the answer; when the answer comes, the
     ``late`` callback aborts the reservation, as for a call that timed out."""
     from ems.context_caching import _abort_late
-    from emsd.pool.keys import KeyBatch
 
     client = DaemonClient(sdk_env.socket_dir / "emsd.sock")
     client.connect({})
     try:
-        ns = client.call(Op.NAMESPACE, {"name": "n"}, timeout=5)[0]["ns"]
-        kt, raw = KeyBatch.from_user([7, 8]).to_wire()
-        sizes = struct.pack("<2Q", 64, 64)
-        pending = client.submit(Op.RESERVE, {"ns": ns, "n": 2, "kt": kt}, [raw, sizes],
-                                late=_abort_late(client, 2))
+        ns = namespace_id(client, "n")
+        keys = KeyBatch.from_user([7, 8])
+        reserve = ReserveRequest(ns, keys, np.full(2, 64, np.uint64))
+        pending = client.submit(Op.RESERVE, *reserve.encode(), late=_abort_late(client, 2))
         with pytest.raises(EmsException) as info:
             client.wait(pending, timeout=0)
         assert info.value.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
         stats = _wait_for_stats(client, lambda s: s["pending"] == 0)  # the answer came, then the abort
         assert stats["entries"] == 0
-        header, payload = client.wait(client.submit(Op.EXISTS, {"ns": ns, "n": 2, "kt": kt}, [raw]), 5)
-        assert header["count"] == 0
+        header, payload = client.wait(client.submit(Op.EXISTS, *ExistsRequest(ns, keys).encode()), 5)
+        assert CountAnswer.decode(header, payload, 2).held == 0
     finally:
         client.close()

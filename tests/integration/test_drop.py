@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from ems import CcConfig, Ems, EmsConfig
 from ems.client import DaemonClient
+from emsd.pool.keys import KeyBatch
+from emsd.protocol.local import CountAnswer, ExistsRequest, PinAnswer, PinRequest
 from emsd.transport.frames import Op
+from tests.messages import called, namespace_id
 
 BLOCKS, TOKENS = 8, 4
 SLOTS = list(range(BLOCKS * TOKENS))
@@ -32,12 +34,12 @@ def raw_session(d: Any, name: str) -> tuple[DaemonClient, int]:
     """A second connection, as another engine process, with the namespace open."""
     client = DaemonClient(d.socket_dir / "emsd.sock")
     client.connect({})
-    return client, int(client.call(Op.NAMESPACE, {"name": name}, timeout=5)[0]["ns"])
+    return client, namespace_id(client, name)
 
 
 def raw_exists(client: DaemonClient, ns: int) -> int:
-    raw = np.array(KEYS, "<u8").tobytes()
-    return int(client.call(Op.EXISTS, {"ns": ns, "n": BLOCKS, "kt": 0}, [raw], timeout=5)[0]["count"])
+    exists = ExistsRequest(ns, KeyBatch.from_user(KEYS))
+    return CountAnswer.decode(*called(client, Op.EXISTS, exists), BLOCKS).held
 
 
 def test_clear_hides_the_namespace_from_every_connection_and_saves_store_afresh(
@@ -75,9 +77,8 @@ def test_blocks_pinned_through_a_clear_do_not_come_back_after_kill_9_and_restart
     cc, _ = connect(emsd, monkeypatch, 3.0)
     assert cc.save(SLOTS, hashes=KEYS, offsets=[TOKENS] * BLOCKS).success == BLOCKS
     reader, ns = raw_session(emsd, cc._namespace)
-    raw = np.array(KEYS, "<u8").tobytes()
-    pinned = reader.call(Op.PIN, {"ns": ns, "n": BLOCKS, "kt": 0}, [raw], timeout=5)[0]
-    assert pinned["count"] == BLOCKS  # a load in flight holds them
+    pinned = PinAnswer.decode(*called(reader, Op.PIN, PinRequest(ns, KeyBatch.from_user(KEYS))), BLOCKS)
+    assert len(pinned.handles) == BLOCKS  # a load in flight holds them
     assert cc.clear() == 0  # nothing could be evicted yet; all of it is hidden
     assert cc.exists(KEYS).success == 0
     Ems._reset()

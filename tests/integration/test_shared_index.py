@@ -12,13 +12,15 @@ import socket
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from ems import CcConfig, Ems, EmsConfig
 from ems.client import DaemonClient
+from emsd.pool.keys import KeyBatch
+from emsd.protocol.local import CountAnswer, TouchRequest
 from emsd.transport.frames import PROTOCOL_VERSION, FrameDecoder, Op, encode_parts
+from tests.messages import called, namespace_id
 
 BLOCKS, TOKENS = 8, 4
 SLOTS = list(range(BLOCKS * TOKENS))
@@ -269,19 +271,18 @@ def test_a_malformed_touch_is_refused_and_the_daemon_stays_up(emsd: Any) -> None
     client = DaemonClient(emsd.socket_dir / "emsd.sock")
     client.connect({})
     try:
-        ns = int(client.call(Op.NAMESPACE, {"name": "t"}, timeout=5)[0]["ns"])
-        raw = np.array(KEYS, "<u8").tobytes()
-        for fields, payload in (({"ns": ns, "n": BLOCKS, "kt": 0}, raw[:-1]),
-                                ({"ns": ns + 7, "n": BLOCKS, "kt": 0}, raw),
-                                ({"ns": ns, "n": BLOCKS, "kt": 9}, raw),
-                                ({"ns": ns, "n": BLOCKS, "kt": 0}, raw + b"x"),
-                                ({"ns": ns, "n": BLOCKS, "kt": 0, "x": -1}, raw),
-                                ({"ns": ns, "n": BLOCKS, "kt": 0, "x": "many"}, raw)):
+        touch = TouchRequest(namespace_id(client, "t"), KeyBatch.from_user(KEYS))
+        good, (raw,) = touch.encode()
+        for fields, payload in ((good, raw[:-1]),
+                                ({**good, "ns": touch.ns + 7}, raw),
+                                ({**good, "kt": 9}, raw),
+                                (good, raw + b"x"),
+                                ({**good, "x": -1}, raw),
+                                ({**good, "x": "many"}, raw)):
             with pytest.raises(Exception) as info:
                 client.call(Op.TOUCH, fields, [payload], timeout=5)
             assert "INVALID" in repr(info.value) or "invalid" in str(info.value).lower(), info.value
-        header, _ = client.call(Op.TOUCH, {"ns": ns, "n": BLOCKS, "kt": 0}, [raw], timeout=5)
-        assert header["count"] == 0  # nothing stored: nothing touched
+        assert CountAnswer.decode(*called(client, Op.TOUCH, touch), BLOCKS).held == 0  # nothing stored
     finally:
         client.close()
     assert emsd.alive()

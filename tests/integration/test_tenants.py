@@ -15,7 +15,10 @@ import torch
 
 from ems import CcConfig, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.namespace import namespace_name
+from emsd.pool.keys import KeyBatch
+from emsd.protocol.local import CountAnswer, ExistsRequest, NamespaceAnswer, NamespaceRequest
 from emsd.transport.frames import PROTOCOL_VERSION, Op, Status
+from tests.messages import Message, request
 
 KEY_A = "A" * 43 + "="
 KEY_B = "b" * 40 + "/+=="
@@ -91,11 +94,11 @@ def test_a_client_that_names_another_tenants_namespace_still_sees_only_its_own(c
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(5)
         s.connect(str(daemon.socket_dir / "emsd.sock"))
-        assert _call(s, {"op": int(Op.HELLO), "access_id": "team-b", "access_key": KEY_B})["st"] == 0
-        ns = _call(s, {"op": int(Op.NAMESPACE), "name": forged})["ns"]
-        keys = struct.pack(f"<{BLOCKS}Q", *KEYS)
-        assert _call(s, {"op": int(Op.EXISTS), "ns": ns, "n": BLOCKS, "kt": 0}, keys)["count"] == 0
-        assert _call(s, {"op": int(Op.NAMESPACE), "name": "tenant:team-a/x"})["ns"] != ns
+        assert _call(s, {"op": int(Op.HELLO), "access_id": "team-b", "access_key": KEY_B})[0]["st"] == 0
+        ns = NamespaceAnswer.decode(*_sent(s, Op.NAMESPACE, NamespaceRequest(forged))).ns
+        exists = ExistsRequest(ns, KeyBatch.from_user(KEYS))
+        assert CountAnswer.decode(*_sent(s, Op.EXISTS, exists), BLOCKS).held == 0
+        assert NamespaceAnswer.decode(*_sent(s, Op.NAMESPACE, NamespaceRequest("tenant:team-a/x"))).ns != ns
 
 
 def test_a_quota_evicts_the_tenants_own_blocks_first_and_never_anothers(connect: Any, daemon: Any) -> None:
@@ -144,19 +147,25 @@ def test_peers_outside_the_allowed_uids_and_gids_are_refused(emsd_factory: Any, 
     assert other.alive()
 
 
-def _call(s: socket.socket, header: dict[str, Any], payload: bytes = b"") -> dict[str, Any]:
+def _call(s: socket.socket, header: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
+    """One frame sent on ``s``: the answer's header and payload."""
     head = msgpack.packb({"v": PROTOCOL_VERSION, "id": 7, **header})
     s.sendall(struct.pack("<II", len(head), len(payload)) + head + payload)
     if header["op"] == Op.HELLO:
         data, fds, _, _ = socket.recv_fds(s, 65536, 1)
         for fd in fds:
             os.close(fd)
-        return dict(msgpack.unpackb(data[8:]))
+        return dict(msgpack.unpackb(data[8:])), b""
     hlen, plen = struct.unpack("<II", _exact(s, 8))
     answer = dict(msgpack.unpackb(_exact(s, hlen)))
-    _exact(s, plen)
+    body = _exact(s, plen)
     assert answer["st"] in (Status.OK, Status.INVALID_ARGUMENT), answer
-    return answer
+    return answer, body
+
+
+def _sent(s: socket.socket, op: Op, message: Message) -> tuple[dict[str, Any], bytes]:
+    """``message`` sent on ``s`` as a request of ``op``: the answer's header and payload."""
+    return _call(s, *request(op, message))
 
 
 def _exact(s: socket.socket, n: int) -> bytes:

@@ -17,12 +17,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from ems import CcConfig, Ems, EmsConfig
 from ems.client import DaemonClient
+from emsd.pool.keys import KeyBatch
+from emsd.protocol.local import (
+    CommitAnswer,
+    CommitRequest,
+    CountAnswer,
+    ExistsRequest,
+    ReserveAnswer,
+    ReserveRequest,
+)
 from emsd.transport.frames import Op
+from tests.messages import called, namespace_id
 
 BLOCKS, TOKENS = 32, 4
 WRITER = textwrap.dedent("""
@@ -200,22 +211,17 @@ def test_a_namespace_past_the_4096th_and_a_long_name_survive_kill_9(emsd_factory
     clients = [DaemonClient(d.socket_dir / "emsd.sock") for _ in range(5)]
     for c in clients:
         c.connect({})
-    for i in range(4100):  # 1,024 a connection at most
-        ans = clients[i // 1000].call(Op.NAMESPACE, {"name": f"filler-{i}"}, timeout=5)[0]
-        assert ans["st"] == 0
-    long_name = clients[4].call(Op.NAMESPACE, {"name": "L" * 3000}, timeout=5)[0]
-    assert long_name["st"] == 0
+    for i in range(4100):  # 1,024 a connection at most (an error answer raises)
+        namespace_id(clients[i // 1000], f"filler-{i}")
+    ns = namespace_id(clients[4], "L" * 3000)
     cc = sdk(d)  # the SDK's namespace gets an id past 4,096
     kv = [[torch.full((BLOCKS, TOKENS, 16, 32), 5.0) for _ in range(2)] for _ in range(2)]
     cc.register_kvcache(kv)
     assert cc.save(list(range(BLOCKS * TOKENS)), hashes=[5000 + k for k in range(BLOCKS)],
                    offsets=[TOKENS] * BLOCKS).success == BLOCKS
-    ns = long_name["ns"]
-    res = clients[4].call(Op.RESERVE, {"ns": ns, "n": 1, "kt": 0},
-                          [(7).to_bytes(8, "little") + (4096).to_bytes(8, "little")], timeout=5)
-    handle = int.from_bytes(res[1][8:12], "little")
-    committed = clients[4].call(Op.COMMIT, {"c": 1, "a": 0}, [handle.to_bytes(4, "little")], timeout=5)
-    assert committed[0]["st"] == 0
+    reserve = ReserveRequest(ns, KeyBatch.from_user([7]), np.full(1, 4096, np.uint64))
+    handles = ReserveAnswer.decode(*called(clients[4], Op.RESERVE, reserve), 1).handles
+    assert CommitAnswer.decode(*called(clients[4], Op.COMMIT, CommitRequest(handles)), 1).committed == 1
     for c in clients:
         c.close()
     assert stats(d)["namespaces"] >= 4102
@@ -227,8 +233,7 @@ def test_a_namespace_past_the_4096th_and_a_long_name_survive_kill_9(emsd_factory
     again = DaemonClient(d.socket_dir / "emsd.sock")
     again.connect({})
     try:
-        ns = again.call(Op.NAMESPACE, {"name": "L" * 3000}, timeout=5)[0]["ns"]
-        assert again.call(Op.EXISTS, {"ns": ns, "n": 1, "kt": 0, "lo": True},
-                          [(7).to_bytes(8, "little")], timeout=5)[0]["count"] == 1
+        exists = ExistsRequest(namespace_id(again, "L" * 3000), KeyBatch.from_user([7]), lo=True)
+        assert CountAnswer.decode(*called(again, Op.EXISTS, exists), 1).held == 1
     finally:
         again.close()

@@ -25,8 +25,21 @@ from typing import Any
 import numpy as np
 
 from emsd.coordinator import Coordinator
+from emsd.pool.keys import KeyBatch
+from emsd.protocol.local import (
+    CommitAnswer,
+    CommitRequest,
+    NamespaceAnswer,
+    NamespaceRequest,
+    PinAnswer,
+    PinRequest,
+    ReleaseRequest,
+    ReserveAnswer,
+    ReserveRequest,
+)
 from emsd.service import Response, Service, Session
 from emsd.transport.frames import Op, Status
+from tests import messages
 
 SIZES = (300, 700, 1500, 3000)  # four size classes, all below the simulation's page size
 
@@ -66,17 +79,22 @@ class Client:
         self.coordinator = Coordinator(service)
         self._ids = 0
         service.hello(self.session, {"op": int(Op.HELLO)})
-        self.ns = int(self.call({"op": int(Op.NAMESPACE), "name": ns_name})[0]["ns"])
+        self.ns = NamespaceAnswer.decode(*self.call(Op.NAMESPACE, NamespaceRequest(ns_name))).ns
 
-    def call(self, header: dict[str, Any], payload: bytes = b"") -> Response:
-        """One request answered at once (no work with other nodes around it)."""
+    def call(self, op: Op, message: messages.Message) -> tuple[dict[str, Any], bytes]:
+        """One request answered at once (no work with other nodes around it): the answer's
+        header and payload."""
+        header, payload = messages.request(op, message)
         answer = self._serve(header, payload)
         if not isinstance(answer, tuple):
-            raise SimFailure(f"{Op(header['op']).name} on {self.service.node_id} was not answered at once")
+            raise SimFailure(f"{op.name} on {self.service.node_id} was not answered at once")
         return self._checked(header, answer)
 
-    async def request(self, header: dict[str, Any], payload: bytes = b"") -> Response:
+    async def request(self, op: Op, message: messages.Message) -> tuple[dict[str, Any], bytes]:
         """One request, with the work around it that the coordinator does (fetch, forward)."""
+        return await self._requested(*messages.request(op, message))
+
+    async def _requested(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
         answer = self._serve(header, payload)
         return self._checked(header, answer if isinstance(answer, tuple) else await answer)
 
@@ -85,13 +103,13 @@ class Client:
         header["id"] = self._ids
         return self.coordinator.serve(self.session, header, payload)
 
-    def _checked(self, header: dict[str, Any], answer: Response) -> Response:
-        """The answer; an error answer is an invariant failure."""
-        resp, _ = answer
+    def _checked(self, header: dict[str, Any], answer: Response) -> tuple[dict[str, Any], bytes]:
+        """The answer's header and payload; an error answer is an invariant failure."""
+        resp, parts = answer
         if resp.get("st", 0) != Status.OK:
             raise SimFailure(f"{Op(header['op']).name} on {self.service.node_id} answered "
                              f"{Status(resp['st']).name}: {resp.get('msg')}")
-        return answer
+        return resp, b"".join(parts)
 
     def close(self) -> None:
         self.service.close(self.session)
@@ -102,13 +120,9 @@ class Client:
         COMMIT's budget is what the RESERVE left of ``timeout_ms``, as the SDK's."""
         loop = asyncio.get_running_loop()
         start = loop.time()
-        raw = np.array(keys, dtype="<u8").tobytes()
-        sizes = np.array([len(content(self.ns_name, k)) for k in keys], dtype="<u8")
-        resp, parts = await self.request({"op": int(Op.RESERVE), "ns": self.ns, "n": len(keys), "kt": 0,
-                                          "to": timeout_ms}, raw + sizes.tobytes())
-        offsets = np.frombuffer(parts[0], dtype="<u8")
-        handles = np.frombuffer(parts[1], dtype="<u4")
-        status = np.frombuffer(parts[2], dtype=np.uint8)
+        sizes = np.array([len(content(self.ns_name, k)) for k in keys], dtype=np.uint64)
+        reserve = ReserveRequest(self.ns, KeyBatch.from_user(keys), sizes, to=timeout_ms)
+        offsets, handles, status = ReserveAnswer.decode(*await self.request(Op.RESERVE, reserve), len(keys))
         new = np.flatnonzero(status == 0)
         pool = self.service.cluster.pool if self.service.cluster else None
         assert pool is not None
@@ -119,11 +133,13 @@ class Client:
         if die_before_commit:
             return CallResult("save-died", self.service.node_id, tuple(keys), 0, (), 0.0, timeout_ms / 1000)
         left = max(1, int((start + timeout_ms / 1000 - loop.time()) * 1000))  # as the SDK sends it
-        header = {"op": int(Op.COMMIT), "c": int(new.size), "a": 0, "to": left, "wr": keep}
-        payload = handles[new].astype("<u4").tobytes()
-        resp, _ = await self.request(header, payload)
-        reached = tuple(resp.get("reached", b"\x01" * new.size))
-        return CallResult("save", self.service.node_id, tuple(keys), int(resp["committed"]), reached,
+        resp, payload = await self.request(Op.COMMIT, CommitRequest(handles[new], wr=keep, to=left))
+        committed = CommitAnswer.decode(resp, payload, new.size)
+        if "reached" in resp and committed.reached is None:
+            raise SimFailure(f"COMMIT on {self.service.node_id} answered a reached of the wrong size: "
+                             f"{resp['reached']!r} for {new.size} blocks")
+        reached = tuple(committed.reached if committed.reached is not None else b"\x01" * new.size)
+        return CallResult("save", self.service.node_id, tuple(keys), committed.committed, reached,
                           loop.time() - start, timeout_ms / 1000)
 
     async def load(self, keys: list[int], timeout_ms: int, keep: bool = True,
@@ -131,13 +147,9 @@ class Client:
         """The fetch from the owners, PIN, check every byte, RELEASE (``keep``: write_rcache)."""
         loop = asyncio.get_running_loop()
         start = loop.time()
-        raw = np.array(keys, dtype="<u8").tobytes()
-        header = {"op": int(Op.PIN), "ns": self.ns, "n": len(keys), "kt": 0, "to": timeout_ms, "wr": keep}
-        resp, parts = await self.request(header, raw)
-        count = int(resp["count"])
-        offsets = np.frombuffer(parts[0], dtype="<u8")
-        lengths = np.frombuffer(parts[1], dtype="<u8")
-        handles = np.frombuffer(parts[2], dtype="<u4")
+        pin = PinRequest(self.ns, KeyBatch.from_user(keys), wr=keep, to=timeout_ms)
+        offsets, lengths, handles = PinAnswer.decode(*await self.request(Op.PIN, pin), len(keys))
+        count = len(handles)
         assert self.service.cluster is not None
         pool = self.service.cluster.pool
         for i in range(count):
@@ -149,14 +161,13 @@ class Client:
                                  f"{n} bytes that differ from the {len(want)} saved under it")
         elapsed = loop.time() - start
         if not die_holding_pins and count:
-            self.call({"op": int(Op.RELEASE)}, handles.astype("<u4").tobytes())
+            self.call(Op.RELEASE, ReleaseRequest(handles))
         return CallResult("load", self.service.node_id, tuple(keys), count, (), elapsed, timeout_ms / 1000)
 
     async def drain(self, timeout_ms: int) -> tuple[dict[str, Any], CallResult]:
         """DRAIN (emsctl drain): leave the ring and push a batch of owned blocks to their new owners."""
         loop = asyncio.get_running_loop()
         start = loop.time()
-        header = {"op": int(Op.DRAIN), "to": timeout_ms}
-        resp, _ = await self.request(header)
+        resp, _ = await self._requested({"op": int(Op.DRAIN), "to": timeout_ms}, b"")  # header only
         return resp, CallResult("drain", self.service.node_id, (), int(resp.get("moved", 0)), (),
                                 loop.time() - start, timeout_ms / 1000)

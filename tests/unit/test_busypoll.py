@@ -9,16 +9,20 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ems.client import BUSY_POLL_DEFAULT_US, BUSY_POLL_ENV, busy_poll_budget
 from emsd.config import ConfigError, config_from_dict
+from emsd.pool.keys import KeyBatch
+from emsd.protocol.local import PinRequest, ReleaseRequest
 from emsd.service import Session
 from emsd.transport.busypoll import CROWDED_SHARE, BusyPoll
 from emsd.transport.frames import PROTOCOL_VERSION, Op, encode
 from emsd.transport.pollwindow import FLOOR
 from emsd.transport.runqueue import LOADAVG, MARGIN, RunQueue, parse_running
 from emsd.transport.unix import ControlProtocol
+from tests.messages import Message, request
 
 
 async def test_the_poll_ends_when_any_client_connection_has_a_request() -> None:
@@ -311,6 +315,12 @@ class _Coordinator:
         return {"id": header["id"], "st": 0}, []
 
 
+def _frame(op: Op, message: Message, rid: int, **extra: object) -> bytes:
+    """``message`` as a frame of ``op`` with id ``rid`` (``extra``: more header fields)."""
+    header, payload = request(op, message, rid)
+    return encode({"v": PROTOCOL_VERSION, **header, **extra}, payload)
+
+
 async def test_the_daemon_polls_after_an_answer_not_while_a_request_waits_for_its_peers() -> None:
     busy = _Counting()
     proto = ControlProtocol(None, Session(), lambda _: None, busy)  # type: ignore[arg-type]
@@ -318,9 +328,9 @@ async def test_the_daemon_polls_after_an_answer_not_while_a_request_waits_for_it
     proto.coordinator = coordinator  # type: ignore[assignment]
     transport = _Transport()
     proto.connection_made(transport)
-    proto.data_received(encode({"v": PROTOCOL_VERSION, "id": 1, "op": int(Op.PIN)}))
+    proto.data_received(_frame(Op.PIN, PinRequest(0, KeyBatch.from_user([1])), 1))
     assert busy.asked == 0  # the owner serving the fetch needs the cores: no poll yet
-    proto.data_received(encode({"v": PROTOCOL_VERSION, "id": 2, "op": int(Op.RELEASE), "nr": True}))
+    proto.data_received(_frame(Op.RELEASE, ReleaseRequest(np.ones(1, np.uint32)), 2, nr=True))
     assert busy.asked == 1 and transport.written == []  # nothing to answer: the next request may come soon
     proto.data_received(encode({"v": PROTOCOL_VERSION, "id": 3, "op": int(Op.STATS)}))
     assert busy.asked == 2 and len(transport.written) == 1

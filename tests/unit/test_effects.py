@@ -19,8 +19,10 @@ from emsd.membership.base import MembershipState
 from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
+from emsd.protocol import local
 from emsd.service import Response, Service, Session
 from emsd.transport.frames import Op, Status
+from tests.messages import handled, opened, request
 
 POOL, PAGE, BLOCK = 8 << 20, 1 << 20, 4096
 
@@ -67,24 +69,23 @@ def _service(cluster: bool = True, fail: bool = False) -> tuple[Service, Session
     svc = Service(BlockStore(POOL, PAGE), "t", "shm", Metrics())
     if cluster:
         svc.cluster = FakeCluster(svc, fail)  # type: ignore[assignment]
-    s = Session()
-    s.authenticated = True
-    resp, _ = svc.handle(s, {"op": int(Op.NAMESPACE), "name": "n", "id": 1}, b"")
-    return svc, s, resp["ns"]
+    s, ns = opened(svc)
+    return svc, s, ns
 
 
-def _keys(keys: list[int]) -> bytes:
-    return np.array(keys, "<u8").tobytes()
+def _keys(keys: list[int]) -> KeyBatch:
+    return KeyBatch.from_user(keys)
 
 
-def _put(svc: Service, s: Session, ns: int, keys: list[int], **extra: Any) -> tuple[dict[str, Any], bytes]:
+def _sizes(n: int) -> np.ndarray:
+    return np.full(n, BLOCK, dtype=np.uint64)
+
+
+def _put(svc: Service, s: Session, ns: int, keys: list[int], wr: bool = True) -> tuple[dict[str, Any], bytes]:
     """A PUT of ``keys`` into chunks granted now (not sent yet): its header and payload."""
     n = len(keys)
-    resp, parts = svc.handle(s, {"op": int(Op.GRANT), "size": BLOCK, "k": n}, b"")
-    at = np.frombuffer(parts[0], "<u8")
-    header = {"op": int(Op.PUT), "ns": ns, "n": n, "kt": 0, **extra}
-    payload = _keys(keys) + at.tobytes() + np.full(n, BLOCK, "<u8").tobytes()
-    return header, payload
+    at = local.GrantAnswer.decode(*handled(svc, s, Op.GRANT, local.GrantRequest(BLOCK, n)), n).offsets
+    return request(Op.PUT, local.PutRequest(ns, _keys(keys), at, _sizes(n), wr=wr))
 
 
 def _save(svc: Service, ns: int, keys: list[int]) -> np.ndarray:
@@ -104,8 +105,9 @@ def _served(coord: Coordinator, s: Session, header: dict[str, Any], payload: byt
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_put_in_a_cluster_names_the_forward_of_the_blocks_it_committed(n: int) -> None:
     svc, s, ns = _service()
-    resp, _, effects = svc.serve_sync(s, *_put(svc, s, ns, list(range(10, 10 + n)), wr=False))
-    assert resp["st"] == Status.OK and resp["reached"] == bytes(n)  # none until the forward says
+    resp, parts, effects = svc.serve_sync(s, *_put(svc, s, ns, list(range(10, 10 + n)), wr=False))
+    assert resp["st"] == Status.OK
+    assert local.PutAnswer.decode(resp, b"".join(parts), n).reached == bytes(n)  # none until the forward says
     assert len(effects) == 1 and isinstance(effects[0], Forward)
     forward = effects[0]
     committed = svc.store.index.find(ns, KeyBatch.from_user(list(range(10, 10 + n))))
@@ -114,12 +116,11 @@ def test_a_put_in_a_cluster_names_the_forward_of_the_blocks_it_committed(n: int)
 
 def test_a_commit_in_a_cluster_names_the_forward_of_its_committed_handles_only() -> None:
     svc, s, ns = _service()
-    resp, parts = svc.handle(s, {"op": int(Op.RESERVE), "ns": ns, "n": 3, "kt": 0},
-                             _keys([1, 2, 3]) + np.full(3, BLOCK, "<u8").tobytes())
-    handles = np.frombuffer(parts[1], "<u4")
-    header = {"op": int(Op.COMMIT), "c": 2, "a": 1, "to": 1000}
-    resp, _, effects = svc.serve_sync(s, header, handles.astype("<u4").tobytes())
-    assert resp["committed"] == 2 and resp["reached"] == b"\0\0"
+    reserve = local.ReserveRequest(ns, _keys([1, 2, 3]), _sizes(3))
+    handles = local.ReserveAnswer.decode(*handled(svc, s, Op.RESERVE, reserve), 3).handles
+    commit = local.CommitRequest(handles[:2], handles[2:], to=1000)
+    resp, _, effects = svc.serve_sync(s, *request(Op.COMMIT, commit))
+    assert local.CommitAnswer.decode(resp, b"", 2) == local.CommitAnswer(2, b"\0\0")
     (forward,) = effects
     assert isinstance(forward, Forward) and forward.handles.tolist() == handles[:2].tolist()
     assert forward.keep is True and forward.budget == pytest.approx(0.9)
@@ -128,39 +129,38 @@ def test_a_commit_in_a_cluster_names_the_forward_of_its_committed_handles_only()
 def test_a_pin_of_absent_keys_names_a_fetch_of_the_missing_tail() -> None:
     svc, s, ns = _service()
     _save(svc, ns, [1])
-    header = {"op": int(Op.PIN), "ns": ns, "n": 3, "kt": 0, "wr": False}
-    fetch = svc.before(s, header, _keys([1, 2, 3]))
+    fetch = svc.before(s, *request(Op.PIN, local.PinRequest(ns, _keys([1, 2, 3]), wr=False)))
     assert isinstance(fetch, Fetch) and fetch.keep is False and fetch.ns == ns
     assert fetch.keys.words[:, 0].tolist() == [2, 3]
-    assert svc.before(s, {**header, "lo": True}, _keys([1, 2, 3])) is None  # read_local_only
-    assert svc.before(s, {**header, "n": 1}, _keys([1])) is None  # all here
+    here_only = local.PinRequest(ns, _keys([1, 2, 3]), lo=True, wr=False)
+    assert svc.before(s, *request(Op.PIN, here_only)) is None  # read_local_only
+    assert svc.before(s, *request(Op.PIN, local.PinRequest(ns, _keys([1]), wr=False))) is None  # all here
 
 
 def test_an_exists_in_a_cluster_asks_the_owners_of_what_is_not_here() -> None:
     svc, s, ns = _service()
     _save(svc, ns, [1])
-    header = {"op": int(Op.EXISTS), "ns": ns, "n": 2, "kt": 0}
-    resp, _, effects = svc.serve_sync(s, header, _keys([1, 2]))
+    resp, _, effects = svc.serve_sync(s, *request(Op.EXISTS, local.ExistsRequest(ns, _keys([1, 2]))))
     (ask,) = effects
-    assert resp["count"] == 1 and isinstance(ask, AskOwners)
+    assert local.CountAnswer.decode(resp, b"", 2).held == 1 and isinstance(ask, AskOwners)
     assert ask.name == "n" and ask.here.tolist() == [True, False]
-    assert svc.serve_sync(s, {**header, "lo": True}, _keys([1, 2]))[2] == ()
-    assert svc.serve_sync(s, {**header, "n": 1}, _keys([1]))[2] == ()
+    assert svc.serve_sync(s, *request(Op.EXISTS, local.ExistsRequest(ns, _keys([1, 2]), lo=True)))[2] == ()
+    assert svc.serve_sync(s, *request(Op.EXISTS, local.ExistsRequest(ns, _keys([1]))))[2] == ()
 
 
 def test_a_save_of_read_cache_copies_names_a_check_with_their_owners() -> None:
     svc, s, ns = _service()
     _save(svc, ns, [5])
     svc.store.mark_cached(ns, KeyBatch.from_user([5]))
-    resp, _, effects = svc.serve_sync(s, {"op": int(Op.RESERVE), "ns": ns, "n": 2, "kt": 0},
-                                      _keys([5, 6]) + np.full(2, BLOCK, "<u8").tobytes())
+    reserve = local.ReserveRequest(ns, _keys([5, 6]), _sizes(2))
+    resp, _, effects = svc.serve_sync(s, *request(Op.RESERVE, reserve))
     (refresh,) = effects
     assert isinstance(refresh, RefreshOwners) and refresh.keys.words[:, 0].tolist() == [5]
 
 
 def test_drop_and_drain_in_a_cluster_name_the_other_members() -> None:
     svc, s, ns = _service()
-    _, _, effects = svc.serve_sync(s, {"op": int(Op.DROP), "ns": ns}, b"")
+    _, _, effects = svc.serve_sync(s, *request(Op.DROP, local.DropRequest(ns)))
     assert effects == (DropElsewhere("n", pytest.approx(4.9)),)
     _, _, effects = svc.serve_sync(s, {"op": int(Op.DRAIN), "to": 2000}, b"")
     assert effects == (Drain(pytest.approx(1.9)),)
@@ -170,8 +170,8 @@ def test_a_standalone_service_names_no_work_and_is_answered_at_once() -> None:
     svc, s, ns = _service(cluster=False)
     resp, _, effects = svc.serve_sync(s, *_put(svc, s, ns, [1]))
     assert effects == () and "reached" not in resp
-    assert svc.before(s, {"op": int(Op.PIN), "ns": ns, "n": 1, "kt": 0}, _keys([9])) is None
-    assert svc.serve_sync(s, {"op": int(Op.EXISTS), "ns": ns, "n": 1, "kt": 0}, _keys([9]))[2] == ()
+    assert svc.before(s, *request(Op.PIN, local.PinRequest(ns, _keys([9])))) is None
+    assert svc.serve_sync(s, *request(Op.EXISTS, local.ExistsRequest(ns, _keys([9]))))[2] == ()
     header, payload = _put(svc, s, ns, [2])
     assert isinstance(Coordinator(svc).serve(s, header, payload), tuple)  # no task, no await
 
@@ -181,8 +181,8 @@ def test_a_node_alone_in_its_cluster_names_no_work_as_a_standalone_one() -> None
     svc.cluster.placement.lonely = True  # type: ignore[union-attr]
     resp, _, effects = svc.serve_sync(s, *_put(svc, s, ns, [1]))
     assert resp["st"] == Status.OK and effects == () and "reached" not in resp
-    assert svc.before(s, {"op": int(Op.PIN), "ns": ns, "n": 1, "kt": 0}, _keys([9])) is None
-    assert svc.serve_sync(s, {"op": int(Op.EXISTS), "ns": ns, "n": 1, "kt": 0}, _keys([9]))[2] == ()
+    assert svc.before(s, *request(Op.PIN, local.PinRequest(ns, _keys([9])))) is None
+    assert svc.serve_sync(s, *request(Op.EXISTS, local.ExistsRequest(ns, _keys([9]))))[2] == ()
     svc.cluster.placement.lonely = False  # type: ignore[union-attr]
     assert svc.serve_sync(s, *_put(svc, s, ns, [2]))[2] != ()
 
@@ -192,23 +192,25 @@ def test_a_standalone_service_is_a_cluster_of_itself() -> None:
     stats, _ = svc.handle(s, {"op": int(Op.STATS), "id": 2}, b"")
     assert stats["membership"] == "standalone" and stats["members"] == ["t"]
     assert stats["view"] == [{"id": "t", "capacity": POOL, "peer": ""}] and stats["share"] == {"t": 1.0}
-    owners, _ = svc.handle(s, {"op": int(Op.OWNER), "ns": "n", "n": 2, "kt": 0, "id": 3}, _keys([1, 2]))
-    assert owners["owners"] == [["t"], ["t"]]
+    owners = local.OwnerAnswer.decode(*handled(svc, s, Op.OWNER, local.OwnerRequest("n", _keys([1, 2]))), 2)
+    assert owners.owners == [["t"], ["t"]]
     refused, _ = svc.handle(s, {"op": int(Op.DRAIN), "id": 4}, b"")
     assert refused["st"] == Status.INVALID_ARGUMENT
 
 
 def test_an_error_answer_names_no_work() -> None:
     svc, s, ns = _service()
-    resp, _, effects = svc.serve_sync(s, {"op": int(Op.COMMIT), "c": 1, "a": 0}, _keys([0])[:4])
+    not_reserved = local.CommitRequest(np.zeros(1, dtype=np.uint32))
+    resp, _, effects = svc.serve_sync(s, *request(Op.COMMIT, not_reserved))
     assert resp["st"] == Status.INVALID_ARGUMENT and effects == ()
 
 
 def test_the_coordinator_merges_the_forwards_result_into_the_answer() -> None:
     svc, s, ns = _service()
     header, payload = _put(svc, s, ns, [20, 21])
-    resp, _ = _served(Coordinator(svc), s, {**header, "id": 7}, payload)
-    assert resp["st"] == Status.OK and resp["reached"] == b"\1\1" and resp["id"] == 7
+    resp, parts = _served(Coordinator(svc), s, {**header, "id": 7}, payload)
+    assert resp["st"] == Status.OK and resp["id"] == 7
+    assert local.PutAnswer.decode(resp, b"".join(parts), 2).reached == b"\1\1"
     assert svc.cluster.pushed == [("n", [20, 21])]  # type: ignore[union-attr]
     assert svc.store.index.cached[svc.store.index.find(ns, KeyBatch.from_user([20]))].tolist() == [1]
 
@@ -216,18 +218,18 @@ def test_the_coordinator_merges_the_forwards_result_into_the_answer() -> None:
 def test_peers_failing_leave_the_answer_as_the_handler_made_it() -> None:
     svc, s, ns = _service(fail=True)
     header, payload = _put(svc, s, ns, [30])
-    resp, _ = _served(Coordinator(svc), s, header, payload)
-    assert resp["st"] == Status.OK and resp["reached"] == b"\0"
+    resp, parts = _served(Coordinator(svc), s, header, payload)
+    assert resp["st"] == Status.OK and local.PutAnswer.decode(resp, b"".join(parts), 1).reached == b"\0"
     assert svc.store.stats().pinned == 0  # released after the failed push
 
 
 def test_copies_fetched_with_wr_off_stay_only_while_the_pin_holds_them() -> None:
     svc, s, ns = _service()
-    header = {"op": int(Op.PIN), "ns": ns, "n": 2, "kt": 0, "wr": False, "to": 1000}
-    resp, parts = _served(Coordinator(svc), s, header, _keys([40, 41]))
-    handles = np.frombuffer(parts[2], "<u4")
-    assert resp["count"] == 2 and s.transient == set(handles.tolist())
-    svc.handle(s, {"op": int(Op.RELEASE)}, handles.astype("<u4").tobytes())
+    pin = local.PinRequest(ns, _keys([40, 41]), wr=False, to=1000)
+    resp, parts = _served(Coordinator(svc), s, *request(Op.PIN, pin))
+    handles = local.PinAnswer.decode(resp, b"".join(parts), 2).handles
+    assert len(handles) == 2 and s.transient == set(handles.tolist())
+    handled(svc, s, Op.RELEASE, local.ReleaseRequest(handles))
     assert svc.store.exists(ns, KeyBatch.from_user([40, 41])) == 0 and not s.transient
 
 

@@ -10,35 +10,21 @@ import numpy as np
 from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
-from emsd.protocol.local import (
-    CommitRequest,
-    NamespaceAnswer,
-    NamespaceRequest,
-    ReserveAnswer,
-    ReserveRequest,
-)
+from emsd.protocol.local import CommitRequest, ReserveAnswer, ReserveRequest
 from emsd.service import Service, Session
 from emsd.transport.frames import Op, Status
-
-
-def _call(svc: Service, s: Session, op: Op, message: Any) -> tuple[dict[str, Any], bytes]:
-    """``message`` handled as a request of ``op``: the answer's header and payload."""
-    fields, parts = message.encode()
-    resp, out = svc.handle(s, {"op": int(op), "id": 1, **fields}, b"".join(parts))
-    return resp, b"".join(out)
+from tests.messages import handled, opened
 
 
 def _setup() -> tuple[Service, Session, int]:
     svc = Service(BlockStore(8 << 20, 1 << 20), "t", "shm", Metrics())
-    s = Session()
-    s.authenticated = True
-    resp, payload = _call(svc, s, Op.NAMESPACE, NamespaceRequest("n"))
-    return svc, s, NamespaceAnswer.decode(resp, payload).ns
+    s, ns = opened(svc)
+    return svc, s, ns
 
 
 def _reserve(svc: Service, s: Session, ns: int, keys: list[int]) -> np.ndarray:
     n = len(keys)
-    resp, payload = _call(svc, s, Op.RESERVE,
+    resp, payload = handled(svc, s, Op.RESERVE,
                           ReserveRequest(ns, KeyBatch.from_user(keys), np.full(n, 4096, np.uint64)))
     assert resp["st"] == Status.OK
     answer = ReserveAnswer.decode(resp, payload, n)
@@ -47,7 +33,7 @@ def _reserve(svc: Service, s: Session, ns: int, keys: list[int]) -> np.ndarray:
 
 
 def _commit(svc: Service, s: Session, commit: np.ndarray, abort: np.ndarray) -> dict[str, Any]:
-    return _call(svc, s, Op.COMMIT, CommitRequest(commit.astype(np.uint32), abort.astype(np.uint32)))[0]
+    return handled(svc, s, Op.COMMIT, CommitRequest(commit.astype(np.uint32), abort.astype(np.uint32)))[0]
 
 
 def test_a_handle_listed_twice_is_committed_once() -> None:

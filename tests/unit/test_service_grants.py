@@ -13,44 +13,58 @@ from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
 from emsd.pool.store import Status as SlotStatus
+from emsd.protocol.local import (
+    CommitRequest,
+    GrantAnswer,
+    GrantRequest,
+    PutAnswer,
+    PutRequest,
+    ReserveAnswer,
+    ReserveRequest,
+)
 from emsd.service import GRANT_SESSION_SHARE, GRANT_TOTAL_SHARE, Service, Session
 from emsd.transport.frames import Op, Status
+from tests.messages import handled, opened, request
 
 POOL, PAGE, BLOCK = 8 << 20, 1 << 20, 4096
 NEW, PRESENT, FAILED = int(SlotStatus.NEW), int(SlotStatus.PRESENT), int(SlotStatus.FAILED)
 
 
-def _session(svc: Service) -> tuple[Session, int]:
-    s = Session()
-    s.authenticated = True
-    resp, _ = svc.handle(s, {"op": int(Op.NAMESPACE), "name": "n", "id": 1}, b"")
-    return s, resp["ns"]
-
-
 def _setup(grants: bool = True) -> tuple[Service, Session, int]:
     svc = Service(BlockStore(POOL, PAGE), "t", "shm", Metrics())
     svc.grants = grants
-    s, ns = _session(svc)
+    s, ns = opened(svc)
     return svc, s, ns
 
 
 def _grant(svc: Service, s: Session, k: int, size: int = BLOCK, back: np.ndarray | None = None) -> np.ndarray:
-    payload = b"" if back is None else back.astype("<u8").tobytes()
-    resp, parts = svc.handle(s, {"op": int(Op.GRANT), "size": size, "k": k, "id": 2}, payload)
+    grant = GrantRequest(size, k) if back is None else GrantRequest(size, k, back=back.astype(np.uint64))
+    resp, payload = handled(svc, s, Op.GRANT, grant)
     assert resp["st"] == Status.OK, resp
-    got = np.frombuffer(parts[0], "<u8").copy()
-    assert got.size == resp["k"]
-    return got
+    return GrantAnswer.decode(resp, payload, k).offsets
+
+
+def _put_request(ns: int, keys: list[int], at: np.ndarray, sizes: list[int] | None = None) -> PutRequest:
+    n = len(keys)
+    sz = np.array(sizes if sizes is not None else [BLOCK] * n, np.uint64)
+    return PutRequest(ns, KeyBatch.from_user(keys), at.astype(np.uint64), sz)
 
 
 def _put(svc: Service, s: Session, ns: int, keys: list[int], at: np.ndarray,
          sizes: list[int] | None = None) -> tuple[dict, np.ndarray]:
+    resp, payload = handled(svc, s, Op.PUT, _put_request(ns, keys, at, sizes))
+    if resp["st"] != Status.OK:
+        return resp, np.zeros(0, np.uint8)
+    return resp, PutAnswer.decode(resp, payload, len(keys)).status
+
+
+def _save(svc: Service, s: Session, ns: int, keys: list[int], size: int) -> None:
+    """RESERVE and COMMIT of ``keys`` in blocks of ``size`` bytes (those found are left be)."""
     n = len(keys)
-    sz = np.array(sizes if sizes is not None else [BLOCK] * n, "<u8")
-    resp, parts = svc.handle(s, {"op": int(Op.PUT), "ns": ns, "n": n, "kt": 0, "id": 3},
-                             np.array(keys, "<u8").tobytes() + at.astype("<u8").tobytes() + sz.tobytes())
-    status = np.frombuffer(parts[0], np.uint8).copy() if parts else np.zeros(0, np.uint8)
-    return resp, status
+    resp, payload = handled(svc, s, Op.RESERVE, ReserveRequest(ns, KeyBatch.from_user(keys),
+                                                               np.full(n, size, np.uint64)))
+    reserved = ReserveAnswer.decode(resp, payload, n)
+    handled(svc, s, Op.COMMIT, CommitRequest(reserved.handles[reserved.status == NEW]))
 
 
 def _loadable(svc: Service, ns: int, keys: list[int]) -> int:
@@ -86,7 +100,7 @@ def test_a_present_key_keeps_its_chunk_granted_for_the_next_save() -> None:
                                   "size past its chunk", "short payload"])
 def test_a_bad_put_is_refused_and_changes_nothing(case: str) -> None:
     svc, s, ns = _setup()
-    other, _ = _session(svc)
+    other, _ = opened(svc)
     mine, theirs = _grant(svc, s, 2), _grant(svc, other, 1)
     at, sizes, keys = mine, [BLOCK, BLOCK], [1, 2]
     if case == "not granted":
@@ -101,8 +115,8 @@ def test_a_bad_put_is_refused_and_changes_nothing(case: str) -> None:
         sizes = [BLOCK, BLOCK + 1]
     before = svc.store.stats()
     if case == "short payload":
-        resp, _ = svc.handle(s, {"op": int(Op.PUT), "ns": ns, "n": 2, "kt": 0, "id": 3},
-                             np.array(keys, "<u8").tobytes() + mine.astype("<u8").tobytes())
+        header, payload = request(Op.PUT, _put_request(ns, keys, mine))
+        resp, _ = svc.handle(s, header, payload[:-16])  # no sizes
     else:
         resp, _ = _put(svc, s, ns, keys, at, sizes)
     assert resp["st"] == Status.INVALID_ARGUMENT and resp["msg"]
@@ -127,8 +141,7 @@ def test_chunks_given_back_with_a_grant_are_free_again() -> None:
     at = _grant(svc, s, 4)
     again = _grant(svc, s, 0, back=at[:3])
     assert again.size == 0 and list(s.granted) == [int(at[3])]
-    resp, _ = svc.handle(s, {"op": int(Op.GRANT), "size": BLOCK, "k": 0, "id": 2},
-                         at[:1].astype("<u8").tobytes())  # given back twice: refused
+    resp, _ = handled(svc, s, Op.GRANT, GrantRequest(BLOCK, 0, back=at[:1]))  # given back twice: refused
     assert resp["st"] == Status.INVALID_ARGUMENT and svc.store.stats().granted == BLOCK
 
 
@@ -137,7 +150,7 @@ def test_grants_are_bounded_per_session_and_in_all() -> None:
     per_session = POOL // GRANT_SESSION_SHARE // BLOCK
     assert _grant(svc, s, per_session + 10).size == per_session
     assert _grant(svc, s, 1).size == 0
-    others = [_session(svc)[0] for _ in range(GRANT_SESSION_SHARE)]
+    others = [opened(svc)[0] for _ in range(GRANT_SESSION_SHARE)]
     total = sum(_grant(svc, o, per_session).size for o in others) + per_session
     assert total == POOL // GRANT_TOTAL_SHARE // BLOCK
     assert svc.store.stats().granted == POOL // GRANT_TOTAL_SHARE
@@ -146,12 +159,12 @@ def test_grants_are_bounded_per_session_and_in_all() -> None:
 def test_a_grant_that_cannot_give_what_the_next_save_needs_gives_nothing() -> None:
     svc, s, _ = _setup()
     per_session = POOL // GRANT_SESSION_SHARE // BLOCK
-    resp, parts = svc.handle(s, {"op": int(Op.GRANT), "size": BLOCK, "k": per_session + 4,
-                                 "need": per_session + 1, "id": 2}, b"")
-    assert (resp["st"], resp["k"], parts[0]) == (Status.OK, 0, b"") and svc.store.stats().granted == 0
-    resp, _ = svc.handle(s, {"op": int(Op.GRANT), "size": BLOCK, "k": per_session + 4,
-                             "need": per_session, "id": 2}, b"")
-    assert resp["k"] == per_session  # as many as fit, since that is enough
+    k = per_session + 4
+    resp, payload = handled(svc, s, Op.GRANT, GrantRequest(BLOCK, k, need=per_session + 1))
+    assert resp["st"] == Status.OK and GrantAnswer.decode(resp, payload, k).offsets.size == 0
+    assert svc.store.stats().granted == 0
+    resp, payload = handled(svc, s, Op.GRANT, GrantRequest(BLOCK, k, need=per_session))
+    assert GrantAnswer.decode(resp, payload, k).offsets.size == per_session  # as many as fit: enough
 
 
 @pytest.mark.parametrize("header", [{"size": 0, "k": 1}, {"size": PAGE + 1, "k": 1}, {"size": "4096", "k": 1},
@@ -166,7 +179,7 @@ def test_a_bad_grant_is_refused(header: dict) -> None:
 
 def test_grants_off_refuse_grant_and_say_so_in_hello() -> None:
     svc, s, _ = _setup(grants=False)
-    resp, _ = svc.handle(s, {"op": int(Op.GRANT), "size": BLOCK, "k": 1, "id": 2}, b"")
+    resp, _ = handled(svc, s, Op.GRANT, GrantRequest(BLOCK, 1))
     assert resp["st"] == Status.INVALID_ARGUMENT and "pool.grants" in resp["msg"]
     assert svc.hello(Session(), {"op": int(Op.HELLO)})["grants"] is False
 
@@ -175,20 +188,12 @@ def test_granted_chunks_are_never_evicted_and_their_page_never_stolen() -> None:
     svc, s, ns = _setup()
     at = _grant(svc, s, 8)
     pool = svc.store
-    other, ons = _session(svc)
+    other, ons = opened(svc)
     # fill the rest of the pool with 4 KiB blocks, then with blocks of another size
     for batch in range(POOL // BLOCK // 64 + 4):
-        keys = list(range(1000 + 64 * batch, 1000 + 64 * (batch + 1)))
-        resp, parts = svc.handle(other, {"op": int(Op.RESERVE), "ns": ons, "n": 64, "kt": 0, "id": 4},
-                                 np.array(keys, "<u8").tobytes() + np.full(64, BLOCK, "<u8").tobytes())
-        h = np.frombuffer(parts[1], "<u4")[np.frombuffer(parts[2], np.uint8) == NEW]
-        svc.handle(other, {"op": int(Op.COMMIT), "c": h.size, "a": 0, "id": 5}, h.astype("<u4").tobytes())
+        _save(svc, other, ons, list(range(1000 + 64 * batch, 1000 + 64 * (batch + 1))), BLOCK)
     for batch in range(16):
-        keys = list(range(90000 + 8 * batch, 90000 + 8 * (batch + 1)))
-        resp, parts = svc.handle(other, {"op": int(Op.RESERVE), "ns": ons, "n": 8, "kt": 0, "id": 6},
-                                 np.array(keys, "<u8").tobytes() + np.full(8, PAGE, "<u8").tobytes())
-        h = np.frombuffer(parts[1], "<u4")[np.frombuffer(parts[2], np.uint8) == NEW]
-        svc.handle(other, {"op": int(Op.COMMIT), "c": h.size, "a": 0, "id": 7}, h.astype("<u4").tobytes())
+        _save(svc, other, ons, list(range(90000 + 8 * batch, 90000 + 8 * (batch + 1))), PAGE)
     assert pool.stats().evictions.get("page", 0) > 0  # pages did move between classes
     live = pool.index.live_ids()
     starts = set((pool.index.offset[live].astype(np.uint64) * np.uint64(pool.slabs.align)).tolist())
@@ -201,7 +206,7 @@ def test_granted_chunks_are_never_evicted_and_their_page_never_stolen() -> None:
                                   "short payload"])
 def test_a_bad_one_block_put_is_refused_and_changes_nothing(case: str) -> None:
     svc, s, ns = _setup()
-    other, _ = _session(svc)
+    other, _ = opened(svc)
     mine, theirs = _grant(svc, s, 1), _grant(svc, other, 1)
     at, sizes = mine, [BLOCK]
     if case == "not granted":
@@ -214,8 +219,8 @@ def test_a_bad_one_block_put_is_refused_and_changes_nothing(case: str) -> None:
         sizes = [BLOCK + 1]
     before = svc.store.stats()
     if case == "short payload":
-        resp, _ = svc.handle(s, {"op": int(Op.PUT), "ns": ns, "n": 1, "kt": 0, "id": 3},
-                             np.array([1], "<u8").tobytes() + mine.astype("<u8").tobytes())
+        header, payload = request(Op.PUT, _put_request(ns, [1], mine))
+        resp, _ = svc.handle(s, header, payload[:-8])  # no size
     else:
         resp, _ = _put(svc, s, ns, [1], at, sizes)
     assert resp["st"] == Status.INVALID_ARGUMENT and resp["msg"]
@@ -272,6 +277,6 @@ def test_a_one_block_put_answers_and_changes_state_as_the_batch_path_does(policy
     for scalar in (True, False):
         svc = Service(BlockStore(POOL, PAGE, eviction=policy), "t", "shm", Metrics())
         svc.store.scalar_paths = scalar
-        s, ns = _session(svc)
+        s, ns = opened(svc)
         runs.append(_run_puts(svc, s, ns, steps))
     assert runs[0] == runs[1]

@@ -6,23 +6,18 @@ import numpy as np
 import pytest
 
 from emsd.metrics import Metrics
+from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
+from emsd.protocol.local import ExistsRequest
 from emsd.service import RequestError, Service, Session
 from emsd.transport.frames import Op
-
-
-def _session(svc: Service) -> tuple[Session, int]:
-    s = Session()
-    s.authenticated = True
-    resp, _ = svc.handle(s, {"op": int(Op.NAMESPACE), "name": "n", "id": 1}, b"")
-    return s, resp["ns"]
+from tests.messages import opened, request
 
 
 def test_the_same_payload_is_parsed_once_and_an_equal_copy_again() -> None:
     svc = Service(BlockStore(8 << 20, 1 << 20), "t", "shm", Metrics())
-    s, ns = _session(svc)
-    payload = np.arange(5, dtype="<u8").tobytes()
-    header = {"op": int(Op.EXISTS), "ns": ns, "n": 5, "kt": 0}
+    s, ns = opened(svc)
+    header, payload = request(Op.EXISTS, ExistsRequest(ns, KeyBatch.from_ints(np.arange(5, dtype=np.uint64))))
     first = svc._keys(s, header, payload)
     assert svc._keys(s, dict(header), payload)[1] is first[1]  # the PIN/EXISTS second look
     again = svc._keys(s, header, bytes(bytearray(payload)))  # equal bytes, another request
@@ -33,9 +28,8 @@ def test_the_same_payload_is_parsed_once_and_an_equal_copy_again() -> None:
 
 def test_a_remembered_payload_does_not_pass_checks_it_would_fail() -> None:
     svc = Service(BlockStore(8 << 20, 1 << 20), "t", "shm", Metrics())
-    s, ns = _session(svc)
-    payload = np.arange(2, dtype="<u8").tobytes()
-    header = {"op": int(Op.EXISTS), "ns": ns, "n": 2, "kt": 0}
+    s, ns = opened(svc)
+    header, payload = request(Op.EXISTS, ExistsRequest(ns, KeyBatch.from_ints(np.arange(2, dtype=np.uint64))))
     svc._keys(s, header, payload)
     with pytest.raises(RequestError, match="expected 24 bytes"):
         svc._keys(s, {**header, "n": 3}, payload)

@@ -18,12 +18,13 @@ from emsd.pool.checksum import Checksums
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore, Reservation
 from emsd.pool.store import Status as SlotStatus
-from emsd.protocol.local import NamespaceAnswer, NamespaceRequest, PinAnswer, PinRequest
+from emsd.protocol.local import PinAnswer, PinRequest
 from emsd.protocol.peer import DropRequest, Encoded, GetRequest, HasRequest, PutRequest
-from emsd.service import PEER_PROMOTE_BUDGET, Service, Session
+from emsd.service import PEER_PROMOTE_BUDGET, Service
 from emsd.tenants import Tenant, Tenants
 from emsd.transport.frames import Op, Status
 from emsd.transport.owner import BlockOwner
+from tests.messages import handled, opened
 
 POOL, PAGE = 16 << 20, 4 << 20
 BLOCK = 256 << 10
@@ -45,13 +46,6 @@ def _served(encoded: Encoded) -> tuple[dict[str, Any], bytes]:
     """A request's frame as the server receives it: header and payload."""
     header, parts = encoded
     return header, b"".join(parts)
-
-
-def _local(svc: Service, s: Session, op: Op, message: Any) -> tuple[dict[str, Any], bytes]:
-    """A local client's request ``message`` of ``op``, handled: the answer's header and payload."""
-    fields, parts = message.encode()
-    resp, out = svc.handle(s, {"op": int(op), "id": 1, **fields}, b"".join(parts))
-    return resp, b"".join(out)
 
 
 def _reserve_put(owner: BlockOwner, name: str, keys: list[int]) -> Reservation:
@@ -113,9 +107,8 @@ def test_a_commit_from_a_peer_seals_checksums_that_a_later_pin_verifies() -> Non
     svc, pool = _service(checksums=True)
     assert not _put(svc, pool, THEIRS, [1, 2, 3]).any()
     assert _lent(svc, THEIRS, [1, 2, 3]) == 3  # sealed: every block verifies
-    s = Session(authenticated=True)  # a local client's PIN sees the same seals
-    ns = NamespaceAnswer.decode(*_local(svc, s, Op.NAMESPACE, NamespaceRequest(THEIRS))).ns
-    resp, payload = _local(svc, s, Op.PIN, PinRequest(ns, KeyBatch.from_user([1, 2, 3])))
+    s, ns = opened(svc, THEIRS)  # a local client's PIN sees the same seals
+    resp, payload = handled(svc, s, Op.PIN, PinRequest(ns, KeyBatch.from_user([1, 2, 3])))
     assert resp["st"] == Status.OK
     pinned = PinAnswer.decode(resp, payload, 3)
     assert len(pinned.handles) == 3

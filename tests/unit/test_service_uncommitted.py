@@ -9,10 +9,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from emsd.metrics import Metrics
+from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
+from emsd.protocol.local import (
+    CommitRequest,
+    GrantAnswer,
+    GrantRequest,
+    NamespaceAnswer,
+    NamespaceRequest,
+    PutAnswer,
+    PutRequest,
+    ReserveAnswer,
+    ReserveRequest,
+)
 from emsd.service import Service, Session
 from emsd.tenants import Tenant, Tenants
 from emsd.transport.frames import Op, Status
+from tests.messages import Message, handled
 
 POOL, PAGE, BLOCK = 8 << 20, 1 << 20, 64 << 10
 QUOTA = 1 << 20
@@ -36,36 +49,34 @@ class Conn:
     def __init__(self, svc: Service, tenant: str) -> None:
         self.svc, self.s = svc, Session()
         svc.hello(self.s, {"op": int(Op.HELLO), "access_id": tenant, "access_key": KEYS[tenant]})
-        self.ns = self.call({"op": int(Op.NAMESPACE), "name": "m"})[0]["ns"]
+        self.ns = NamespaceAnswer.decode(*self.call(Op.NAMESPACE, NamespaceRequest("m"))).ns
         self.held: list[int] = []  # handles reserved, not ended
         self.chunks: list[int] = []  # granted offsets, not used
 
-    def call(self, h: dict, p: bytes = b"") -> tuple[dict, list[bytes]]:
-        resp, parts = self.svc.handle(self.s, h, p)
+    def call(self, op: Op, message: Message) -> tuple[dict, bytes]:
+        resp, payload = handled(self.svc, self.s, op, message)
         assert resp["st"] == Status.OK, resp
-        return resp, parts
+        return resp, payload
 
 
 def _step(c: Conn, kind: str, n: int, key: int) -> int:
-    keys = np.arange(key, key + n, dtype="<u8")
+    keys, sizes = np.arange(key, key + n, dtype=np.uint64), np.full(n, BLOCK, np.uint64)
     if kind == "reserve":
-        _, parts = c.call({"op": int(Op.RESERVE), "ns": c.ns, "n": n, "kt": 0},
-                          keys.tobytes() + np.full(n, BLOCK, "<u8").tobytes())
-        status = np.frombuffer(parts[2], np.uint8)
-        c.held += np.frombuffer(parts[1], "<u4")[status == 0].tolist()
+        reserve = ReserveRequest(c.ns, KeyBatch.from_ints(keys), sizes)
+        reserved = ReserveAnswer.decode(*c.call(Op.RESERVE, reserve), n)
+        c.held += reserved.handles[reserved.status == 0].tolist()
     elif kind in ("commit", "abort") and c.held:
-        hs, c.held = c.held[:n], c.held[n:]
-        counts = {"c": len(hs), "a": 0} if kind == "commit" else {"c": 0, "a": len(hs)}
-        c.call({"op": int(Op.COMMIT), **counts}, np.array(hs, "<u4").tobytes())
+        hs, c.held = np.array(c.held[:n], np.uint32), c.held[n:]
+        none = np.zeros(0, np.uint32)
+        c.call(Op.COMMIT, CommitRequest(hs, none) if kind == "commit" else CommitRequest(none, hs))
     elif kind == "grant":
-        _, parts = c.call({"op": int(Op.GRANT), "size": BLOCK, "k": n})
-        c.chunks += np.frombuffer(parts[0], "<u8").tolist()
+        c.chunks += GrantAnswer.decode(*c.call(Op.GRANT, GrantRequest(BLOCK, n)), n).offsets.tolist()
     elif kind == "put" and c.chunks:
         at, c.chunks = c.chunks[:n], c.chunks[n:]
         m = len(at)
-        payload = keys[:m].tobytes() + np.array(at, "<u8").tobytes() + np.full(m, BLOCK, "<u8").tobytes()
-        _, parts = c.call({"op": int(Op.PUT), "ns": c.ns, "n": m, "kt": 0}, payload)
-        c.chunks += [o for o, st_ in zip(at, np.frombuffer(parts[0], np.uint8).tolist(), strict=True) if st_]
+        put = PutRequest(c.ns, KeyBatch.from_ints(keys[:m]), np.array(at, np.uint64), sizes[:m])
+        status = PutAnswer.decode(*c.call(Op.PUT, put), m).status
+        c.chunks += [o for o, st_ in zip(at, status.tolist(), strict=True) if st_]
     return key + n
 
 
