@@ -204,8 +204,10 @@ class Cluster:
         log.info("left the ring: new saves and owned blocks go to the other %d members",
                  len(self.placement.members))
 
-    async def fetch(self, ns_name: str, keys: KeyBatch, deadline: float) -> None:
+    async def fetch(self, ns_name: str, keys: KeyBatch, deadline: float) -> np.ndarray:
         """Bring keys owned elsewhere into the local pool: batched per owner, parts in parallel.
+        Returns True per key that other nodes own and this one does not, by the ring the fetch
+        used (what it fetched is a read-cache copy here).
 
         The primaries are asked first; keys a primary did not have (a node
         that joined since the save, or restarted) go to the next replica, and
@@ -214,19 +216,21 @@ class Cluster:
         """
         view = self.placement
         if len(keys) == 0 or view.alone():
-            return
+            return np.zeros(len(keys), dtype=bool)
         ring = view.ring
         owners, me = ring.owners(ns_name, keys), view.my_index(ring)
-        pending = np.flatnonzero(~(owners == me).any(axis=1))
+        elsewhere = ~(owners == me).any(axis=1)
+        pending = np.flatnonzero(elsewhere)
         for rank in range(owners.shape[1]):
             if pending.size == 0 or _now() >= deadline:
-                return
+                break
             missed: list[np.ndarray] = []
             jobs = [self._fetch_part(node, ns_name, keys, part, missed)
                     for node, idx in view.group(ring, owners[pending, rank], pending).items()
                     for part in self._parts(idx)]
             await self._bounded(deadline, *jobs)
             pending = np.sort(np.concatenate(missed)) if missed else pending[:0]
+        return elsewhere
 
     async def _fetch_part(self, node: str, ns_name: str, keys: KeyBatch, sel: np.ndarray,
                           missed: list[np.ndarray]) -> None:

@@ -89,8 +89,7 @@ class Remote:
         store = self.service.store
         name = self.service.namespace_name(ns)
         before = None if keep else store.index.find(ns, keys)
-        await self.cluster.fetch(name, keys, deadline)
-        remote = remote_only(self.cluster, name, keys)
+        remote = await self.cluster.fetch(name, keys, deadline)
         store.mark_cached(ns, keys if remote.all() else keys.take(remote))
         if before is None:
             return frozenset()

@@ -48,9 +48,14 @@ def _count(header: dict[str, Any], field: str, most: int) -> int:
 
 def block_lengths(raw: bytes, n: int) -> np.ndarray:
     """``n`` block lengths (u64 LE, each at least 1, at most ``MAX_BULK`` in all) from ``raw``,
-    which holds exactly them; raises ``FrameError``."""
+    which holds exactly them; raises ``FrameError``. One block (a block a call) in scalar steps."""
     if len(raw) != 8 * n:
         raise FrameError("lengths must be n little-endian u64")
+    if n == 1:
+        one = int.from_bytes(raw, "little")
+        if not 0 < one <= MAX_BULK:
+            raise FrameError("block lengths out of range")
+        return np.array((one,), dtype=np.uint64)
     lengths = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
     if n and (int(lengths.min()) == 0 or int(lengths.sum()) > MAX_BULK):
         raise FrameError("block lengths out of range")
@@ -58,7 +63,8 @@ def block_lengths(raw: bytes, n: int) -> np.ndarray:
 
 
 def _bulk(header: dict[str, Any], lengths: np.ndarray) -> None:
-    if header.get("bulk") != int(lengths.sum()):
+    """Check the ``bulk`` field: the sum of ``lengths`` (one block: in a scalar)."""
+    if header.get("bulk") != (int(lengths[0]) if lengths.size == 1 else int(lengths.sum())):
         raise FrameError("bulk does not match the lengths")
 
 
@@ -95,10 +101,14 @@ class GetAnswer:
     count: int
     lengths: np.ndarray  # u64 x count
 
+    @property
+    def bulk(self) -> int:
+        """The bytes of the blocks that follow the frame."""
+        return int(self.lengths[0]) if self.lengths.size == 1 else int(self.lengths.sum())
+
     def encode(self) -> Encoded:
         lengths = self.lengths.astype("<u8")
-        return ({"st": int(Status.OK), "count": self.count, "bulk": int(lengths.sum())},
-                [lengths.tobytes()])
+        return {"st": int(Status.OK), "count": self.count, "bulk": self.bulk}, [lengths.tobytes()]
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> GetAnswer:

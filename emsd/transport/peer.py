@@ -575,9 +575,9 @@ class PeerConnection:
                     raise PeerError(f"GET refused: {header.get('msg')}")
                 answer = GetAnswer.decode(header, payload, len(keys))
                 ns = self.owner.namespace_id(ns_name)
-                self.last_bytes = int(answer.lengths.sum())
-                return await _receive_blocks(stream, self.owner, self.pool, ns,
-                                             keys.take(slice(0, answer.count)), answer.lengths,
+                self.last_bytes = answer.bulk
+                held = keys if answer.count == len(keys) else keys.take(slice(0, answer.count))
+                return await _receive_blocks(stream, self.owner, self.pool, ns, held, answer.lengths,
                                              self._scratch, copy=True)
 
     async def put(self, ns_name: str, keys: KeyBatch, offsets: np.ndarray, lengths: np.ndarray) -> int:

@@ -56,10 +56,11 @@ class FakeCluster:
         self.pushed.append((name, [int(k) for k in keys.words[:, 0]]))
         return np.ones(len(keys), dtype=bool)
 
-    async def fetch(self, name: str, keys: KeyBatch, _deadline: float) -> None:
+    async def fetch(self, name: str, keys: KeyBatch, _deadline: float) -> np.ndarray:
         store, ns = self.svc.store, self.svc.namespace_id(name)
         res = store.reserve(ns, keys, np.full(len(keys), BLOCK, dtype=np.uint64))
         store.commit_reserved(res.handles)
+        return np.ones(len(keys), dtype=bool)  # all owned elsewhere
 
     async def exists(self, _name: str, keys: KeyBatch, _here: np.ndarray, _deadline: float) -> int:
         return len(keys)
