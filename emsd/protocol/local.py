@@ -194,10 +194,13 @@ def _st_bytes(a: np.ndarray) -> bytes:
 
 
 def _reached(header: dict[str, Any], n: int) -> bytes | None:
-    """``reached`` of a cluster's COMMIT or PUT answer: ``n`` bytes, or None when absent or
-    not ``n`` bytes (a hint the SDK has always ignored then, not a broken answer)."""
+    """``reached`` of a cluster's COMMIT or PUT answer: ``n`` bytes (one per committed block),
+    or None when absent (standalone). Anything else is a broken answer (``FrameError``): read
+    as "all reached", it would count blocks that are at no owner."""
     reached = header.get("reached")
-    return reached if isinstance(reached, bytes) and len(reached) == n else None
+    if reached is None or (type(reached) is bytes and len(reached) == n):
+        return reached
+    raise FrameError(f"reached must be {n} bytes, one per committed block")
 
 
 def _count(header: dict[str, Any], field: str, asked: int) -> int:
@@ -511,7 +514,8 @@ class PutAnswer(NamedTuple):
         true unless the answer's ``reached`` says it did not)."""
         if len(payload) != 1:
             raise FrameError("PUT answer: expected 1 byte")
-        return payload[0], header.get("reached") != b"\0"
+        status = payload[0]
+        return status, _reached(header, int(status == 0)) != b"\0"
 
 
 # -- header-only ops -------------------------------------------------------------------

@@ -38,7 +38,7 @@ from emsd.protocol.local import (
     ReserveRequest,
 )
 from emsd.service import Response, Service, Session
-from emsd.transport.frames import Op, Status
+from emsd.transport.frames import FrameError, Op, Status
 from tests import messages
 
 SIZES = (300, 700, 1500, 3000)  # four size classes, all below the simulation's page size
@@ -134,10 +134,10 @@ class Client:
             return CallResult("save-died", self.service.node_id, tuple(keys), 0, (), 0.0, timeout_ms / 1000)
         left = max(1, int((start + timeout_ms / 1000 - loop.time()) * 1000))  # as the SDK sends it
         resp, payload = await self.request(Op.COMMIT, CommitRequest(handles[new], wr=keep, to=left))
-        committed = CommitAnswer.decode(resp, payload, new.size)
-        if "reached" in resp and committed.reached is None:
-            raise SimFailure(f"COMMIT on {self.service.node_id} answered a reached of the wrong size: "
-                             f"{resp['reached']!r} for {new.size} blocks")
+        try:
+            committed = CommitAnswer.decode(resp, payload, new.size)
+        except FrameError as exc:  # e.g. a reached of the wrong size
+            raise SimFailure(f"COMMIT on {self.service.node_id} answered {resp!r}: {exc}") from None
         reached = tuple(committed.reached if committed.reached is not None else b"\x01" * new.size)
         return CallResult("save", self.service.node_id, tuple(keys), committed.committed, reached,
                           loop.time() - start, timeout_ms / 1000)

@@ -312,6 +312,10 @@ def test_the_bad_cases_differ_from_good_requests_only_in_the_field_named() -> No
     (CountAnswer, {"count": 3}, b"", 2),
     (CountAnswer, {"count": "1"}, b"", 2),
     (CommitAnswer, {"committed": -1}, b"", 2),
+    (CommitAnswer, {"committed": 2, "reached": b"\1"}, b"", 2),  # reached: one byte per block
+    (CommitAnswer, {"committed": 2, "reached": "\1\1"}, b"", 2),
+    (PutAnswer, {"n": 2, "reached": b"\1"}, bytes(2), 2),  # two NEW blocks
+    (PutAnswer, {"n": 2, "reached": b"\1"}, bytes((1, 1)), 2),  # no NEW block: no reached
     (OwnerAnswer, {"owners": [["a"]]}, b"", 2),  # fewer keys than asked
     (OwnerAnswer, {"owners": [["a"], []]}, b"", 2),  # a key with no owner
     (OwnerAnswer, {"owners": [["a"], [1]]}, b"", 2),
