@@ -42,7 +42,7 @@ connection's grants go back to the pool.
 Uncommitted bytes are bounded too (issue 25): a connection holds at most
 ``connection_uncommitted`` bytes reserved and granted (``pool.connection_uncommitted``,
 default half the pool), and a tenant's quota counts its committed bytes plus its
-connections' reserved and granted ones (``_quota_held``; ``handle`` keeps the
+connections' reserved and granted ones (``emsd.quota.Quotas``; ``handle`` keeps the
 per-tenant total from each session's ``uncommitted`` with integer arithmetic).
 """
 
@@ -109,6 +109,7 @@ from emsd.protocol.local import (
     ReserveRequest,
     TouchRequest,
 )
+from emsd.quota import Quotas
 from emsd.solo import Solo
 from emsd.tenants import DEFAULT as DEFAULT_TENANT
 from emsd.tenants import PREFIX as TENANT_PREFIX
@@ -181,7 +182,7 @@ class Service:
         self.grants = True  # pool.grants: GRANT hands out chunks (else it is refused)
         self.tenants = tenants or Tenants([])
         self._tenant_ns: dict[str, set[int]] = {}  # namespaces of each tenant (for quotas)
-        self._uncommitted: dict[str, int] = {}  # tenant -> its sessions' pending + granted bytes
+        self.quotas = Quotas(self.tenants, store, self._tenant_ns)  # tenants' quotas (emsd.quota)
         # tenant -> the slab group whose pages hold its blocks (``emsd.pool.tenancy``; 0: the
         # pool's own memory, everyone's without tenants)
         self.tenant_group: Callable[[str], int] = lambda tenant: 0
@@ -260,7 +261,7 @@ class Service:
                 out = handler(self, session, header, payload)
             finally:
                 if session.uncommitted != held:  # RESERVE, COMMIT, GRANT, PUT: the tenant's total follows
-                    self._hold(session.tenant, session.uncommitted - held)
+                    self.quotas.hold(session.tenant, session.uncommitted - held)
             resp, parts = out[0], out[1]
             if len(out) == 3:  # a handler with work after it (in a cluster)
                 effects = out[2]
@@ -292,7 +293,7 @@ class Service:
         if session.authenticated:
             session.authenticated = False
             self.sessions -= 1
-        self._hold(session.tenant, -session.uncommitted)
+        self.quotas.hold(session.tenant, -session.uncommitted)
         if session.pending:
             self.store.abort(np.fromiter(session.pending, dtype=np.uint32))
             session.pending.clear()
@@ -652,7 +653,7 @@ class Service:
         ns, keys, rest = self._keys(s, h, p)
         req = ReserveRequest.decode(h, p, (keys, rest))
         n, sizes = len(keys), req.sizes
-        fit = min(self._fit_quota(s.tenant, ns, keys, sizes), self._fit_connection(s, sizes))
+        fit = min(self.quotas.fit(s.tenant, ns, keys, sizes), self._fit_connection(s, sizes))
         if FAULTS is not None and FAULTS.at("pool.reserve") is not None:
             fit = 0  # injected: as if the pool were full of pinned blocks
         evicted = self.store.evicted_total
@@ -691,7 +692,7 @@ class Service:
                    cap // GRANT_TOTAL_SHARE - self.store.granted_bytes,
                    self.connection_uncommitted - s.uncommitted) // chunk
         if room >= need and k:
-            room = self._fit_quota_grant(s.tenant, chunk, min(k, room))
+            room = self.quotas.fit_grant(s.tenant, chunk, min(k, room))
         got = self.store.grant(size, min(k, room) if room >= need else 0, self.tenant_group(s.tenant))
         s.granted.update(dict.fromkeys(got.tolist(), chunk))
         s.granted_bytes += chunk * got.size
@@ -715,7 +716,7 @@ class Service:
         for size, chunk in zip(sizes.tolist(), chunks, strict=True):
             _check_fits(size, chunk, align)
         # The chunks named are counted (granted) already: only the blocks' own bytes are new.
-        fit = self._fit_quota(s.tenant, ns, keys, sizes, counted=sum(chunks))
+        fit = self.quotas.fit(s.tenant, ns, keys, sizes, counted=sum(chunks))
         res = self.store.reserve(ns, keys if fit == n else keys.take(slice(0, fit)), sizes[:fit],
                                  admit=True, prev=req.prev, at=at[:fit])
         if fit < n:
@@ -753,7 +754,7 @@ class Service:
         """Namespace ``ns``'s tenant holds ``nbytes`` more (or, negative, fewer) bytes reserved
         without a session here: blocks a peer is sending (``reserve_arriving``) or a promotion
         is reading, counted by its quota until committed or aborted."""
-        self._hold(Tenants.tenant_of(self.namespace_name(ns)), nbytes)
+        self.quotas.hold(Tenants.tenant_of(self.namespace_name(ns)), nbytes)
 
     def fit_quota(self, ns: int, keys: KeyBatch, sizes: np.ndarray) -> int:
         """How many leading blocks of ``keys`` (``sizes`` bytes) this node may store for
@@ -761,40 +762,7 @@ class Service:
         quota check of every path that stores bytes without a client session here
         (a forwarded save or a replica from a peer, a read-cache copy of a remote
         fetch, a promotion from the disk tier; see ``reserve_arriving``)."""
-        return self._fit_quota(Tenants.tenant_of(self.namespace_name(ns)), ns, keys, sizes)
-
-    def _fit_quota(self, tenant: str, ns: int, keys: KeyBatch, sizes: np.ndarray, counted: int = 0) -> int:
-        """How many leading keys of a save fit the tenant's quota (all without one), after
-        evicting its own LRU blocks.
-
-        The quota holds the tenant's committed bytes and the bytes its connections
-        hold uncommitted (reserved or granted: ``_hold``), less ``counted`` (granted
-        chunks this save fills: already in the uncommitted total).
-        """
-        quota = self.tenants.quota(tenant)
-        if quota is None:
-            return len(keys)
-        want = int(sizes.sum())
-        held = self._quota_held(tenant) - counted
-        if held + want > quota:
-            present = self.store.index.find(ns, keys)
-            held -= self._evict_own(tenant, held + want - quota, present[present >= FIRST_ID])
-        room = np.cumsum(sizes.astype(np.int64)) <= quota - held
-        return int(room.argmin()) if not room.all() else len(keys)
-
-    def _fit_quota_grant(self, tenant: str, chunk: int, k: int) -> int:
-        """How many of ``k`` chunks of ``chunk`` bytes a GRANT may hand tenant ``tenant`` (all
-        without a quota): granted chunks count against the quota until used or given back.
-
-        Only from room the quota has free: a GRANT never evicts. It is speculative (the SDK
-        asks after each save for the next one's worth, and more), so evicting for it would
-        drop the blocks just saved; a tenant at its quota gets none and saves with RESERVE,
-        which evicts its own LRU blocks as a commit over the quota does.
-        """
-        quota = self.tenants.quota(tenant)
-        if quota is None:
-            return k
-        return max(0, min(k, (quota - self._quota_held(tenant)) // chunk))
+        return self.quotas.fit(Tenants.tenant_of(self.namespace_name(ns)), ns, keys, sizes)
 
     def _after_save(self, h: dict[str, Any], resp: dict[str, Any], ns: int, keys: KeyBatch,
                     status: np.ndarray, handles: np.ndarray | None = None) -> Effects:
@@ -832,25 +800,6 @@ class Service:
         if int(sizes.sum()) <= room:  # the usual case: one sum, no cumulative array
             return len(sizes)
         return int(np.searchsorted(np.cumsum(sizes.astype(np.int64)), room, side="right"))
-
-    def _quota_held(self, tenant: str) -> int:
-        """What tenant ``tenant``'s quota counts now: committed bytes of its namespaces plus the
-        pending and granted bytes of its connections."""
-        committed = sum(self.store.ns_bytes(ns) for ns in self._tenant_ns.get(tenant, ()))
-        return committed + self._uncommitted.get(tenant, 0)
-
-    def _evict_own(self, tenant: str, nbytes: int, keep: np.ndarray) -> int:
-        """Evict ``nbytes`` of tenant ``tenant``'s own LRU blocks (never ``keep``); bytes freed."""
-        mine = np.fromiter(self._tenant_ns.get(tenant, ()), dtype=np.int64)
-        return self.store.evict_within(mine, nbytes, keep)
-
-    def _hold(self, tenant: str, delta: int) -> None:
-        """A connection of ``tenant`` holds ``delta`` more bytes reserved or granted."""
-        left = self._uncommitted.get(tenant, 0) + delta
-        if left:
-            self._uncommitted[tenant] = left
-        else:
-            self._uncommitted.pop(tenant, None)
 
     def _commit(self, s: Session, h: dict[str, Any], p: bytes) -> Planned:
         commit, abort, _, _ = CommitRequest.decode(h, p)

@@ -188,7 +188,7 @@ async def test_blocks_from_a_peer_count_against_their_tenants_quota_both_ways() 
         assert a.read(theirs, [1]) == other  # never touched by team-b's quota
         assert a.store.stats().pending == 0
         # every hold on the quota ended with its transfer
-        assert a.service._quota_held("team-b") == a.store.ns_bytes(a.ns(mine))
+        assert a.service.quotas.held("team-b") == a.store.ns_bytes(a.ns(mine))
     finally:
         get.close()
         put.close()

@@ -98,10 +98,10 @@ def test_uncommitted_books_stay_exact_and_bounds_hold(steps: list[tuple[str, int
             assert c.s.pending_bytes == int(idx.length[np.array(sorted(c.s.pending), dtype=np.int64)].sum())
             assert c.s.uncommitted <= CAP
         for t in ("q", "free"):  # each tenant's total is its connections' sum
-            assert svc._uncommitted.get(t, 0) == sum(c.s.uncommitted for c in conns if c.s.tenant == t)
-        assert svc._quota_held("q") <= QUOTA
+            assert svc.quotas.uncommitted.get(t, 0) == sum(c.s.uncommitted for c in conns if c.s.tenant == t)
+        assert svc.quotas.held("q") <= QUOTA
     for c in conns:
         svc.close(c.s)
-    assert svc._uncommitted == {}
+    assert svc.quotas.uncommitted == {}
     st_ = svc.store.stats()
     assert st_.pending == 0 and st_.granted == 0
