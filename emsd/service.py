@@ -472,7 +472,9 @@ class Service:
         the first block whose checksum fails); end with ``release_lent``. Counted as lookups
         of op "peer_get" (the loads this node serves to peers)."""
         pinned = self.pin_checked(ns, keys)
-        self.metrics.looked_up("peer_get", pinned.count, len(keys) - pinned.count, int(pinned.lengths.sum()))
+        lengths = pinned.lengths
+        nbytes = int(lengths[0]) if lengths.size == 1 else int(lengths.sum())  # one block: a scalar
+        self.metrics.looked_up("peer_get", pinned.count, len(keys) - pinned.count, nbytes)
         return pinned
 
     def release_lent(self, handles: np.ndarray) -> None:
