@@ -274,7 +274,7 @@ class CommitRequest(NamedTuple):
 
 class CommitAnswer(NamedTuple):
     committed: int  # distinct blocks made readable
-    reached: bytes | None = None  # in a cluster: 1 per committed handle at its owner
+    reached: bytes | None = None  # in a cluster: 1 per committed handle as listed, at its owner
 
     def encode(self) -> Encoded:
         header: dict[str, Any] = {"committed": self.committed}

@@ -127,6 +127,15 @@ def test_a_commit_in_a_cluster_names_the_forward_of_its_committed_handles_only()
     assert forward.keep is True and forward.budget == pytest.approx(0.9)
 
 
+def test_a_commit_listing_a_handle_twice_answers_a_reached_per_handle_listed() -> None:
+    svc, s, ns = _service()
+    reserve = local.ReserveRequest(ns, _keys([1, 2]), _sizes(2))
+    handles = local.ReserveAnswer.decode(*handled(svc, s, Op.RESERVE, reserve), 2).handles
+    listed = np.array([handles[0], handles[0], handles[1]], dtype=np.uint32)
+    resp, _, _ = svc.serve_sync(s, *request(Op.COMMIT, local.CommitRequest(listed)))
+    assert local.CommitAnswer.decode(resp, b"", 3) == local.CommitAnswer(2, b"\0\0\0")  # decodes
+
+
 def test_a_pin_of_absent_keys_names_a_fetch_of_the_missing_tail() -> None:
     svc, s, ns = _service()
     _save(svc, ns, [1])
