@@ -143,8 +143,14 @@ field_names = st.sampled_from(["ns", "n", "kt", "bulk", "count", "stored", "drop
 @given(st.dictionaries(field_names, fields), st.binary(max_size=120), st.integers(0, 20))
 def test_anything_a_peer_sends_decodes_or_is_a_frame_error(header: dict[str, Any], payload: bytes,
                                                            asked: int) -> None:
-    requests = (GetRequest, HasRequest, PutRequest, DropRequest)
-    answers = (GetAnswer, PutAnswer, HasAnswer, DropAnswer)
+    decode_or_refuse((GetRequest, HasRequest, PutRequest, DropRequest),
+                     (GetAnswer, PutAnswer, HasAnswer, DropAnswer), header, payload, asked)
+
+
+def decode_or_refuse(requests: tuple[Any, ...], answers: tuple[Any, ...], header: dict[str, Any],
+                     payload: bytes, asked: int) -> None:
+    """Every request type decodes ``header`` and ``payload``, and every answer type those with
+    ``asked``, or raises a ``FrameError`` of INVALID_ARGUMENT: never another error."""
     decoders = [*(lambda cls=cls: cls.decode(header, payload) for cls in requests),
                 *(lambda cls=cls: cls.decode(header, payload, asked) for cls in answers)]
     for decode in decoders:
