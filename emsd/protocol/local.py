@@ -75,8 +75,8 @@ import numpy as np
 
 from emsd.placement import record as placement_record
 from emsd.pool.keys import KT_INT, KT_TAGGED, TAGGED_ITEMSIZE, KeyBatch, KeyError_
+from emsd.protocol.fields import exact_size, name_field, u64s
 from emsd.protocol.fields import int_field as _int
-from emsd.protocol.fields import name_field
 from emsd.transport.frames import MAX_BATCH_KEYS, MAX_PAYLOAD, FrameError, split_keys
 
 MAX_NAME = 4096  # characters of a namespace name a client gives
@@ -134,18 +134,8 @@ def _name(header: dict[str, Any], field: str) -> str:
     return name_field(header, field, MAX_NAME)
 
 
-def _u64s(raw: bytes, n: int, offset: int = 0) -> np.ndarray:
-    """``n`` u64 LE at ``offset`` of ``raw`` as uint64 (a copy: the caller may keep it)."""
-    return np.frombuffer(raw, dtype="<u8", count=n, offset=offset).astype(np.uint64)
-
-
 def _u32s(raw: bytes, n: int, offset: int = 0) -> np.ndarray:
     return np.frombuffer(raw, dtype="<u4", count=n, offset=offset).astype(np.uint32)
-
-
-def _exact(raw: bytes, size: int, what: str) -> None:
-    if len(raw) != size:
-        raise FrameError(f"{what}: expected {size} bytes, got {len(raw)}")
 
 
 def _keyed(ns: int, keys: KeyBatch) -> tuple[dict[str, Any], list[bytes]]:
@@ -227,8 +217,8 @@ class ReserveRequest(NamedTuple):
     def decode(cls, header: dict[str, Any], payload: bytes, split: Split | None = None) -> ReserveRequest:
         ns, keys, rest = _head(header, payload, split, False)
         n = len(keys)
-        _exact(rest, 8 * n, "sizes")
-        return cls(ns, keys, _u64s(rest, n), prev_key(header), _budget(header))
+        exact_size(rest, 8 * n, "sizes")
+        return cls(ns, keys, u64s(rest, n), prev_key(header), _budget(header))
 
 
 class ReserveAnswer(NamedTuple):
@@ -244,7 +234,7 @@ class ReserveAnswer(NamedTuple):
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> ReserveAnswer:
-        _exact(payload, 13 * asked, "RESERVE answer")
+        exact_size(payload, 13 * asked, "RESERVE answer")
         return cls(np.frombuffer(payload, dtype="<u8", count=asked),
                    np.frombuffer(payload, dtype="<u4", count=asked, offset=8 * asked),
                    np.frombuffer(payload, dtype=np.uint8, count=asked, offset=12 * asked))
@@ -267,7 +257,7 @@ class CommitRequest(NamedTuple):
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes) -> CommitRequest:
         nc, na = _int(header, "c", 0, MAX_HANDLES, 0), _int(header, "a", 0, MAX_HANDLES, 0)
-        _exact(payload, 4 * (nc + na), "handles")
+        exact_size(payload, 4 * (nc + na), "handles")
         return cls(_u32s(payload, nc), _u32s(payload, na, 4 * nc), _flag(header, "wr", True),
                    _budget(header))
 
@@ -325,7 +315,7 @@ class PinAnswer(NamedTuple):
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> PinAnswer:
         count = _count(header, "count", asked)
-        _exact(payload, 20 * count, "PIN answer")
+        exact_size(payload, 20 * count, "PIN answer")
         return cls(np.frombuffer(payload, dtype="<u8", count=count),
                    np.frombuffer(payload, dtype="<u8", count=count, offset=8 * count),
                    np.frombuffer(payload, dtype="<u4", count=count, offset=16 * count))
@@ -428,7 +418,7 @@ class GrantRequest(NamedTuple):
         k, need = _int(header, "k", 0, MAX_BATCH_KEYS), _int(header, "need", 0, MAX_BATCH_KEYS, 1)
         if len(payload) % 8:
             raise FrameError("offsets given back: not a multiple of 8 bytes")
-        return cls(size, k, need, _u64s(payload, len(payload) // 8))
+        return cls(size, k, need, u64s(payload, len(payload) // 8))
 
 
 class GrantAnswer(NamedTuple):
@@ -442,8 +432,8 @@ class GrantAnswer(NamedTuple):
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, asked: int = MAX_BATCH_KEYS) -> GrantAnswer:
         k = _count(header, "k", asked)
-        _exact(payload, 8 * k, "GRANT answer")
-        return cls(_u64s(payload, k))
+        exact_size(payload, 8 * k, "GRANT answer")
+        return cls(u64s(payload, k))
 
 
 class PutRequest(NamedTuple):
@@ -467,8 +457,8 @@ class PutRequest(NamedTuple):
     def decode(cls, header: dict[str, Any], payload: bytes, split: Split | None = None) -> PutRequest:
         ns, keys, rest = _head(header, payload, split, False)
         n = len(keys)
-        _exact(rest, 16 * n, "offsets and sizes")
-        return cls(ns, keys, _u64s(rest, n), _u64s(rest, n, 8 * n), prev_key(header),
+        exact_size(rest, 16 * n, "offsets and sizes")
+        return cls(ns, keys, u64s(rest, n), u64s(rest, n, 8 * n), prev_key(header),
                    _flag(header, "wr", True), _budget(header))
 
     @staticmethod
@@ -499,7 +489,7 @@ class PutAnswer(NamedTuple):
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> PutAnswer:
-        _exact(payload, asked, "PUT answer")
+        exact_size(payload, asked, "PUT answer")
         status = np.frombuffer(payload, dtype=np.uint8)
         return cls(status, _reached(header, int(np.count_nonzero(status == 0))))
 

@@ -62,21 +62,36 @@ def block_lengths(raw: bytes, n: int) -> np.ndarray:
     return lengths
 
 
+def _total(lengths: np.ndarray) -> int:
+    """The bytes of blocks of ``lengths`` (one block: in a scalar)."""
+    return int(lengths[0]) if lengths.size == 1 else int(lengths.sum())
+
+
 def _bulk(header: dict[str, Any], lengths: np.ndarray) -> None:
-    """Check the ``bulk`` field: the sum of ``lengths`` (one block: in a scalar)."""
-    if header.get("bulk") != (int(lengths[0]) if lengths.size == 1 else int(lengths.sum())):
+    """Check the ``bulk`` field: the sum of ``lengths``."""
+    if header.get("bulk") != _total(lengths):
         raise FrameError("bulk does not match the lengths")
 
 
-def _keyed(op: PeerOp, ns: str, keys: KeyBatch) -> Encoded:
+def keyed(op: PeerOp, ns: str, keys: KeyBatch) -> Encoded:
+    """The header and payload of a request of ``op`` about ``keys`` of namespace ``ns``."""
     kt, raw = keys.to_wire()
     return {"op": op, "ns": ns, "n": len(keys), "kt": kt}, [raw]
 
 
-def _keys_only(header: dict[str, Any], payload: bytes) -> tuple[str, KeyBatch]:
+def named_keys(header: dict[str, Any], payload: bytes) -> tuple[str, KeyBatch]:
+    """The namespace name and keys of a request that carries nothing else (``keyed``)."""
     ns = _name(header)
     keys, _ = split_keys(header.get("n"), header.get("kt"), payload, exact=True)
     return ns, keys
+
+
+def sized_keys(header: dict[str, Any], payload: bytes) -> tuple[str, KeyBatch, np.ndarray]:
+    """The namespace name, keys and block lengths of a request that carries keys then one
+    length each (PUT, RDMA RESERVE)."""
+    ns = _name(header)
+    keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
+    return ns, keys, block_lengths(rest, len(keys))
 
 
 @dataclass(frozen=True)
@@ -87,11 +102,11 @@ class GetRequest:
     keys: KeyBatch
 
     def encode(self) -> Encoded:
-        return _keyed(PeerOp.GET, self.ns, self.keys)
+        return keyed(PeerOp.GET, self.ns, self.keys)
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes) -> GetRequest:
-        return cls(*_keys_only(header, payload))
+        return cls(*named_keys(header, payload))
 
 
 @dataclass(frozen=True)
@@ -104,7 +119,7 @@ class GetAnswer:
     @property
     def bulk(self) -> int:
         """The bytes of the blocks that follow the frame."""
-        return int(self.lengths[0]) if self.lengths.size == 1 else int(self.lengths.sum())
+        return _total(self.lengths)
 
     def encode(self) -> Encoded:
         lengths = self.lengths.astype("<u8")
@@ -127,16 +142,14 @@ class PutRequest:
     lengths: np.ndarray  # u64 x n
 
     def encode(self) -> Encoded:
-        header, parts = _keyed(PeerOp.PUT, self.ns, self.keys)
+        header, parts = keyed(PeerOp.PUT, self.ns, self.keys)
         lengths = self.lengths.astype("<u8")
-        header["bulk"] = int(lengths.sum())
+        header["bulk"] = _total(lengths)
         return header, [*parts, lengths.tobytes()]
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes) -> PutRequest:
-        ns = _name(header)
-        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
-        lengths = block_lengths(rest, len(keys))
+        ns, keys, lengths = sized_keys(header, payload)
         _bulk(header, lengths)
         return cls(ns, keys, lengths)
 
@@ -163,11 +176,11 @@ class HasRequest:
     keys: KeyBatch
 
     def encode(self) -> Encoded:
-        return _keyed(PeerOp.HAS, self.ns, self.keys)
+        return keyed(PeerOp.HAS, self.ns, self.keys)
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes) -> HasRequest:
-        return cls(*_keys_only(header, payload))
+        return cls(*named_keys(header, payload))
 
 
 @dataclass(frozen=True)

@@ -39,29 +39,15 @@ from typing import Any
 import numpy as np
 
 from emsd.pool.keys import KeyBatch
-from emsd.protocol.fields import int_field, name_field
-from emsd.protocol.peer import MAX_NAME, Encoded, block_lengths
-from emsd.transport.frames import MAX_BATCH_KEYS, FrameError, PeerOp, split_keys
+from emsd.protocol.fields import exact_size, int_field, u64s
+from emsd.protocol.peer import Encoded, block_lengths, keyed, named_keys, sized_keys
+from emsd.transport.frames import MAX_BATCH_KEYS, FrameError, PeerOp
 
 MAX_TOKEN = (1 << 63) - 1  # a token is a positive int64: msgpack sends it as one
 
 
-def _keyed(op: PeerOp, ns: str, keys: KeyBatch) -> Encoded:
-    kt, raw = keys.to_wire()
-    return {"op": op, "ns": ns, "n": len(keys), "kt": kt}, [raw]
-
-
 def _token(header: dict[str, Any]) -> int:
     return int_field(header, "tok", 1, MAX_TOKEN)
-
-
-def _u64s(raw: bytes, n: int, offset: int = 0) -> np.ndarray:
-    return np.frombuffer(raw, dtype="<u8", count=n, offset=offset).astype(np.uint64)
-
-
-def _exact(raw: bytes, size: int, what: str) -> None:
-    if len(raw) != size:
-        raise FrameError(f"{what}: expected {size} bytes, got {len(raw)}")
 
 
 @dataclass(frozen=True)
@@ -102,13 +88,11 @@ class PinRequest:
     keys: KeyBatch
 
     def encode(self) -> Encoded:
-        return _keyed(PeerOp.RDMA_PIN, self.ns, self.keys)
+        return keyed(PeerOp.RDMA_PIN, self.ns, self.keys)
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes) -> PinRequest:
-        ns = name_field(header, "ns", MAX_NAME)
-        keys, _ = split_keys(header.get("n"), header.get("kt"), payload, exact=True)
-        return cls(ns, keys)
+        return cls(*named_keys(header, payload))
 
 
 @dataclass(frozen=True)
@@ -131,8 +115,8 @@ class PinAnswer:
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> PinAnswer:
         count, tok = int_field(header, "count", 0, asked), _token(header)
-        _exact(payload, 16 * count, "RDMA PIN answer")
-        return cls(tok, _u64s(payload, count), block_lengths(payload[8 * count:], count))
+        exact_size(payload, 16 * count, "RDMA PIN answer")
+        return cls(tok, u64s(payload, count), block_lengths(payload[8 * count:], count))
 
 
 @dataclass(frozen=True)
@@ -158,14 +142,12 @@ class ReserveRequest:
     lengths: np.ndarray  # u64 x n
 
     def encode(self) -> Encoded:
-        header, parts = _keyed(PeerOp.RDMA_RESERVE, self.ns, self.keys)
+        header, parts = keyed(PeerOp.RDMA_RESERVE, self.ns, self.keys)
         return header, [*parts, self.lengths.astype("<u8").tobytes()]
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes) -> ReserveRequest:
-        ns = name_field(header, "ns", MAX_NAME)
-        keys, rest = split_keys(header.get("n"), header.get("kt"), payload)
-        return cls(ns, keys, block_lengths(rest, len(keys)))
+        return cls(*sized_keys(header, payload))
 
 
 @dataclass(frozen=True)
@@ -183,8 +165,8 @@ class ReserveAnswer:
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> ReserveAnswer:
         tok = _token(header)
-        _exact(payload, 9 * asked, "RDMA RESERVE answer")
-        return cls(tok, np.frombuffer(payload, dtype="u1", count=asked), _u64s(payload, asked, asked))
+        exact_size(payload, 9 * asked, "RDMA RESERVE answer")
+        return cls(tok, np.frombuffer(payload, dtype="u1", count=asked), u64s(payload, asked, asked))
 
 
 @dataclass(frozen=True)
