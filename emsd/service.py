@@ -420,12 +420,13 @@ class Service:
     def reserve_arriving(self, ns: int, keys: KeyBatch, sizes: np.ndarray, copy: bool) -> Reservation:
         """``store.reserve`` for blocks that arrive from a peer: its forwarded save or replica
         (``copy`` false), or copies this node fetched (``copy``: they evict only other copies,
-        see ``BlockStore``). Within the tenant quota of ``ns`` (``fit_quota``: the leading keys
-        that fit, after evicting that tenant's own blocks), the keys past it FAILED; the NEW
-        blocks count against the quota from now on (``hold_quota``), so that parts of one
+        see ``BlockStore``). Within the quota of the tenant of ``ns`` (``Quotas.fit``: the
+        leading keys that fit, after evicting that tenant's own blocks), the keys past it FAILED;
+        the NEW blocks count against the quota from now on (``Quotas.hold``), so that parts of one
         transfer arriving side by side cannot each fill it. End them with ``commit_arrived``
         or ``abort_arriving``."""
-        fit = self.fit_quota(ns, keys, sizes)
+        tenant = Tenants.tenant_of(self.namespace_name(ns))
+        fit = self.quotas.fit(tenant, ns, keys, sizes)
         if fit == len(keys):
             res = self.store.reserve(ns, keys, sizes, copy=copy)
         else:
@@ -439,7 +440,7 @@ class Service:
             new, failed = int(np.count_nonzero(fresh)), int(np.count_nonzero(status == _FAILED))
             held = int(sizes[fresh].sum())
         if held:
-            self.hold_quota(ns, held)
+            self.quotas.hold(tenant, held)
         if not copy:  # a peer's save served here (a fetched copy is this node's own load)
             self.metrics.reserved(new, held, failed, "peer_put")
         return res
@@ -472,9 +473,7 @@ class Service:
         the first block whose checksum fails); end with ``release_lent``. Counted as lookups
         of op "peer_get" (the loads this node serves to peers)."""
         pinned = self.pin_checked(ns, keys)
-        lengths = pinned.lengths
-        nbytes = int(lengths[0]) if lengths.size == 1 else int(lengths.sum())  # one block: a scalar
-        self.metrics.looked_up("peer_get", pinned.count, len(keys) - pinned.count, nbytes)
+        self.metrics.looked_up("peer_get", pinned.count, len(keys) - pinned.count, pinned.nbytes)
         return pinned
 
     def release_lent(self, handles: np.ndarray) -> None:
@@ -840,8 +839,7 @@ class Service:
         req = PinRequest.decode(h, p, (keys, rest))
         pinned = self.pin_checked(ns, keys, req.prev)
         s.pins.update(pinned.handles.tolist())
-        self.metrics.looked_up("pin", pinned.count, len(keys) - pinned.count,
-                               int(pinned.lengths.sum()))
+        self.metrics.looked_up("pin", pinned.count, len(keys) - pinned.count, pinned.nbytes)
         return PinAnswer(pinned.offsets, pinned.lengths, pinned.handles).encode()
 
     def _touch(self, s: Session, h: dict[str, Any], p: bytes) -> Response:

@@ -159,6 +159,11 @@ class Pinned:
     offsets: np.ndarray  # (count,) uint64
     lengths: np.ndarray  # (count,) uint64
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the pinned blocks (one block: in a scalar)."""
+        return int(self.lengths[0]) if self.lengths.size == 1 else int(self.lengths.sum())
+
 
 @dataclass
 class ClassStats:
