@@ -267,31 +267,40 @@ class ContextCaching:
         layout, client, deadline = self.layout, self._connected(), _deadline(opt)
         ns = self._ns(client, deadline)
         self._touches.send_with_next(client)
-        sizes = layout.block_bytes(req.counts).astype("<u8")
         _remaining(deadline)  # a call whose time is up reserves nothing
-        size = int(sizes[0]) if self._granted and (n == 1 or int(sizes.min()) == int(sizes.max())) else 0
+        size = _one_size(req, layout) if self._granted else 0
         at = client.grants.take(size, n, _left(deadline)) if size else None
         if at is not None:
-            return self._put(req, opt, client, deadline, ns, sizes, at)
+            return self._put(req, opt, client, deadline, ns, size, at)
+        sizes = layout.block_bytes(req.counts).astype("<u8")
         result = self._reserve_commit(req, opt, client, deadline, ns, sizes)
         if size:
             client.grants.ask(size, n)
         return result
 
     def _put(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient, deadline: float | None,
-             ns: int, sizes: np.ndarray, at: np.ndarray) -> CcResult:
-        """Copy into the granted chunks ``at``, then one PUT; unused chunks go back to the grants."""
-        layout, n, size = self.layout, len(req.keys), int(sizes[0])
+             ns: int, size: int, at: np.ndarray) -> CcResult:
+        """Copy the blocks, all of ``size`` bytes, into the granted chunks ``at``, then one PUT;
+        unused chunks go back to the grants. One block (the usual one-block save) is placed
+        and encoded in scalar steps."""
+        layout, n = self.layout, len(req.keys)
+        one = int(at[0]) if n == 1 else -1
         try:
             client.map_in(at)
-            segs = layout.place(layout.plan(req.slots, req.counts), client.pool_addr, at,
-                                pool_size=client.pool_size)
+            segs = layout.place_one(req.slots, client.pool_addr, one, client.pool_size) if n == 1 else None
+            if segs is None:
+                segs = layout.place(layout.plan(req.slots, req.counts), client.pool_addr, at,
+                                    pool_size=client.pool_size)
             layout.copy(segs, client.pool_addr, client.pool_size, to_pool=True)
         except BaseException:
             client.grants.give_back(size, at)
             raise
-        put = PutRequest(ns, req.keys, at, sizes, req.prev, opt.write_rcache, _to(deadline))
-        pending = client.submit(Op.PUT, *put.encode(), late=_unused_back(client, size, at))
+        if n == 1:
+            put = PutRequest.encode_one(ns, req.keys, one, size, req.prev, opt.write_rcache, _to(deadline))
+        else:
+            put = PutRequest(ns, req.keys, at, np.full(n, size, dtype="<u8"), req.prev, opt.write_rcache,
+                             _to(deadline)).encode()
+        pending = client.submit(Op.PUT, *put, late=_unused_back(client, size, at))
         client.grants.ask(size, n)  # the daemon handles it after answering the PUT
         try:
             header, payload = client.wait(pending, _left(deadline))
@@ -460,6 +469,15 @@ def _int_keys_wire(hashes: Any) -> bytes | None:
         except (TypeError, OverflowError):
             continue
     return None
+
+
+def _one_size(req: BatchRequest, layout: KvLayout) -> int:
+    """The bytes of every block of ``req`` when they all have one size (a save that granted
+    chunks can take), else 0; one block a call in scalar steps."""
+    if len(req.counts) == 1:
+        return int(req.counts[0]) * layout.slot_bytes
+    sizes = layout.block_bytes(req.counts)
+    return int(sizes[0]) if int(sizes.min()) == int(sizes.max()) else 0
 
 
 def _check_future(future: Any) -> None:

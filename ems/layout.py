@@ -445,6 +445,25 @@ class KvLayout:
         stride, base, off, length, tensor, key = one
         return CopyPlan(stride * (first // bs) + base, off, length, tensor, key, c)
 
+    def place_one(self, slots: np.ndarray, pool_addr: int, offset: int,
+                  pool_size: int | None) -> Segments | None:
+        """``place(plan(slots, [block_size]), pool_addr, [offset], pool_size=pool_size)`` of one
+        key whose ``slots`` cover one whole block in order (the usual one-block save), from the
+        columns kept at registration and without the plan's arrays: the same segments. None
+        for anything else (the caller then plans in full, which names what is wrong)."""
+        one, bs = self._one, self.block_size
+        if one is None or len(slots) != bs or offset < 0 or not pool_addr:
+            return None
+        first = int(slots[0])
+        if first < 0 or first % bs or first >= self.num_slots:
+            return None
+        if pool_size is not None and offset + bs * self.slot_bytes > pool_size:
+            return None
+        if bs > 1 and (int(slots[-1]) != first + bs - 1 or not bool((np.diff(slots) == 1).all())):
+            return None
+        stride, base, off, length, tensor, _ = one
+        return Segments(stride * (first // bs) + base, (int(pool_addr) + offset) + off, length, tensor)
+
     def _whole_blocks(self, s: np.ndarray, c: np.ndarray) -> np.ndarray | None:
         """The block of each key when every key covers one whole block in order (the usual
         request: vLLM's full blocks), else None (the general path decides)."""

@@ -462,6 +462,14 @@ class PutRequest(NamedTuple):
                    _flag(header, "wr", True), _budget(header))
 
     @staticmethod
+    def encode_one(ns: int, keys: KeyBatch, at: int, size: int, prev: KeyBatch | None = None,
+                   wr: bool = True, to: int | None = None) -> Encoded:
+        """``encode`` of a one-block PUT (``keys`` one key, its chunk ``at`` and ``size`` in
+        scalars): the same header and payload bytes, without the arrays."""
+        header, parts = _keyed(ns, keys)
+        return _optional(header, to, prev, wr=wr), [*parts, ONE_PUT.pack(at, size)]
+
+    @staticmethod
     def one(header: dict[str, Any], rest: bytes) -> tuple[int, int, KeyBatch | None]:
         """A one-block PUT's (chunk offset, size, ``prev``) in scalars, from its header and the
         payload after its key (split by the caller): ``decode``'s checks without its arrays."""

@@ -358,9 +358,14 @@ def test_one_block_plans_and_places_as_the_general_path(bs: int, kinds: list[str
         return
     fast = layout.plan(slots, counts)
     whole = shift % bs == 0  # the slots are one block, in order
+    one = layout.place_one(slots, 0x10000, at, 1 << 21)  # plan and place in one step (the SDK's save)
     if layout._plan_one(slots, counts) is None:  # a layout whose rows are apart, or shifted slots
         assert not whole or layout._one is None
+        assert one is None
         return
+    assert one is not None and _as_set(one) == _as_set(layout.place(fast, 0x10000, np.array([at]),
+                                                                    pool_size=1 << 21))
+    assert layout.place_one(slots, 0x10000, (1 << 21) - 1, 1 << 21) is None  # past the pool: declined
     assert whole
     slow = layout._plan_blocks(np.array([int(slots[0]) // bs]), counts)
     for field in ("tensor_addr", "block_off", "length", "tensor", "key"):

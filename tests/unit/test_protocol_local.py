@@ -197,6 +197,8 @@ def test_the_one_block_forms_agree_with_decode(msg: PutRequest) -> None:
         at, size, prev = PutRequest.one(header, rest)
         assert (at, size) == (int(msg.at[0]), int(msg.sizes[0]))
         assert (prev is None) == (msg.prev is None)
+        one = PutRequest.encode_one(msg.ns, msg.keys, at, size, msg.prev, msg.wr, msg.to)
+        assert framed(one) == (header, payload)  # the SDK's scalar encode: the same frame
     for status in (0, 1, 2):
         for reached in (None, b"\0", b"\1"):
             answer = PutAnswer(np.array([status], dtype=np.uint8), reached if status == 0 else None)
