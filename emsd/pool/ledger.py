@@ -68,6 +68,12 @@ ROW = np.dtype([("w0", "<u8"), ("rest", "<u4", (7,)), ("offset", "<u4"), ("lengt
                 ("cached", "u1"), ("state", "u1"), ("pad", "u1", (2,)), ("sum", "<u8")])
 COMMITTED = 1
 _MIN_CAPACITY = 1024
+_BODY = struct.Struct("<Q7IIIB")  # a row's w0, rest, offset, length and cached, from its start
+_SUM = struct.Struct("<Q")
+_FIELDS = ROW.fields
+assert _FIELDS is not None
+_STATE_AT, _SUM_AT = _FIELDS["state"][1], _FIELDS["sum"][1]  # byte offsets in a row
+assert _BODY.size == _FIELDS["cached"][1] + 1 == _STATE_AT
 
 
 class LedgerBusy(OSError):
@@ -166,17 +172,15 @@ class Ledger:
 
     def _record_one(self, i: int, w0: np.ndarray, rest: np.ndarray, offset: np.ndarray,
                     length: np.ndarray, cached: np.ndarray, sums: np.ndarray | int) -> None:
-        """``record`` of the single entry ``i`` (fields given as one-element arrays)."""
+        """``record`` of the single entry ``i`` (fields given as one-element arrays), written
+        into the map with ``struct`` in the same order: ``state`` cleared, the body, ``state``
+        set (a row torn by a crash reads as not committed)."""
         self._ensure(i + 1)
-        row = self.rows[i]  # a view of the mapped row
-        row["state"] = 0
-        row["w0"] = w0[0]
-        row["rest"] = rest[0]
-        row["offset"] = offset[0]
-        row["length"] = length[0]
-        row["cached"] = cached[0]
-        row["sum"] = sums if isinstance(sums, int) else sums[0]
-        row["state"] = COMMITTED
+        at, mm = RECORDS + i * ROW.itemsize, self.mm
+        mm[at + _STATE_AT] = 0
+        _BODY.pack_into(mm, at, int(w0[0]), *rest[0].tolist(), int(offset[0]), int(length[0]), int(cached[0]))
+        _SUM.pack_into(mm, at + _SUM_AT, sums if isinstance(sums, int) else int(sums[0]))
+        mm[at + _STATE_AT] = COMMITTED
 
     def set_cached(self, ids: np.ndarray, cached: np.ndarray) -> None:
         ids = ids[ids < self.rows.size]
