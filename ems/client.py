@@ -112,6 +112,11 @@ class Pending:
         self.rid = rid
         self.slot = slot
 
+    @property
+    def answered(self) -> bool:
+        """Whether its answer (or its failure) is in: ``wait`` then returns without waiting."""
+        return self.slot.done
+
 
 class DaemonClient:
     """A connection to the local emsd plus the mapped pool."""

@@ -57,9 +57,16 @@ class Grants:
     def take(self, size: int, n: int, timeout: float | None) -> np.ndarray | None:
         """``n`` granted chunks for blocks of ``size`` bytes (uint64 offsets), now the
         caller's, or None if there are fewer (nothing is taken then). Collects the
-        answer of a GRANT in flight for ``size`` first, waiting up to ``timeout``."""
+        answer of a GRANT in flight for ``size`` first when it is in, or, when fewer than
+        ``n`` chunks are at hand, waiting for it up to ``timeout``: a save that has its
+        chunks never waits for the daemon to finish granting the next ones (the GRANT is
+        handled after the PUT it followed is answered, while the SDK prepares this save)."""
         with self._lock:
-            pending = self._asked.pop(size, None)
+            pending = self._asked.get(size)
+            if pending is not None and (pending.answered or self._free.get(size, _NONE).size < n):
+                del self._asked[size]
+            else:
+                pending = None
         if pending is not None:
             try:
                 header, payload = self._client.wait(pending, timeout)

@@ -26,18 +26,50 @@ class FakeDaemon:
         self.asked: list[dict[str, Any]] = []
         self.answer = answer
         self.late: list[Any] = []
+        self.answered = True  # whether a GRANT's answer is in by the next save (a quick daemon)
+        self.waited = 0  # waits for a GRANT's answer
 
     def submit(self, op: Op, fields: dict[str, Any], payload: Any = (), late: Any = None) -> Any:
         assert op == Op.GRANT
         self.asked.append(fields)
         self.late.append(late)
-        return fields
+        return Asked(fields, self)
 
     def wait(self, pending: Any, timeout: float | None = None) -> tuple[dict[str, Any], bytes]:
-        got = self.answer(pending)
+        self.waited += 1
+        got = self.answer(pending.fields)
         if isinstance(got, EmsException):
             raise got
         return {"k": len(got)}, np.array(got, dtype="<u8").tobytes()
+
+
+class Asked:
+    """A GRANT sent to a ``FakeDaemon``: ``answered`` as the daemon says at the time asked."""
+
+    def __init__(self, fields: dict[str, Any], daemon: FakeDaemon) -> None:
+        self.fields, self._daemon = fields, daemon
+
+    @property
+    def answered(self) -> bool:
+        return self._daemon.answered
+
+
+def test_a_save_with_chunks_at_hand_does_not_wait_for_the_next_grant() -> None:
+    """A GRANT still being handled is collected once it is in, or when the chunks at hand are
+    too few for the save; a save that has its chunks never waits for it."""
+    size = 64 << 10
+    d = FakeDaemon(lambda f: list(range(0, size * f["k"], size)))
+    g = Grants(d)  # type: ignore[arg-type]
+    g.ask(size, 1)
+    assert g.take(size, 1, None) is not None and d.waited == 1  # none at hand: waits for it
+    while len(d.asked) == 1:  # saves, until the chunks at hand fall to half and it asks again
+        assert g.take(size, 1, None) is not None
+        g.ask(size, 1)
+    d.answered = False  # the daemon is still granting
+    for _ in range(refill(size, 1, POOL) // 2 - 1):  # the chunks at hand serve the next saves
+        assert g.take(size, 1, None) is not None
+    assert d.waited == 1  # none of them waited
+    assert g.take(size, 1, None) is not None and d.waited == 2  # none left: waits for the GRANT
 
 
 def test_refill_holds_one_save_and_small_blocks_up_to_a_bound() -> None:
