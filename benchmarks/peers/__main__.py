@@ -221,9 +221,14 @@ def _run(args: argparse.Namespace, names: list[str], huge: dict[str, Any] | None
                     "cores": psutil.cpu_count(), "loadavg": list(os.getloadavg())}}
 
 
-GOALS = (  # (emsd path, other, the issue's goal on 2 MiB batched values)
-    ("emsd", "mooncake-shm", 1.2),
+GOALS = (  # (emsd path, other, issue 21's goal on 2 MiB batched values: at least this many times)
+    ("emsd", "mooncake-shm", 1.3),
     ("emsd-remote", "mooncake-tcp", 1.5),
+)
+LATENCY_GOALS = (  # (emsd path, op, other, issue 21's goal on one 64 KiB block a call: p50 at most
+    ("emsd", "get", "memcached", 1.0),  # this many times the other's)
+    ("emsd", "put", "memcached", 1.5),
+    ("emsd-remote", "get", "mooncake-tcp", 1.0),
 )
 
 
@@ -249,6 +254,17 @@ def goals(out: dict[str, Any]) -> list[str]:
                                                                                           strict=True))
         met = all(r is not None and r >= goal for r in pair)
         lines.append(f"goal {mine} >= {goal}x {other} (2 MiB batched): {txt}: {'met' if met else 'NOT met'}")
+    res, key = out["results"], f"{64 << 10}/single/"
+    for mine, op, other, bound in LATENCY_GOALS:
+        a, b = res.get(mine, {}).get(key + op), res.get(other, {}).get(key + op)
+        if a is None or b is None:
+            lines.append(f"goal {mine} {op} p50 <= {bound}x {other}: not measured ({mine} or {other} did "
+                         "not run)")
+            continue
+        r, met, rounds = stats.latency_goal(a, b, bound)
+        lines.append(f"goal {mine} {op} p50 <= {bound}x {other} (64 KiB single): {r:.2f}x "
+                     f"({a['p50_us']:.0f} / {b['p50_us']:.0f} us): {'met' if r <= bound else 'NOT met'}; "
+                     f"met in {met} of {rounds} rounds")
     return lines
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 512 * KiB, 2 * MiB, 8 * MiB)
@@ -66,7 +67,17 @@ def summarize(rounds: Sequence[Sequence[float]], bytes_per_round: int) -> dict[s
     calls = [t for r in rounds for t in r]
     return {"gbps": statistics.median(bytes_per_round / sum(r) / 1e9 for r in rounds),
             "p50_us": percentile(calls, 50) * 1e6, "p99_us": percentile(calls, 99) * 1e6,
+            "round_p50_us": [percentile(r, 50) * 1e6 for r in rounds],
             "rounds": len(rounds), "calls": len(calls)}
+
+
+def latency_goal(mine: dict[str, Any], other: dict[str, Any], bound: float) -> tuple[float, int, int]:
+    """A goal that ``mine``'s p50 be at most ``bound`` times ``other``'s (two ``summarize``
+    results of one cell): (the ratio of their p50s over all calls, the rounds in which the
+    ratio of that round's p50s met it, the rounds compared)."""
+    pairs = list(zip(mine["round_p50_us"], other["round_p50_us"], strict=False))
+    met = sum(1 for a, b in pairs if a <= bound * b)
+    return mine["p50_us"] / other["p50_us"], met, len(pairs)
 
 
 def ratio(mine: float | None, other: float | None) -> float | None:

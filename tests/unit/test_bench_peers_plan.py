@@ -56,6 +56,16 @@ def test_summarize_takes_the_median_round_and_per_call_percentiles() -> None:
         stats.summarize([[0.1], []], 10)
 
 
+def test_a_latency_goal_compares_the_p50s_over_all_calls_and_round_by_round() -> None:
+    mine = stats.summarize([[0.0001, 0.0003], [0.0002, 0.0002], [0.0009, 0.0009]], 1000)
+    other = stats.summarize([[0.0001, 0.0001], [0.0002, 0.0002], [0.0002, 0.0002]], 1000)
+    assert mine["round_p50_us"] == pytest.approx([200, 200, 900])
+    r, met, rounds = stats.latency_goal(mine, other, 1.5)
+    assert r == pytest.approx(250 / 200)  # p50s of all six calls
+    assert (met, rounds) == (1, 3)  # round by round: 2x, 1x, 4.5x
+    assert stats.latency_goal(mine, other, 5.0)[1:] == (3, 3)
+
+
 def test_ratio_is_none_without_both_figures() -> None:
     assert stats.ratio(3.0, 1.5) == 2.0
     assert stats.ratio(None, 1.0) is None
