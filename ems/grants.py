@@ -5,9 +5,11 @@ size at hand, copies its blocks straight into them and sends one PUT (keys,
 places, sizes), which the daemon commits at once: RESERVE and its round trip
 are skipped. After every save the SDK asks the daemon to top the chunks of
 that size up to the number the save used (GRANT, sent without waiting; its
-answer is taken at the next save of that size, by when it has long
-arrived), so a stream of saves of one shape, what an engine sends, keeps
-finding chunks ready.
+answer is taken by a later save of that size once it is in, or by the save
+that finds too few chunks at hand, which waits for it), so a stream of saves
+of one shape, what an engine sends, keeps finding chunks ready. The daemon
+handles a GRANT right after answering the PUT before it, while the SDK
+prepares the next save: that save must not wait for it while it has chunks.
 
 What it costs: granted chunks hold pool memory while unused (the daemon bounds
 it: a connection at most 1/64 of the pool, ``emsd.service.GRANT_SESSION_SHARE``;
