@@ -1,6 +1,6 @@
 """Where a one-block save's time goes, on both sides of the socket.
 
-    python benchmarks/bench_save_split.py [--n N] [--pool SIZE] [--json]
+    python benchmarks/bench_save_split.py [--n N] [--pool SIZE] [--busy-poll US] [--json]
 
 A standalone daemon whose ``ControlProtocol.data_received`` is timed (entry,
 and the moment it has written its answers: ``BusyPoll.after_answer``), and
@@ -21,7 +21,8 @@ Reported: p10, p50 and p90 of each part and of the whole call over the saves
 whose request the daemon read on its own ("call"; a request read together with
 another, such as a GRANT the SDK sent before it, is left out), of every save's
 whole call ("every call"), and the share of the slowest tenth of the matched
-saves spent in each part. The parts of one save add up to the
+saves spent in each part. ``--busy-poll US`` sets the daemon's ``node.busy_poll``
+and the SDK's ``EMS_BUSY_POLL_US`` (0: both sleep while they wait). The parts of one save add up to the
 whole call; the p50s of the parts need not. What it is for: telling the SDK's,
 the socket's and the daemon's parts of a change apart, in alternating runs of
 the two versions on this shared machine.
@@ -34,6 +35,7 @@ import array
 import atexit
 import bisect
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -49,9 +51,13 @@ PARTS = ("sdk before", "to daemon", "daemon", "to client", "sdk after")
 SIZE = 64 << 10
 
 
+ENTRY, WRITTEN, EXIT = 1, 2, 3  # the kinds of a traced daemon's marks
+
+
 def traced_daemon(marks: Path, argv: list[str]) -> int:
-    """Run emsd with ``argv``, recording (entry, answered) times of every ``data_received``
-    into ``marks`` at exit (a negative mark: the answers of that read were written)."""
+    """Run emsd with ``argv``, recording into ``marks`` at exit (kind, time) pairs: each
+    ``data_received``'s entry and exit, and between them when its answers were written
+    (``BusyPoll.after_answer``, where the daemon busy-polls)."""
     from emsd.cli import main
     from emsd.transport import unix
 
@@ -59,12 +65,12 @@ def traced_daemon(marks: Path, argv: list[str]) -> int:
     receive, answered = unix.ControlProtocol.data_received, unix.BusyPoll.after_answer
 
     def timed_receive(self: Any, data: bytes) -> None:
-        times.append(time.monotonic_ns())
+        times.extend((ENTRY, time.monotonic_ns()))
         receive(self, data)
-        times.append(0)  # the read's end
+        times.extend((EXIT, time.monotonic_ns()))
 
     def timed_answered(self: Any) -> None:
-        times.append(-time.monotonic_ns())
+        times.extend((WRITTEN, time.monotonic_ns()))
         answered(self)
 
     unix.ControlProtocol.data_received = timed_receive  # type: ignore[method-assign]
@@ -74,19 +80,20 @@ def traced_daemon(marks: Path, argv: list[str]) -> int:
 
 
 def daemon_reads(raw: bytes) -> list[tuple[int, int]]:
-    """(entry, answers written) of each read that wrote answers, from ``traced_daemon``'s marks."""
+    """(entry, answers written) of each read, from ``traced_daemon``'s marks: the written mark
+    where there is one (reads without one when the daemon busy-polls wrote no answer and are
+    left out), else, with busy polling off, the read's exit."""
     marks = array.array("q")
     marks.frombytes(raw)
-    reads, start, written = [], None, None
-    for m in marks:
-        if m > 0:
-            start, written = m, None
-        elif m < 0:
-            written = -m
-        else:
-            if start is not None and written is not None:
-                reads.append((start, written))
-            start = None
+    polled = WRITTEN in marks[::2]
+    reads, start, written = [], 0, 0
+    for kind, t in zip(marks[::2], marks[1::2], strict=True):
+        if kind == ENTRY:
+            start, written = t, 0
+        elif kind == WRITTEN:
+            written = t
+        elif start and (written or not polled):
+            reads.append((start, written or t))
     return reads
 
 
@@ -120,13 +127,13 @@ def quantile(values: list[int], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] / 1000.0
 
 
-def run(n: int, pool: str) -> dict[str, Any]:
+def run(n: int, pool: str, busy_poll: int | None = None) -> dict[str, Any]:
     import daemon_ready
     import numpy as np
     from bench_sdk import SHM, connect, stop, wait_filled
 
     from ems import Ems
-    from ems.client import DaemonClient
+    from ems.client import BUSY_POLL_ENV, DaemonClient
     from emsd.transport.frames import Op
 
     buf = np.ones(2 * n * SIZE, dtype=np.uint8)
@@ -149,7 +156,10 @@ def run(n: int, pool: str) -> dict[str, Any]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cfg.write_text(f'[node]\nid = "bench"\nsocket_dir = "{sock_dir}"\n'
+        node = "" if busy_poll is None else f"busy_poll = {busy_poll}\n"
+        if busy_poll is not None:
+            os.environ[BUSY_POLL_ENV] = str(busy_poll)  # read when the SDK connects, below
+        cfg.write_text(f'[node]\nid = "bench"\nsocket_dir = "{sock_dir}"\n{node}'
                        f'[pool]\nsize = "{pool}"\nhugepages = "auto"\npage_size = "64MiB"\n'
                        f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n')
         proc = subprocess.Popen([sys.executable, __file__, "--daemon", str(marks), "--config", str(cfg)],
@@ -194,11 +204,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=3000, help="saves timed (default 3000)")
     ap.add_argument("--pool", default="1024MiB", help="the daemon's pool.size (default 1024MiB)")
+    ap.add_argument("--busy-poll", type=int, default=None, metavar="US",
+                    help="the daemon's node.busy_poll and the SDK's EMS_BUSY_POLL_US (default: theirs)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not 10 <= args.n <= 20_000:
         ap.error("--n must be 10..20000")
-    out = run(args.n, args.pool)
+    out = run(args.n, args.pool, args.busy_poll)
     if args.json:
         print(json.dumps(out, indent=2))
         return

@@ -19,9 +19,12 @@ import bench_save_split as split  # noqa: E402
 
 
 def test_marks_become_reads_and_saves_their_parts() -> None:
-    marks = array.array("q", [100, -150, 0, 200, 0, 300, -380, 0])  # a read with no answer in the middle
+    E, W, X = split.ENTRY, split.WRITTEN, split.EXIT
+    marks = array.array("q", [E, 100, W, 150, X, 155, E, 200, X, 210, E, 300, W, 380, X, 381])
     reads = split.daemon_reads(marks.tobytes())
-    assert reads == [(100, 150), (300, 380)]
+    assert reads == [(100, 150), (300, 380)]  # the middle read wrote no answer
+    unpolled = array.array("q", [E, 100, X, 150, E, 300, X, 380])  # busy polling off: no written mark
+    assert split.daemon_reads(unpolled.tobytes()) == reads
     calls = [(90, 170), (290, 400)]
     puts = [(95, 7), (295, 8)]
     answers = {7: 160, 8: 390}
