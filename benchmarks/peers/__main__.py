@@ -20,7 +20,12 @@ for each, runs one cell on every system in an order rotated by r, so the
 noise of this shared machine falls on all systems alike. A round 0 warms up
 and is not counted. Every get is checked byte for byte. CPU used by processes
 outside this benchmark during the measured rounds is reported beside the
-results. A system that cannot be installed or started is reported with the
+results, and so is what each system's own processes used of the CPU while
+the others were measured: an idle system that spins keeps the machine's cores
+awake, which makes every server that sleeps between requests answer sooner on
+a virtual machine, and takes CPU from the one measured. ``--busy-core`` runs
+a process that keeps one core busy throughout, as on a host whose engines use
+its CPU. A system that cannot be installed or started is reported with the
 reason, never with a number. ``--quick`` (8 MiB per cell, 2 rounds) takes
 well under a minute.
 
@@ -112,6 +117,52 @@ def own_cpu_seconds() -> float:
     return total
 
 
+def descendants() -> set[int]:
+    """Process ids of every live descendant of this process."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def cpu_of(pids: set[int]) -> dict[int, float]:
+    """CPU seconds (user and system) of each of ``pids`` still alive."""
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            out[pid] = t.user + t.system
+    return out
+
+
+class Background:
+    """What each system's processes (its servers and its client worker) use of the CPU while
+    another system's cell is being measured: a system whose idle processes spin takes cores
+    from the one measured, and keeps the machine's cores from sleeping, which makes the wake-ups
+    of the servers that sleep (memcached, Redis, LMCache's server) cheaper on a virtual machine."""
+
+    def __init__(self) -> None:
+        self.owned: dict[str, set[int]] = {}  # system -> its process ids
+        self.cpu: dict[str, float] = {}  # system -> CPU seconds used during the others' cells
+        self.wall: dict[str, float] = {}  # system -> seconds of the others' cells
+
+    def around(self, measured: str) -> contextlib.AbstractContextManager[None]:
+        """Around one cell of system ``measured``: charge the others' CPU meanwhile."""
+        @contextlib.contextmanager
+        def cell() -> Iterator[None]:
+            others = {n: pids for n, pids in self.owned.items() if n != measured}
+            before, t0 = {n: cpu_of(p) for n, p in others.items()}, time.monotonic()
+            yield
+            wall = time.monotonic() - t0
+            for n, pids in others.items():
+                after = cpu_of(pids)
+                used = sum(after[pid] - before[n][pid] for pid in after if pid in before[n])
+                self.cpu[n] = self.cpu.get(n, 0.0) + used
+                self.wall[n] = self.wall.get(n, 0.0) + wall
+        return cell()
+
+    def cores(self) -> dict[str, float]:
+        """Per system, the cores its processes used on average while the others were measured."""
+        return {n: self.cpu[n] / self.wall[n] for n in self.cpu if self.wall.get(n)}
+
+
 def machine_cpu_seconds() -> float:
     t = psutil.cpu_times()
     return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
@@ -161,17 +212,21 @@ def _run(args: argparse.Namespace, names: list[str], huge: dict[str, Any] | None
     workers: list[Worker] = []
     results: dict[str, dict[str, list[list[float]]]] = {}
     failed: dict[str, str] = {}
+    background, system_of = Background(), {}  # worker name -> the system that started it
     with tempfile.TemporaryDirectory(dir=SHM_DIR) as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
         for name in names:
             t0 = time.monotonic()
             free0 = free_hugepages()
+            had = descendants()
             try:
                 specs = STARTERS[name](stack, work, volume)
                 for spec in specs:
                     w = Worker(spec, work / f"{spec.name}.worker.log")
                     stack.callback(w.stop)
                     workers.append(w)
+                    system_of[spec.name] = name
+                background.owned[name] = descendants() - had
             except Missing as exc:
                 missing[name] = str(exc)
                 print(f"[peers] {name}: not run: {exc}", file=sys.stderr)
@@ -179,6 +234,11 @@ def _run(args: argparse.Namespace, names: list[str], huge: dict[str, Any] | None
             print(f"[peers] {name}: up in {time.monotonic() - t0:.1f} s", file=sys.stderr)
             if huge is not None:
                 huge["taken"][name] = free0 - free_hugepages()
+        if args.busy_core:  # a process that keeps one core busy throughout, started by us
+            spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            stack.callback(spin.wait)
+            stack.callback(spin.kill)
+            background.owned["busy core"] = {spin.pid}
         cpu0, own0, wall0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
         tag = 1
         for r in range(args.rounds + 1):  # round 0 warms up
@@ -191,7 +251,8 @@ def _run(args: argparse.Namespace, names: list[str], huge: dict[str, Any] | None
                             continue
                         w = next(w for w in workers if w.spec.name == name)
                         tag += 1
-                        reply = w.cell(size, stats.batch_for(mode), volume, tag)
+                        with background.around(system_of[name]) if r else contextlib.nullcontext():
+                            reply = w.cell(size, stats.batch_for(mode), volume, tag)
                         if "error" in reply:
                             failed[name] = f"{stats.size_label(size)} {mode}: {reply['error']}"
                             print(f"[peers] {name} failed: {failed[name]}", file=sys.stderr)
@@ -214,7 +275,7 @@ def _run(args: argparse.Namespace, names: list[str], huge: dict[str, Any] | None
             size = int(key.split("/")[0])
             table.setdefault(name, {})[key] = stats.summarize(rounds, (volume // size) * size)
     return {"volume_per_cell": volume, "rounds": args.rounds, "sizes": list(args.sizes), "batch": stats.BATCH,
-            "hugepages": huge,
+            "hugepages": huge, "busy_core": bool(args.busy_core), "background_cores": background.cores(),
             "systems": [w.spec.name for w in workers], "missing": missing, "failed": failed, "results": table,
             "cpu": {"wall_s": wall, "machine_cpu_s": machine, "own_cpu_s": own,
                     "other_processes_cpu_s": other, "other_processes_cores": other / wall,
@@ -303,6 +364,10 @@ def render(out: dict[str, Any], markdown: bool) -> str:
         taken = ", ".join(f"{n} {k}" for n, k in out["hugepages"]["taken"].items())
         lines.append(f"hugepages of {out['hugepages']['page_kib']} KiB taken by each system as it "
                      f"started: {taken}")
+    idle = ", ".join(f"{n} {c:.2f}" for n, c in sorted(out["background_cores"].items(), key=lambda x: -x[1]))
+    if idle:
+        lines.append(f"cores each system's processes used while the others were measured: {idle}"
+                     + (" (busy core: --busy-core)" if out["busy_core"] else ""))
     c = out["cpu"]
     lines.append(f"other processes used {c['other_processes_cpu_s']:.1f} CPU s over {c['wall_s']:.1f} s "
                  f"({c['other_processes_cores']:.2f} of {c['cores']} cores); load average {c['loadavg']}")
@@ -320,6 +385,9 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     ap.add_argument("--hugepages", action="store_true",
                     help="emsd and Mooncake on hugepages (root; nr_hugepages is restored at the end)")
+    ap.add_argument("--busy-core", action="store_true",
+                    help="run a process that keeps one core busy throughout, as a host whose engines "
+                         "use its CPU")
     args = ap.parse_args()
     args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
     args.volume = (args.volume_mib if args.volume_mib is not None else (8 if args.quick else 64)) << 20
