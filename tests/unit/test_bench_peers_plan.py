@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -126,3 +129,24 @@ def test_serve_answers_each_cell_line_and_reports_errors_as_replies() -> None:
     assert ready == {"ready": True}
     assert len(ok["put"]) == 1 and len(ok["get"]) == 1
     assert "ValueError" in err["error"] and "8388608" in err["error"]
+
+
+def test_background_charges_a_systems_cpu_only_while_another_is_measured() -> None:
+    from benchmarks.peers.__main__ import Background
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        bg = Background()
+        bg.owned = {"spinner": {spin.pid}, "idle": set()}
+        time.sleep(0.2)  # the interpreter is up and spinning
+        with bg.around("idle"):  # the spinner is charged
+            time.sleep(0.5)
+        with bg.around("spinner"):  # its own cell: not charged
+            time.sleep(0.3)
+        cores = bg.cores()
+        assert 0.3 < cores["spinner"] <= 1.05, cores
+        assert cores.get("idle", 0.0) == 0.0
+        assert bg.wall["spinner"] == pytest.approx(0.5, abs=0.2)
+    finally:
+        spin.kill()
+        spin.wait()
