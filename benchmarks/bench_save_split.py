@@ -21,7 +21,8 @@ Reported: p10, p50 and p90 of each part and of the whole call over the saves
 whose request the daemon read on its own ("call"; a request read together with
 another, such as a GRANT the SDK sent before it, is left out), of every save's
 whole call ("every call"), and the share of the slowest tenth of the matched
-saves spent in each part. ``--busy-poll US`` sets the daemon's ``node.busy_poll``
+saves spent in each part; and how many saves waited for the answer of a GRANT
+when taking their granted chunks (longer than 20 us). ``--busy-poll US`` sets the daemon's ``node.busy_poll``
 and the SDK's ``EMS_BUSY_POLL_US`` (0: both sleep while they wait). The parts of one save add up to the
 whole call; the p50s of the parts need not. What it is for: telling the SDK's,
 the socket's and the daemon's parts of a change apart, in alternating runs of
@@ -48,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 PARTS = ("sdk before", "to daemon", "daemon", "to client", "sdk after")
+GRANT_WAIT = 20_000  # ns: a save's taking of its chunks longer than this waited for a GRANT's answer
 SIZE = 64 << 10
 
 
@@ -134,12 +136,14 @@ def run(n: int, pool: str, busy_poll: int | None = None) -> dict[str, Any]:
 
     from ems import Ems
     from ems.client import BUSY_POLL_ENV, DaemonClient
+    from ems.grants import Grants
     from emsd.transport.frames import Op
 
     buf = np.ones(2 * n * SIZE, dtype=np.uint8)
     puts: list[tuple[int, int]] = []  # (sent at, request id) of each PUT
     answers: dict[int, int] = {}  # request id -> when its answer was read
-    send, dispatch = DaemonClient._send, DaemonClient._dispatch
+    takes: list[int] = []  # ns each save spent taking its granted chunks (a GRANT's answer included)
+    send, dispatch, take = DaemonClient._send, DaemonClient._dispatch, Grants.take
 
     def timed_send(self: DaemonClient, rid: int, op: Op, *args: Any) -> None:
         if op == Op.PUT:
@@ -149,6 +153,12 @@ def run(n: int, pool: str, busy_poll: int | None = None) -> dict[str, Any]:
     def timed_dispatch(self: DaemonClient, header: dict[str, Any], payload: bytes) -> None:
         answers[header.get("id", 0)] = time.monotonic_ns()
         dispatch(self, header, payload)
+
+    def timed_take(self: Grants, *args: Any) -> Any:
+        t = time.monotonic_ns()
+        got = take(self, *args)
+        takes.append(time.monotonic_ns() - t)
+        return got
 
     with tempfile.TemporaryDirectory(dir=SHM) as tmp:
         work = Path(tmp)
@@ -173,6 +183,7 @@ def run(n: int, pool: str, busy_poll: int | None = None) -> dict[str, Any]:
             for i in range(n):  # warm-up: the same path, other keys
                 cc.save([i], hashes=[1_000_000 + i], offsets=[1])
             DaemonClient._send, DaemonClient._dispatch = timed_send, timed_dispatch  # type: ignore[method-assign]
+            Grants.take = timed_take  # type: ignore[method-assign]
             for i in range(n):
                 t0 = time.monotonic_ns()
                 res = cc.save([i], hashes=[2_000_000 + i], offsets=[1])
@@ -181,6 +192,7 @@ def run(n: int, pool: str, busy_poll: int | None = None) -> dict[str, Any]:
                     raise RuntimeError(f"save {i} did not store its block: {res}")
         finally:
             DaemonClient._send, DaemonClient._dispatch = send, dispatch  # type: ignore[method-assign]
+            Grants.take = take  # type: ignore[method-assign]
             Ems._reset()
             stop(proc)
         rows = split(calls, puts, answers, daemon_reads(marks.read_bytes()))
@@ -192,6 +204,8 @@ def run(n: int, pool: str, busy_poll: int | None = None) -> dict[str, Any]:
         out[name] = {"p10": quantile(col, 0.1), "p50": quantile(col, 0.5), "p90": quantile(col, 0.9)}
     every = [t1 - t0 for t0, t1 in calls]
     out["every call"] = {f"p{q}": quantile(every, q / 100) for q in (10, 50, 90)}
+    waits = [t for t in takes if t > GRANT_WAIT]
+    out["grant waits"] = {"saves": len(waits), "p99": quantile(takes, 0.99), "max": max(takes) / 1000.0}
     slow = sorted(rows, key=lambda r: r[5])[-max(1, len(rows) // 10):]
     whole = sum(r[5] for r in slow)
     out["slowest tenth"] = {name: sum(r[k] for r in slow) / whole for k, name in enumerate(PARTS)}
@@ -221,6 +235,9 @@ def main() -> None:
         q = out[name]
         share = f"{out['slowest tenth'][name]:.0%}" if name in PARTS else ""
         print(f"| {name} | {q['p10']:.1f} | {q['p50']:.1f} | {q['p90']:.1f} | {share} |")
+    g = out["grant waits"]
+    print(f"saves whose granted chunks took over {GRANT_WAIT // 1000} us to take (a GRANT's answer awaited): "
+          f"{g['saves']}; p99 of the taking {g['p99']:.1f} us, longest {g['max']:.1f}")
 
 
 if __name__ == "__main__":
