@@ -748,6 +748,8 @@ class Service:
             self.store.commit_reserved(handles)
         self.metrics.reserved(int(new), size if new else 0, int(status == _FAILED), "put")
         resp, parts = PutAnswer.encode_one(status)
+        if self.cluster.placement.alone():  # the usual case: no work after it (``_after_save``)
+            return resp, parts, NONE
         effects = self._after_save(h, resp, ns, keys, np.frombuffer(parts[0], dtype=np.uint8), handles)
         return resp, parts, effects
 

@@ -32,6 +32,8 @@ import numpy as np
 
 INT_TAG = 255
 MAX_KEY_BYTES = 32
+_ONE_INT_TAG = np.array((INT_TAG,), dtype=np.uint8)  # the tags of one int key (no batch writes its tags)
+_ONE_INT_TAG.setflags(write=False)
 KT_INT = 0
 KT_TAGGED = 1
 _U64_MASK = (1 << 64) - 1
@@ -75,9 +77,9 @@ class KeyBatch:
         """Int keys already reduced to uint64 (``wire``: their KT_INT bytes, if known)."""
         n = values.shape[0]
         words = np.zeros((n, 4), dtype=np.uint64)
-        if n == 1:  # one block a call: scalar steps
+        if n == 1:  # one block a call: scalar steps, and the one int key's tag array shared (read-only)
             words[0, 0] = values[0]
-            return cls(words, np.array((INT_TAG,), dtype=np.uint8), wire)
+            return cls(words, _ONE_INT_TAG, wire)
         words[:, 0] = values
         return cls(words, np.full(n, INT_TAG, dtype=np.uint8), wire)
 

@@ -157,7 +157,8 @@ class Ledger:
         if ids.size == 0:
             return
         if ids.size == 1:  # one block a call: one row, written field by field in the same order
-            self._record_one(int(ids[0]), w0, rest, offset, length, cached, sums)
+            self.record_one(int(ids[0]), int(w0[0]), rest[0].tolist(), int(offset[0]), int(length[0]),
+                            int(cached[0]), sums if isinstance(sums, int) else int(sums[0]))
             return
         self._ensure(int(ids.max()) + 1)
         rows = self.rows
@@ -170,16 +171,16 @@ class Ledger:
         rows["sum"][ids] = sums
         rows["state"][ids] = COMMITTED
 
-    def _record_one(self, i: int, w0: np.ndarray, rest: np.ndarray, offset: np.ndarray,
-                    length: np.ndarray, cached: np.ndarray, sums: np.ndarray | int) -> None:
-        """``record`` of the single entry ``i`` (fields given as one-element arrays), written
-        into the map with ``struct`` in the same order: ``state`` cleared, the body, ``state``
-        set (a row torn by a crash reads as not committed)."""
+    def record_one(self, i: int, w0: int, rest: list[int], offset: int, length: int, cached: int,
+                   digest: int) -> None:
+        """``record`` of the single entry ``i``, its fields as ints (``rest``: its seven u32),
+        written into the map with ``struct`` in the same order: ``state`` cleared, the body,
+        ``state`` set (a row torn by a crash reads as not committed)."""
         self._ensure(i + 1)
         at, mm = RECORDS + i * ROW.itemsize, self.mm
         mm[at + _STATE_AT] = 0
-        _BODY.pack_into(mm, at, int(w0[0]), *rest[0].tolist(), int(offset[0]), int(length[0]), int(cached[0]))
-        _SUM.pack_into(mm, at + _SUM_AT, sums if isinstance(sums, int) else int(sums[0]))
+        _BODY.pack_into(mm, at, w0, *rest, offset, length, cached)
+        _SUM.pack_into(mm, at + _SUM_AT, digest)
         mm[at + _STATE_AT] = COMMITTED
 
     def set_cached(self, ids: np.ndarray, cached: np.ndarray) -> None:

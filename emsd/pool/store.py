@@ -762,11 +762,17 @@ class BlockStore:
         return int(rows.size)
 
     def _record(self, ids: np.ndarray) -> None:
-        if self.ledger is not None and ids.size:
-            idx = self.index
-            at = slice(int(ids[0]), int(ids[0]) + 1) if ids.size == 1 else ids  # one: views, not gathers
-            self.ledger.record(ids, idx.w0[at], idx.rest[at], idx.offset[at], idx.length[at],
-                               idx.cached[at], 0 if self.sums is None else self.sums_of(ids))
+        if self.ledger is None or not ids.size:
+            return
+        idx = self.index
+        if ids.size == 1:  # one block a call: its fields as scalars
+            i = int(ids[0])
+            self.ledger.record_one(i, int(idx.w0[i]), idx.rest[i].tolist(), int(idx.offset[i]),
+                                   int(idx.length[i]), int(idx.cached[i]),
+                                   0 if self.sums is None else int(self.sums_of(ids)[0]))
+            return
+        self.ledger.record(ids, idx.w0[ids], idx.rest[ids], idx.offset[ids], idx.length[ids], idx.cached[ids],
+                           0 if self.sums is None else self.sums_of(ids))
 
     def namespaces_in_use(self) -> set[int]:
         """Namespace ids with at least one entry (PENDING or READY); one scan of the index."""

@@ -251,3 +251,28 @@ def test_attach_restores_exactly_the_committed_blocks(tmp_path_factory: pytest.T
     assert placed(again, 0, list(range(41))) == before
     assert again.stats().bytes_used == sum(-(-n // again.slabs.align) * again.slabs.align for _, n in before)
     ledger2.close()
+
+
+def test_the_checksums_of_blocks_committed_one_at_a_time_or_together_come_back_after_a_reopen(
+        tmp_path: Path) -> None:
+    """A one-block commit writes its row from scalars (``Ledger.record_one``), a batch from arrays:
+    both keep the block's checksum, which a store attached to the ledger again has back."""
+    store, ledger, _ = fresh(tmp_path / "ledger")
+    store.enable_checksums()
+    ledger.add_namespace(0, "m")
+    res = store.reserve(0, KeyBatch.from_user([1]), np.array([1000], np.uint64))  # one block
+    store.seal(res.handles, np.array([0xABCDEF0123456789], np.uint64))
+    store.commit(res.handles)
+    two = store.reserve(0, KeyBatch.from_user([2, 3]), np.array([1000, 1000], np.uint64))  # a batch
+    store.seal(two.handles, np.array([5, 6], np.uint64))
+    store.commit(two.handles)
+    ledger.close()
+    again = BlockStore(POOL, PAGE)
+    again.enable_checksums()
+    ledger2, _ = Ledger.open(tmp_path / "ledger", geometry(again))
+    again.attach(ledger2, set(ledger2.names()))
+    for key, digest in ((1, 0xABCDEF0123456789), (2, 5), (3, 6)):
+        pinned = again.pin(0, KeyBatch.from_user([key]))
+        assert again.sums_of(pinned.handles).tolist() == [digest], key
+        again.release(pinned.handles)
+    ledger2.close()
