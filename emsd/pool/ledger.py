@@ -156,10 +156,6 @@ class Ledger:
         """Rows for committed entries ``ids`` (fields given per id): body first, then ``state``."""
         if ids.size == 0:
             return
-        if ids.size == 1:  # one block a call: one row, written field by field in the same order
-            self.record_one(int(ids[0]), int(w0[0]), rest[0].tolist(), int(offset[0]), int(length[0]),
-                            int(cached[0]), sums if isinstance(sums, int) else int(sums[0]))
-            return
         self._ensure(int(ids.max()) + 1)
         rows = self.rows
         rows["state"][ids] = 0

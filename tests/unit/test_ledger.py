@@ -88,7 +88,6 @@ def test_forgotten_rows_one_or_many_no_longer_count_and_ids_past_the_rows_are_ig
 
 
 _U32 = st.integers(0, (1 << 32) - 1)
-SCRATCH = 3001  # a row past every id the cases write
 
 
 @settings(max_examples=40, deadline=None)
@@ -98,8 +97,9 @@ SCRATCH = 3001  # a row past every id the cases write
                      min_size=1, max_size=6))
 def test_a_row_written_alone_is_the_row_the_batch_path_writes(tmp_path_factory: pytest.TempPathFactory,
                                                               rows: list[tuple]) -> None:
-    """``record`` of one id (the one-block commit's struct writes) and of a batch leave the same
-    bytes in the mapped rows, whatever the fields, including a row past the file's capacity."""
+    """``record_one`` (the one-block commit's struct writes, from scalars) and ``record`` (the
+    vectorised path) leave the same bytes in the mapped rows, whatever the fields, including a
+    row past the file's capacity."""
     store = BlockStore(POOL, PAGE)
     files = tmp_path_factory.mktemp("rows")
     alone, _ = Ledger.open(files / "alone", geometry(store))
@@ -107,10 +107,8 @@ def test_a_row_written_alone_is_the_row_the_batch_path_writes(tmp_path_factory: 
     for i, w0, rest, offset, length, cached, digest in rows:
         fields = (np.array([w0], np.uint64), np.array([rest], np.uint32), np.array([offset], np.uint32),
                   np.array([length], np.uint32), np.array([cached], np.uint8))
-        ids = np.array([i], np.uint32)
-        alone.record(ids, *fields, digest)
-        two = np.array([i, SCRATCH], np.uint32)  # a batch of two (a row no case uses): the vectorised path
-        batch.record(two, *(np.concatenate([f, f]) for f in fields), np.array([digest, digest], np.uint64))
+        alone.record_one(i, w0, rest, offset, length, cached, digest)
+        batch.record(np.array([i], np.uint32), *fields, np.array([digest], np.uint64))
     for i, *_ in rows:
         assert alone.rows[i].tobytes() == batch.rows[i].tobytes()
     assert set(alone.committed()[0].tolist()) == {r[0] for r in rows}
