@@ -49,7 +49,7 @@ import numpy as np
 
 from ems.common.exception import invalid
 from ems.tokens import chunk_keys
-from emsd.pool.keys import INT_TAG, MAX_KEY_BYTES, KeyBatch, KeyError_
+from emsd.pool.keys import MAX_KEY_BYTES, ONE_INT_TAG, KeyBatch, KeyError_
 
 MAX_BATCH_KEYS = 65536
 _INT64_MAX = np.iinfo(np.int64).max
@@ -249,7 +249,7 @@ def _one_int_key(slot_mapping: Any, hashes: Any, offsets: Any) -> BatchRequest |
         return None
     slots.setflags(write=False)
     word = h & _U64
-    keys = KeyBatch(np.array([[word, 0, 0, 0]], dtype=np.uint64), _ONE_INT_TAG,
+    keys = KeyBatch(np.array([[word, 0, 0, 0]], dtype=np.uint64), ONE_INT_TAG,
                     word.to_bytes(8, "little"))  # KeyBatch.from_ints, in fewer steps
     counts = _ONE_COUNT.get(c)
     if counts is None:
@@ -259,9 +259,8 @@ def _one_int_key(slot_mapping: Any, hashes: Any, offsets: Any) -> BatchRequest |
     return BatchRequest(keys, slots, counts, None, 1)
 
 
-# Read-only arrays the one-block requests share (nothing writes a request's arrays): the tag
-# of one int key, and the counts of one key by its slot count.
-_ONE_INT_TAG = _readonly(np.array([INT_TAG], dtype=np.uint8))
+# Read-only arrays the one-block requests share (nothing writes a request's arrays): the counts
+# of one key by its slot count (the tag of one int key is emsd.pool.keys.ONE_INT_TAG).
 _ONE_COUNT: dict[int, np.ndarray] = {}
 
 

@@ -32,8 +32,8 @@ import numpy as np
 
 INT_TAG = 255
 MAX_KEY_BYTES = 32
-_ONE_INT_TAG = np.array((INT_TAG,), dtype=np.uint8)  # the tags of one int key (no batch writes its tags)
-_ONE_INT_TAG.setflags(write=False)
+ONE_INT_TAG = np.array((INT_TAG,), dtype=np.uint8)  # one int key's tags, shared: no batch writes its tags
+ONE_INT_TAG.setflags(write=False)
 KT_INT = 0
 KT_TAGGED = 1
 _U64_MASK = (1 << 64) - 1
@@ -79,7 +79,7 @@ class KeyBatch:
         words = np.zeros((n, 4), dtype=np.uint64)
         if n == 1:  # one block a call: scalar steps, and the one int key's tag array shared (read-only)
             words[0, 0] = values[0]
-            return cls(words, _ONE_INT_TAG, wire)
+            return cls(words, ONE_INT_TAG, wire)
         words[:, 0] = values
         return cls(words, np.full(n, INT_TAG, dtype=np.uint8), wire)
 
