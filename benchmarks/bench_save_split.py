@@ -37,8 +37,6 @@ import atexit
 import bisect
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +45,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+from benchmarks.peers.stats import percentile  # noqa: E402
 
 PARTS = ("sdk before", "to daemon", "daemon", "to client", "sdk after")
 GRANT_WAIT = 20_000  # ns: a save's taking of its chunks longer than this waited for a GRANT's answer
@@ -125,14 +125,13 @@ def split(calls: list[tuple[int, int]], puts: list[tuple[int, int]], answers: di
 
 
 def quantile(values: list[int], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] / 1000.0
+    """The ``q``-th quantile (0..1) of ``values`` in nanoseconds, in microseconds."""
+    return percentile(values, 100 * q) / 1000.0
 
 
 def run(n: int, pool: str, busy_poll: int | None = None) -> dict[str, Any]:
-    import daemon_ready
     import numpy as np
-    from bench_sdk import SHM, connect, stop, wait_filled
+    from bench_sdk import SHM, connect, start_daemon, stop, wait_filled
 
     from ems import Ems
     from ems.client import BUSY_POLL_ENV, DaemonClient
@@ -161,22 +160,14 @@ def run(n: int, pool: str, busy_poll: int | None = None) -> dict[str, Any]:
         return got
 
     with tempfile.TemporaryDirectory(dir=SHM) as tmp:
-        work = Path(tmp)
-        sock_dir, cfg, marks = work / "sock", work / "emsd.toml", work / "marks"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        marks = Path(tmp) / "marks"
         node = "" if busy_poll is None else f"busy_poll = {busy_poll}\n"
         if busy_poll is not None:
             os.environ[BUSY_POLL_ENV] = str(busy_poll)  # read when the SDK connects, below
-        cfg.write_text(f'[node]\nid = "bench"\nsocket_dir = "{sock_dir}"\n{node}'
-                       f'[pool]\nsize = "{pool}"\nhugepages = "auto"\npage_size = "64MiB"\n'
-                       f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n')
-        proc = subprocess.Popen([sys.executable, __file__, "--daemon", str(marks), "--config", str(cfg)],
-                                cwd=ROOT)
+        proc, sock_dir = start_daemon(Path(tmp), pool, "64MiB", node=node,
+                                      command=(str(Path(__file__).resolve()), "--daemon", str(marks)))
         calls: list[tuple[int, int]] = []
         try:
-            daemon_ready.wait(port, proc, "emsd")
             cc = connect(sock_dir)
             cc.register_kvcache([[buf.reshape(2 * n, 1, SIZE)]])
             wait_filled(cc)

@@ -50,10 +50,12 @@ TENANT_ID, TENANT_KEY = "bench", "k" * 32
 
 
 def start_daemon(workdir: Path, pool: str, page: str, node: str = "",
-                 tenant: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
+                 tenant: bool = False, command: tuple[str, ...] = ("-m", "emsd")
+                 ) -> tuple[subprocess.Popen[bytes], Path]:
     """A standalone emsd in ``workdir``; ``node``: more lines of its ``[node]`` table;
     ``tenant``: with a tenants file of one tenant (``TENANT_ID``), whose blocks then live in
-    a memfd of its own (emsd.pool.tenancy)."""
+    a memfd of its own (emsd.pool.tenancy); ``command``: what this Python runs, before
+    ``--config FILE`` (a benchmark's traced daemon)."""
     sock_dir = workdir / "sock"
     cfg = workdir / "emsd.toml"
     tenants = ""
@@ -68,7 +70,7 @@ def start_daemon(workdir: Path, pool: str, page: str, node: str = "",
     cfg.write_text(f'[node]\nid = "bench"\nsocket_dir = "{sock_dir}"\n{node}'
                    f'[pool]\nsize = "{pool}"\nhugepages = "auto"\npage_size = "{page}"\n'
                    f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n{tenants}')
-    proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(cfg)], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, *command, "--config", str(cfg)], cwd=ROOT)
     daemon_ready.wait(port, proc, "emsd")
     return proc, sock_dir
 
