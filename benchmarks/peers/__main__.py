@@ -143,20 +143,18 @@ class Background:
         self.cpu: dict[str, float] = {}  # system -> CPU seconds used during the others' cells
         self.wall: dict[str, float] = {}  # system -> seconds of the others' cells
 
-    def around(self, measured: str) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def around(self, measured: str) -> Iterator[None]:
         """Around one cell of system ``measured``: charge the others' CPU meanwhile."""
-        @contextlib.contextmanager
-        def cell() -> Iterator[None]:
-            others = {n: pids for n, pids in self.owned.items() if n != measured}
-            before, t0 = {n: cpu_of(p) for n, p in others.items()}, time.monotonic()
-            yield
-            wall = time.monotonic() - t0
-            for n, pids in others.items():
-                after = cpu_of(pids)
-                used = sum(after[pid] - before[n][pid] for pid in after if pid in before[n])
-                self.cpu[n] = self.cpu.get(n, 0.0) + used
-                self.wall[n] = self.wall.get(n, 0.0) + wall
-        return cell()
+        others = {n: pids for n, pids in self.owned.items() if n != measured}
+        before, t0 = {n: cpu_of(p) for n, p in others.items()}, time.monotonic()
+        yield
+        wall = time.monotonic() - t0
+        for n, pids in others.items():
+            after = cpu_of(pids)
+            used = sum(after[pid] - before[n][pid] for pid in after if pid in before[n])
+            self.cpu[n] = self.cpu.get(n, 0.0) + used
+            self.wall[n] = self.wall.get(n, 0.0) + wall
 
     def cores(self) -> dict[str, float]:
         """Per system, the cores its processes used on average while the others were measured."""
