@@ -108,13 +108,7 @@ class Worker:
 
 def own_cpu_seconds() -> float:
     """CPU seconds of this process and every live descendant (servers, workers)."""
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
+    return sum(cpu_of({os.getpid(), *descendants()}).values())
 
 
 def descendants() -> set[int]:
