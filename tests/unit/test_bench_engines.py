@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.engines.engine import prompt_of
+from benchmarks.engines.engine import admissible, prompt_of, serve_all
 from benchmarks.engines.run import connector_totals, percentile, quick_trace, resolve, summarise, taken_over
 from benchmarks.engines.trace import SPECIAL, VOCAB, EngineRequest, distinct_blocks, engine_trace, to_vocab
 
@@ -69,6 +71,9 @@ def test_summarise_compares_outputs_with_the_baseline_token_for_token() -> None:
     other = {k: dict(v, token_ids=[99]) if k == "q2-s1" else dict(v) for k, v in served.items()}
     assert summarise(trace, served, other)["outputs_equal"] is False
     assert summarise(trace, served, None)["outputs_equal"] is None
+    tokens = sum(len(r.prompt) + 1 for r in trace)
+    assert same["throughput_tok_s"] == tokens / 6.0  # over the summed request times by default
+    assert summarise(trace, served, None, seconds=3.0)["throughput_tok_s"] == tokens / 3.0
 
 
 def test_connector_totals_reads_the_last_totals_line_and_nothing_else() -> None:
@@ -119,3 +124,98 @@ def test_taken_over_turns_are_those_whose_last_turn_the_other_engine_served() ->
     kept = [r for r in trace if r.returning and r not in taken]
     assert kept and all(engine[r.parent] == r.engine for r in kept)  # type: ignore[index]
     assert [r.id for r in taken_over(quick_trace())] == ["q1-s0"]
+
+
+def _chain_requests(parents: list[int | None]) -> list[dict[str, Any]]:
+    """Request i with parent ``parents[i]`` (an earlier index, or None)."""
+    return [{"id": f"r{i}", "parent": None if p is None else f"r{p}", "prompt_token_ids": [i + 1],
+             "max_tokens": 1 + i % 3} for i, p in enumerate(parents)]
+
+
+_parents = st.lists(st.integers(0, 1000), max_size=12).map(
+    lambda xs: [None if x % 3 == 0 or i == 0 else x % i for i, x in enumerate(xs)])
+
+
+@given(_parents, st.sets(st.integers(0, 11)), st.integers(0, 6), st.integers(1, 6))
+def test_admissible_takes_ready_requests_in_order_up_to_the_room(
+        parents: list[int | None], done_idx: set[int], in_flight: int, limit: int) -> None:
+    pending = _chain_requests(parents)
+    done = {f"r{i}" for i in done_idx}
+    out = admissible(pending, done, in_flight, limit)
+    ready = [r for r in pending if r["parent"] is None or r["parent"] in done]
+    assert out == ready[:max(0, limit - in_flight)]  # a prefix of the ready ones, in order
+
+
+@dataclass
+class _Out:
+    request_id: str
+    outputs: list[Any]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Tokens:
+    token_ids: list[int]
+
+
+@dataclass
+class _Engine:
+    """A stand-in for vLLM's engine loop: each step gives every request one more token, and a
+    request finishes once it has ``max_tokens``; it records how many were in it at each step."""
+
+    running: dict[str, list[int]] = field(default_factory=dict)
+    wanted: dict[str, int] = field(default_factory=dict)
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    widths: list[int] = field(default_factory=list)
+
+    def add_request(self, rid: str, prompt: dict[str, list[int]], params: int) -> None:
+        self.running[rid], self.wanted[rid] = [], params
+        self.prompts[rid] = prompt["prompt_token_ids"]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[_Out]:
+        self.widths.append(len(self.running))
+        outs = []
+        for rid, toks in list(self.running.items()):
+            toks.append(100 + len(toks))
+            done = len(toks) >= self.wanted[rid]
+            outs.append(_Out(rid, [_Tokens(list(toks))], done))
+            if done:
+                del self.running[rid]
+        return outs
+
+
+@given(_parents, st.integers(1, 5))
+def test_serve_all_keeps_at_most_the_limit_in_flight_and_sends_each_turn_after_its_parent(
+        parents: list[int | None], limit: int) -> None:
+    requests = _chain_requests(parents)
+    engine = _Engine()
+    served, seconds = serve_all(engine, requests, limit, lambda r: int(r["max_tokens"]))
+    assert set(served) == {r["id"] for r in requests} and seconds >= 0
+    assert max(engine.widths, default=0) <= limit
+    for r in requests:
+        got = served[r["id"]]
+        assert got["token_ids"] == [100 + k for k in range(int(r["max_tokens"]))]
+        assert 0 <= got["ttft"] <= got["e2e"]
+        if r["parent"] is not None:  # the parent's prompt and answer, then its own tokens
+            parent = served[r["parent"]]
+            assert engine.prompts[r["id"]] == parent["prompt_token_ids"] + parent["token_ids"] + [
+                r["prompt_token_ids"][0]]
+
+
+def test_serve_all_fills_the_engine_when_requests_are_independent_and_one_at_a_time_at_limit_one() -> None:
+    requests = _chain_requests([None] * 6)
+    wide, narrow = _Engine(), _Engine()
+    serve_all(wide, requests, 4, lambda r: 3)
+    serve_all(narrow, requests, 1, lambda r: 3)
+    assert max(wide.widths) == 4
+    assert set(narrow.widths) == {1}
+
+
+def test_serve_all_refuses_a_request_whose_parent_is_not_served() -> None:
+    with pytest.raises(RuntimeError, match="waits for"):
+        serve_all(_Engine(), [{"id": "b", "parent": "nowhere", "prompt_token_ids": [1], "max_tokens": 1}],
+                  2, lambda r: 1)

@@ -10,7 +10,9 @@ MooncakeStoreConnector on a Mooncake Store (its venv, .venv-mcvllm) gives the
 same outputs and engine B finds A's prompt in it; so do LMCache's own
 ``LMCacheConnectorV1`` with LMCache's storage server (its venv, .venv-lmvllm,
 set up by scripts/test-vllm.sh), with the CPU copy the benchmark gives LMCache
-0.5.6 (benchmarks/engines/lmcache_cpu.py). No timing is asserted: the figures
+0.5.6 (benchmarks/engines/lmcache_cpu.py). emsd's copy of every block left in
+an engine's prefix cache equals the engine's own, byte for byte, with one
+request at a time and with two at once. No timing is asserted: the figures
 are the benchmark's.
 """
 
@@ -49,6 +51,8 @@ def test_quick_run_loads_across_engines_and_nodes_with_equal_outputs(tmp_path: P
     blocks_of_a = (QUICK_PROMPT + QUICK_ANSWER - 1) // 32
     for name in ("emsd", "emsd-2node"):
         assert systems[name]["loaded_blocks"] >= blocks_of_a, systems[name]
+        check = systems[name]["saved_check"]  # emsd's copies of the engines' cached blocks, byte for byte
+        assert check["blocks"] >= blocks_of_a and check["equal"] == check["blocks"], check
     assert systems["cold"]["loaded_blocks"] == 0
     # Mooncake and LMCache: engine B, a process of its own, computes none of A's prompt tokens (its
     # own prefix cache holds none of them; the cold engine's B computes them all)
@@ -57,3 +61,17 @@ def test_quick_run_loads_across_engines_and_nodes_with_equal_outputs(tmp_path: P
     assert cached["cold"] == 0, cached
     assert cached["mooncake"] >= QUICK_PROMPT and cached["lmcache-server"] >= QUICK_PROMPT, cached
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_quick_run_with_requests_at_once_loads_and_stores_the_engines_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.engines.run", "--quick", "--concurrency", "2",
+                          "--out", str(out), "--systems", "cold,emsd"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    res = json.loads((out / "engines.json").read_text())
+    assert res["concurrency"] == 2
+    emsd = res["systems"]["emsd"]
+    assert emsd["requests"] == 3 and emsd["loaded_blocks"] >= (QUICK_PROMPT + QUICK_ANSWER - 1) // 32, emsd
+    check = emsd["saved_check"]
+    assert check["blocks"] > 0 and check["equal"] == check["blocks"], check
