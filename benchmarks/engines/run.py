@@ -67,7 +67,10 @@ not computed (``cached``: vLLM's prefix cache plus what the connector
 loaded), for emsd its daemons' load hit rate, and whether every output
 equals the cold engine's (greedy decoding). ``--lengths`` adds the prompt
 length sweep (one prompt per length: cold, then loaded by a second engine),
-``--capacities`` the emsd pool size sweep. Results go to ``DIR/engines.json``
+``--capacities`` the emsd pool size sweep, ``--concurrency-sweep`` the trace
+served by cold and emsd engines with each number of requests at once (1, 2, 4
+and 8 by default; the sweep's engines check emsd's copies too). Results go to
+``DIR/engines.json``
 and, with ``--plot``, a PNG.
 
 Outputs. One request at a time, every output must equal the cold engine's
@@ -96,7 +99,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -455,6 +458,31 @@ def connector_cost(work: Path, bench: Bench, lengths: list[int], rounds: int,
             "hook_share": hook / sum(ttft["emsd"])}
 
 
+SWEPT = ("returning_ttft_p50", "taken_over_ttft_p50", "throughput_tok_s", "equal_outputs")
+
+
+def concurrency_sweep(work: Path, bench: Bench, trace: list[EngineRequest], levels: list[int],
+                      pool: int) -> dict[str, Any]:
+    """The cold engine and emsd (one node) over the trace with each number of requests at once
+    (``levels``): per system, lists of ``SWEPT`` in the order of ``levels``, and emsd's saved
+    block checks (``engine.check_saved``)."""
+    out: dict[str, Any] = {"levels": levels, "cold": {k: [] for k in SWEPT},
+                           "emsd": {k: [] for k in SWEPT}, "saved_check": []}
+    for n in levels:
+        at = replace(bench, concurrency=n)
+        base = None
+        for system in ("cold", "emsd"):
+            served, extras = serve_trace(work / f"conc-{n}-{system}", at, trace, system, pool, check=True)
+            base = served if base is None else base
+            row = summarise(trace, served, base, extras["serve_seconds"])
+            for k in SWEPT:
+                out[system][k].append(row[k])
+            if "saved_check" in extras:
+                out["saved_check"].append(extras["saved_check"])
+            print(f"[engines] {n} at once: {system} done", flush=True)
+    return out
+
+
 def fmt(x: float | None) -> str:
     return "-" if x is None or x != x else f"{x:.3f}"
 
@@ -497,6 +525,18 @@ def report(results: dict[str, Any]) -> str:
             lines.append(f"\n{name}: of the {c['blocks'] + c['missing']} blocks left in the engines' prefix "
                          f"caches, emsd held {c['blocks']}, {c['equal']} of them byte for byte equal to the "
                          f"engine's own")
+    sweep = results.get("concurrency_sweep")
+    if sweep:
+        lines += ["\n| requests at once | returning p50, cold / emsd s | ratio "
+                  "| taken over p50, cold / emsd s | ratio | throughput, cold / emsd tokens/s | ratio "
+                  "| emsd's outputs equal |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        c, e = sweep["cold"], sweep["emsd"]
+        for i, n in enumerate(sweep["levels"]):
+            cells = [f"{fmt(c[k][i])} / {fmt(e[k][i])} | {e[k][i] / c[k][i]:.3f}x"
+                     for k in ("returning_ttft_p50", "taken_over_ttft_p50", "throughput_tok_s")]
+            lines.append(f"| {n} | " + " | ".join(cells)
+                         + f" | {e['equal_outputs'][i]} of {results['trace']['requests']} |")
     if "cost" in results:
         c = results["cost"]
         lines.append(f"\nWith nothing to find ({c['pairs']} prompts of {c['lengths']} tokens, {c['rounds']} "
@@ -514,7 +554,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    conc = results.get("concurrency_sweep")
+    fig, axes = plt.subplots(1, 3 if conc else 2, figsize=(16.5 if conc else 11, 4))
     sweep = results.get("lengths", {})
     ax = axes[0]
     for system, style in (("cold", "o-"), ("emsd", "s-"), ("lmcache-server", "^-"), ("mooncake", "v-")):
@@ -542,6 +583,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("time to first token, s")
         ax.set_title("TTFT against cache capacity")
         ax.legend()
+    if conc:
+        ax = axes[2]
+        for system, style in (("cold", "o"), ("emsd", "s")):
+            for kind, line in (("returning", "-"), ("taken_over", ":")):
+                ax.plot(conc["levels"], conc[system][f"{kind}_ttft_p50"], style + line,
+                        label=f"{system}, {kind.replace('_', ' ')} p50")
+        ax.set_xlabel("requests in the engine at once")
+        ax.set_ylabel("time to first token, s")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title("TTFT against load")
+        ax.legend()
     fig.suptitle(f"vLLM (CPU) on a multi-turn trace, {results['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -565,6 +618,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=1,
                     help="requests in each engine at once, as that many users of a server each sending "
                          "the next turn after the answer (default 1: one after another)")
+    ap.add_argument("--concurrency-sweep", default="1,2,4,8",
+                    help="numbers of requests at once to serve the trace with, cold and emsd "
+                         "('' skips the sweep)")
     ap.add_argument("--fresh", action="store_true",
                     help="start every engine in a fresh interpreter (by default engines of this venv are "
                          "forked from one process that has imported vLLM: preloaded.py)")
@@ -581,7 +637,7 @@ def main() -> None:
     systems = [s for s in args.systems.split(",") if s]
     if args.quick:
         trace = quick_trace()
-        args.lengths, args.capacities, args.cost_rounds = "", "", 0
+        args.lengths, args.capacities, args.cost_rounds, args.concurrency_sweep = "", "", 0, ""
     else:
         trace = engine_trace(args.sessions, args.seed)
     kv_bytes = distinct_blocks(trace, BLOCK) * BLOCK * KV_BYTES_PER_TOKEN  # all the trace could reuse
@@ -622,13 +678,18 @@ def main() -> None:
             "fractions": fracs, **{k: [r[k] for r in rows] for k in kinds},
             "cold_returning_ttft_p50": cold["returning_ttft_p50"],
             "cold_taken_over_ttft_p50": cold["taken_over_ttft_p50"]}
+    if args.concurrency_sweep and "emsd" in systems and "cold" in systems:
+        levels = [int(x) for x in args.concurrency_sweep.split(",")]
+        results["concurrency_sweep"] = concurrency_sweep(work, bench, trace, levels, pool)
     (work / "engines.json").write_text(json.dumps(results, indent=1))
     print(report(results))
     if args.plot:
         plot(results, Path(args.plot))
         print(f"[engines] plot: {args.plot}")
-    corrupt = [s for s, r in results["systems"].items()
-               if "saved_check" in r and r["saved_check"]["equal"] < r["saved_check"]["blocks"]]
+    checks = [(s, r["saved_check"]) for s, r in results["systems"].items() if "saved_check" in r]
+    checks += [("emsd (concurrency sweep)", c)
+               for c in results.get("concurrency_sweep", {}).get("saved_check", [])]
+    corrupt = [s for s, c in checks if c["equal"] < c["blocks"]]
     if corrupt:
         sys.exit(f"[engines] emsd's copy of a block differs from the engine's own: {', '.join(corrupt)}")
     bad = [s for s, r in results["systems"].items() if r.get("outputs_equal") is False]

@@ -11,7 +11,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from benchmarks.engines.engine import admissible, prompt_of, serve_all
-from benchmarks.engines.run import connector_totals, percentile, quick_trace, resolve, summarise, taken_over
+from benchmarks.engines.run import (
+    connector_totals,
+    equal_outputs,
+    percentile,
+    quick_trace,
+    report,
+    resolve,
+    summarise,
+    taken_over,
+)
 from benchmarks.engines.trace import SPECIAL, VOCAB, EngineRequest, distinct_blocks, engine_trace, to_vocab
 
 
@@ -219,3 +228,26 @@ def test_serve_all_refuses_a_request_whose_parent_is_not_served() -> None:
     with pytest.raises(RuntimeError, match="waits for"):
         serve_all(_Engine(), [{"id": "b", "parent": "nowhere", "prompt_token_ids": [1], "max_tokens": 1}],
                   2, lambda r: 1)
+
+
+def test_report_gives_the_sweep_ratios_the_saved_check_and_unequal_outputs_as_counts() -> None:
+    row = {"ttft_p50": 1.0, "ttft_p90": 2.0, "returning_ttft_p50": 1.0, "returning_ttft_p90": 2.0,
+           "taken_over_ttft_p50": 2.0, "taken_over_ttft_p90": 3.0, "throughput_tok_s": 100.0,
+           "cached_share": 0.5, "other_cpu_seconds": 0.0, "requests": 21}
+    results = {"concurrency": 4, "trace": {"requests": 21},
+               "systems": {"cold": dict(row, outputs_equal=True, equal_outputs=21),
+                           "emsd": dict(row, returning_ttft_p50=0.25, outputs_equal=False, equal_outputs=18,
+                                        saved_check={"blocks": 600, "equal": 600, "missing": 4})},
+               "concurrency_sweep": {
+                   "levels": [1, 4],
+                   "cold": {"returning_ttft_p50": [1.0, 4.0], "taken_over_ttft_p50": [2.0, 8.0],
+                            "throughput_tok_s": [100.0, 120.0], "equal_outputs": [21, 21]},
+                   "emsd": {"returning_ttft_p50": [0.5, 1.0], "taken_over_ttft_p50": [0.2, 0.8],
+                            "throughput_tok_s": [120.0, 150.0], "equal_outputs": [21, 18]}}}
+    text = report(results)
+    assert "Requests in each engine at once: 4" in text
+    assert "| 18 of 21 |" in text and equal_outputs(results["systems"]["cold"]) == "yes"
+    assert "returning TTFT p50 0.250x" in text
+    assert "of the 604 blocks left in the engines' prefix caches, emsd held 600, 600 of them" in text
+    assert ("| 4 | 4.000 / 1.000 | 0.250x | 8.000 / 0.800 | 0.100x | 120.000 / 150.000 | 1.250x "
+            "| 18 of 21 |") in text
