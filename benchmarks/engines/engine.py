@@ -139,7 +139,13 @@ def check_saved(llm: Any) -> dict[str, int]:
     client into vLLM's null block (never read by attention), then compared in every layer.
     Returns ``{"blocks", "equal", "missing"}`` (blocks compared, equal ones, ones emsd does
     not hold: evicted, or a save dropped). Waits for the saves in flight first. Uses vLLM
-    0.32's engine internals (the in-process engine core's block pool, the worker's connector)."""
+    0.32's engine internals (the in-process engine core's block pool, the worker's connector).
+
+    Exact where every block in the prefix cache was either saved by this engine or loaded
+    from emsd. A block this engine computed although emsd held another engine's copy (one
+    after a miss, where a small pool evicted a block before it) may differ in its last bits,
+    the same tokens computed in another batch: the benchmark checks only where its pools hold
+    the whole trace."""
     import torch
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.v1.core.kv_cache_utils import get_block_hash

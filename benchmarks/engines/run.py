@@ -81,11 +81,15 @@ batches, some of it in decode steps where the cold engine computes it again
 in a prefill; float sums on a CPU differ with such shapes in their last
 bits, and a near-tie in greedy decoding can then go the other way (seen: one
 of 21 requests diverging at its 21st token, and the two later turns of its
-session with it). Those runs report how many outputs are equal, and what
-emsd stores is checked byte for byte instead: after serving, each emsd
-engine loads emsd's copy of every block still in its prefix cache and
-compares it with its own (``engine.check_saved``); a difference fails the
-run, whatever the concurrency.
+session with it, with emsd and with LMCache's server alike). Those runs
+report how many outputs are equal, and what emsd stores is checked byte for
+byte instead: after serving, each emsd engine loads emsd's copy of every
+block still in its prefix cache and compares it with its own
+(``engine.check_saved``); a difference fails the run, whatever the
+concurrency. The check runs on the trace and the concurrency sweep, whose
+pools hold the whole trace, not on the capacity sweep, where a block after
+an evicted one is computed again by the engine that finds the miss and may
+differ in its last bits from the copy emsd holds.
 """
 
 from __future__ import annotations
