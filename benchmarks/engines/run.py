@@ -696,13 +696,17 @@ def main() -> None:
     corrupt = [s for s, c in checks if c["equal"] < c["blocks"]]
     if corrupt:
         sys.exit(f"[engines] emsd's copy of a block differs from the engine's own: {', '.join(corrupt)}")
+    sweep = results.get("concurrency_sweep", {})
+    alone = sweep.get("levels", []).index(1) if 1 in sweep.get("levels", []) else None
+    if alone is not None and sweep["emsd"]["equal_outputs"][alone] != len(trace):
+        sys.exit("[engines] outputs differ from the cold engine's in the sweep's run one at a time: emsd")
     bad = [s for s, r in results["systems"].items() if r.get("outputs_equal") is False]
     if bad and args.concurrency == 1:
         sys.exit(f"[engines] outputs differ from the cold engine's: {', '.join(bad)}")
     if bad:  # batched steps differ between systems; see "Outputs" in the module docstring
-        checks = {s: results["systems"][s].get("saved_check") for s in bad}
+        saved = {s: results["systems"][s].get("saved_check") for s in bad}
         print(f"[engines] outputs differ from the cold engine's with {args.concurrency} requests at once: "
-              f"{', '.join(bad)}; emsd's copies against the engines' own blocks: {checks}")
+              f"{', '.join(bad)}; emsd's copies against the engines' own blocks: {saved}")
 
 
 if __name__ == "__main__":
