@@ -69,7 +69,8 @@ equals the cold engine's (greedy decoding). ``--lengths`` adds the prompt
 length sweep (one prompt per length: cold, then loaded by a second engine),
 ``--capacities`` the emsd pool size sweep, ``--concurrency-sweep`` the trace
 served by cold and emsd engines with each number of requests at once (1, 2, 4
-and 8 by default; the sweep's engines check emsd's copies too). Results go to
+and 8 by default, the trace's own results at the level it ran at; the
+sweep's engines check emsd's copies too). Results go to
 ``DIR/engines.json``
 and, with ``--plot``, a PNG.
 
@@ -466,19 +467,24 @@ SWEPT = ("returning_ttft_p50", "taken_over_ttft_p50", "throughput_tok_s", "equal
 
 
 def concurrency_sweep(work: Path, bench: Bench, trace: list[EngineRequest], levels: list[int],
-                      pool: int) -> dict[str, Any]:
+                      pool: int, measured: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The cold engine and emsd (one node) over the trace with each number of requests at once
     (``levels``): per system, lists of ``SWEPT`` in the order of ``levels``, and emsd's saved
-    block checks (``engine.check_saved``)."""
+    block checks (``engine.check_saved``). ``measured``: the trace's own results of both
+    systems (``summarise`` and its extras) at ``bench.concurrency``, taken for that level
+    instead of serving the trace again."""
     out: dict[str, Any] = {"levels": levels, "cold": {k: [] for k in SWEPT},
                            "emsd": {k: [] for k in SWEPT}, "saved_check": []}
     for n in levels:
         at = replace(bench, concurrency=n)
         base = None
         for system in ("cold", "emsd"):
-            served, extras = serve_trace(work / f"conc-{n}-{system}", at, trace, system, pool, check=True)
-            base = served if base is None else base
-            row = summarise(trace, served, base, extras["serve_seconds"])
+            if measured is not None and n == bench.concurrency:
+                row = extras = measured[system]
+            else:
+                served, extras = serve_trace(work / f"conc-{n}-{system}", at, trace, system, pool, check=True)
+                base = served if base is None else base
+                row = summarise(trace, served, base, extras["serve_seconds"])
             for k in SWEPT:
                 out[system][k].append(row[k])
             if "saved_check" in extras:
@@ -684,7 +690,9 @@ def main() -> None:
             "cold_taken_over_ttft_p50": cold["taken_over_ttft_p50"]}
     if args.concurrency_sweep and "emsd" in systems and "cold" in systems:
         levels = [int(x) for x in args.concurrency_sweep.split(",")]
-        results["concurrency_sweep"] = concurrency_sweep(work, bench, trace, levels, pool)
+        both = {k: results["systems"][k] for k in ("cold", "emsd")}
+        measured = None if any("error" in r for r in both.values()) else both
+        results["concurrency_sweep"] = concurrency_sweep(work, bench, trace, levels, pool, measured)
     (work / "engines.json").write_text(json.dumps(results, indent=1))
     print(report(results))
     if args.plot:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from benchmarks.engines.engine import admissible, prompt_of, serve_all
 from benchmarks.engines.run import (
+    Bench,
+    concurrency_sweep,
     connector_totals,
     equal_outputs,
     percentile,
@@ -251,3 +254,14 @@ def test_report_gives_the_sweep_ratios_the_saved_check_and_unequal_outputs_as_co
     assert "of the 604 blocks left in the engines' prefix caches, emsd held 600, 600 of them" in text
     assert ("| 4 | 4.000 / 1.000 | 0.250x | 8.000 / 0.800 | 0.100x | 120.000 / 150.000 | 1.250x "
             "| 18 of 21 |") in text
+
+
+def test_the_sweep_takes_the_traces_own_results_at_its_level_instead_of_serving_again(tmp_path: Path) -> None:
+    row = {"returning_ttft_p50": 1.0, "taken_over_ttft_p50": 2.0, "throughput_tok_s": 3.0,
+           "equal_outputs": 21}
+    measured = {"cold": dict(row), "emsd": dict(row, returning_ttft_p50=0.5,
+                                              saved_check={"blocks": 9, "equal": 9, "missing": 0})}
+    # no model and no daemons: serving the trace here would fail
+    out = concurrency_sweep(tmp_path, Bench(tmp_path / "no-model"), quick_trace(), [1], 1 << 20, measured)
+    assert out["cold"]["returning_ttft_p50"] == [1.0] and out["emsd"]["returning_ttft_p50"] == [0.5]
+    assert out["saved_check"] == [{"blocks": 9, "equal": 9, "missing": 0}]
