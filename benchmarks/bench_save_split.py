@@ -22,11 +22,12 @@ whose request the daemon read on its own ("call"; a request read together with
 another, such as a GRANT the SDK sent before it, is left out), of every save's
 whole call ("every call"), and the share of the slowest tenth of the matched
 saves spent in each part; and how many saves waited for the answer of a GRANT
-when taking their granted chunks (longer than 20 us). ``--busy-poll US`` sets the daemon's ``node.busy_poll``
-and the SDK's ``EMS_BUSY_POLL_US`` (0: both sleep while they wait). The parts of one save add up to the
-whole call; the p50s of the parts need not. What it is for: telling the SDK's,
-the socket's and the daemon's parts of a change apart, in alternating runs of
-the two versions on this shared machine.
+when taking their granted chunks (longer than 20 us). ``--busy-poll US`` sets
+the daemon's ``node.busy_poll`` and the SDK's ``EMS_BUSY_POLL_US`` (0: both
+sleep while they wait). The parts of one save add up to the whole call; the
+p50s of the parts need not. What it is for: telling the SDK's, the socket's
+and the daemon's parts of a change apart, in alternating runs of the two
+versions on this shared machine.
 """
 
 from __future__ import annotations
