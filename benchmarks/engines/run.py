@@ -65,7 +65,12 @@ KV), throughput (prompt and generated tokens a second of
 serving, the two engines' serving time added), the share of prompt tokens
 not computed (``cached``: vLLM's prefix cache plus what the connector
 loaded), for emsd its daemons' load hit rate, and whether every output
-equals the cold engine's (greedy decoding). ``--lengths`` adds the prompt
+equals the cold engine's (greedy decoding). Beside the cached share, its
+ceiling: the tokens a cache holding the KV of every request before could
+have supplied (``trace.reusable_tokens``), over the trace and over its
+returning turns, and the requests whose engines computed more than that;
+one request at a time, emsd's engines (whose pool holds the whole trace)
+must compute nothing more, or the run fails. ``--lengths`` adds the prompt
 length sweep (one prompt per length: cold, then loaded by a second engine),
 ``--capacities`` the emsd pool size sweep, ``--concurrency-sweep`` the trace
 served by cold and emsd engines with each number of requests at once (1, 2, 4
@@ -114,7 +119,7 @@ from benchmarks.engines import preloaded
 from benchmarks.engines.engine import prompt_of
 from benchmarks.engines.lmcache_store import LMCacheServer
 from benchmarks.engines.mooncake_store import MooncakeStore
-from benchmarks.engines.trace import EngineRequest, distinct_blocks, engine_trace, to_vocab
+from benchmarks.engines.trace import EngineRequest, distinct_blocks, engine_trace, reusable_tokens, to_vocab
 from benchmarks.workload import daemons
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -303,13 +308,32 @@ def taken_over(trace: list[EngineRequest]) -> list[EngineRequest]:
     return [r for r in trace if r.parent is not None and engine[r.parent] != r.engine]
 
 
+def _share(part: list[int], whole: list[int]) -> float:
+    """``sum(part) / sum(whole)``; NaN for nothing."""
+    return sum(part) / sum(whole) if sum(whole) else float("nan")
+
+
+def _cached(rows: list[dict[str, Any]]) -> float:
+    """The share of the prompt tokens of served ``rows`` that their engines did not compute."""
+    return _share([x["cached_tokens"] for x in rows], [x["prompt_tokens"] for x in rows])
+
+
 def summarise(trace: list[EngineRequest], served: dict[str, dict[str, Any]],
               baseline: dict[str, dict[str, Any]] | None, seconds: float | None = None) -> dict[str, Any]:
     """TTFT percentiles, throughput, cached share and output equality of one system's run.
     Throughput is the trace's prompt and generated tokens over ``seconds``, the engines' serving
-    wall time (by default the summed request times, the same when requests run one at a time)."""
+    wall time (by default the summed request times, the same when requests run one at a time).
+
+    The ceilings: the shares of the prompt tokens (all, and the returning turns') that a cache
+    holding the KV of every request before could have supplied (``trace.reusable_tokens`` over
+    this run's prompts and answers in trace order), and the requests whose engines computed more
+    than that (``below_ceiling``). With one request at a time no system can do better; with
+    several at once a request may start before the one it could reuse has finished."""
     rows = [served[r.id] for r in trace]
-    returning = [served[r.id]["ttft"] for r in trace if r.returning]
+    back = [served[r.id] for r in trace if r.returning]
+    returning = [x["ttft"] for x in back]
+    can = reusable_tokens([(x["prompt_token_ids"], x["token_ids"]) for x in rows], BLOCK)
+    ceiling = {r.id: c for r, c in zip(trace, can, strict=True)}
     taken = [served[r.id]["ttft"] for r in taken_over(trace)]
     tokens = sum(x["prompt_tokens"] + len(x["token_ids"]) for x in rows)
     if seconds is None:
@@ -325,7 +349,11 @@ def summarise(trace: list[EngineRequest], served: dict[str, dict[str, Any]],
             "taken_over_ttft_p90": percentile(taken, 0.9), "taken_over": len(taken),
             "prompt_tokens": sum(x["prompt_tokens"] for x in rows),
             "throughput_tok_s": tokens / seconds if seconds else float("nan"),
-            "cached_share": sum(x["cached_tokens"] for x in rows) / sum(x["prompt_tokens"] for x in rows),
+            "cached_share": _cached(rows), "returning_cached_share": _cached(back),
+            "reusable_share": _share(can, [x["prompt_tokens"] for x in rows]),
+            "returning_reusable_share": _share([ceiling[r.id] for r in trace if r.returning],
+                                               [x["prompt_tokens"] for x in back]),
+            "below_ceiling": [r.id for r in trace if served[r.id]["cached_tokens"] < ceiling[r.id]],
             "outputs_equal": equal, "equal_outputs": same, "requests": len(rows)}
 
 
@@ -521,6 +549,16 @@ def report(results: dict[str, Any]) -> str:
                      f"| {s['throughput_tok_s']:.0f} | {s['cached_share']:.2f} "
                      f"| {fmt(s.get('emsd_hit_rate'))} | {equal_outputs(s)} "
                      f"| {s['other_cpu_seconds']:.0f} |")
+    served = {k: s for k, s in results["systems"].items() if "reusable_share" in s}
+    if served:
+        first = next(iter(served.values()))
+        lines.append(f"\nThe most any cache could supply, the engines' own included (every block computed "
+                     f"before, one request at a time): {first['reusable_share']:.2f} of the prompt tokens, "
+                     f"the ceiling of the cached column; of the returning turns' "
+                     f"{first['returning_reusable_share']:.2f}, where the engines found "
+                     + ", ".join(f"{k} {s['returning_cached_share']:.2f}" for k, s in served.items())
+                     + ". Requests below the ceiling: "
+                     + "; ".join(f"{k} {len(s['below_ceiling'])}" for k, s in served.items()))
     cold = results["systems"].get("cold")
     if cold and "error" not in cold:
         for name, s in results["systems"].items():
@@ -708,6 +746,10 @@ def main() -> None:
     alone = sweep.get("levels", []).index(1) if 1 in sweep.get("levels", []) else None
     if alone is not None and sweep["emsd"]["equal_outputs"][alone] != len(trace):
         sys.exit("[engines] outputs differ from the cold engine's in the sweep's run one at a time: emsd")
+    short = results["systems"].get("emsd", {}).get("below_ceiling")
+    if short and args.concurrency == 1:  # a pool that holds the whole trace: every block findable
+        sys.exit(f"[engines] emsd's engines computed tokens that a cache could have supplied (its pool "
+                 f"holds the whole trace), in requests {', '.join(short)}")
     bad = [s for s, r in results["systems"].items() if r.get("outputs_equal") is False]
     if bad and args.concurrency == 1:
         sys.exit(f"[engines] outputs differ from the cold engine's: {', '.join(bad)}")

@@ -93,13 +93,40 @@ def engine_trace(sessions: int, seed: int, max_context: int = 8192) -> list[Engi
     return out
 
 
+def block_chain(tokens: list[int], block: int) -> list[bytes]:
+    """The prefix digest of each whole block of ``block`` tokens in ``tokens``: equal digests
+    mean equal blocks after equal prefixes, as a KV cache keys them."""
+    h = hashlib.blake2b(digest_size=16)
+    out = []
+    for i in range(len(tokens) // block):
+        h.update(bytes(str(tokens[i * block:(i + 1) * block]), "ascii"))
+        out.append(h.copy().digest())
+    return out
+
+
 def distinct_blocks(trace: list[EngineRequest], block: int) -> int:
     """Whole KV blocks of ``block`` tokens that differ by their prefix, over every prompt:
     the bytes a cache needs to hold everything the trace could reuse."""
+    return len({d for r in trace for d in block_chain(r.prompt, block)})
+
+
+def reusable_tokens(served: list[tuple[list[int], list[int]]], block: int) -> list[int]:
+    """The most any KV cache could supply of each request's prompt, the engine's own included.
+
+    ``served`` holds, in the order the requests ran, each one's prompt as sent and the
+    tokens it generated. A request may reuse the leading whole blocks of its prompt that
+    some request before it computed (that one's prompt and all but its last generated
+    token, whose KV is never computed), and never its own last prompt token, which the
+    engine computes to sample the first answer token. With one request at a time this is
+    the ceiling of the ``cached`` share every system's engines can reach."""
     seen: set[bytes] = set()
-    for r in trace:
-        h = hashlib.blake2b(digest_size=16)
-        for i in range(len(r.prompt) // block):
-            h.update(bytes(str(r.prompt[i * block:(i + 1) * block]), "ascii"))
-            seen.add(h.copy().digest())
-    return len(seen)
+    out = []
+    for prompt, answer in served:
+        found = 0
+        for d in block_chain(prompt, block):
+            if d not in seen:
+                break
+            found += 1
+        out.append(max(0, min(found * block, len(prompt) - 1)))
+        seen.update(block_chain(list(prompt) + list(answer[:-1]), block))
+    return out

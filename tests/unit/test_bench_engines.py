@@ -24,7 +24,15 @@ from benchmarks.engines.run import (
     summarise,
     taken_over,
 )
-from benchmarks.engines.trace import SPECIAL, VOCAB, EngineRequest, distinct_blocks, engine_trace, to_vocab
+from benchmarks.engines.trace import (
+    SPECIAL,
+    VOCAB,
+    EngineRequest,
+    distinct_blocks,
+    engine_trace,
+    reusable_tokens,
+    to_vocab,
+)
 
 
 @given(st.lists(st.integers(0, 10**9), max_size=200))
@@ -61,6 +69,48 @@ def test_distinct_blocks_counts_shared_prefixes_once() -> None:
     assert distinct_blocks(trace, 32) == 3 + 1 + 3
 
 
+BLOCK = 4
+tokens = st.lists(st.integers(0, 3), max_size=40)  # few words: prompts often share blocks
+
+
+@given(st.lists(st.tuples(tokens, tokens), max_size=8))
+def test_reusable_tokens_are_whole_leading_blocks_short_of_the_last_prompt_token(
+        served: list[tuple[list[int], list[int]]]) -> None:
+    got = reusable_tokens(served, BLOCK)
+    assert len(got) == len(served)
+    if served:
+        assert got[0] == 0  # nothing ran before the first
+    for (prompt, _), n in zip(served, got, strict=True):
+        assert 0 <= n <= max(0, len(prompt) - 1)
+        assert n % BLOCK == 0 or n == len(prompt) - 1  # whole blocks, or all but the last token
+
+
+@given(st.lists(st.tuples(tokens, tokens), max_size=6), tokens, tokens, tokens)
+def test_a_turn_can_reuse_its_parents_prompt_and_answer_but_not_the_answers_last_token(
+        before: list[tuple[list[int], list[int]]], prompt: list[int], answer: list[int],
+        new: list[int]) -> None:
+    turn = prompt + answer + new
+    got = reusable_tokens([*before, (prompt, answer), (turn, [])], BLOCK)[-1]
+    computed = len(prompt) + max(0, len(answer) - 1)  # the parent's KV: its last token never fed back
+    assert got >= min(computed // BLOCK * BLOCK, len(turn) - 1)
+
+
+@given(st.lists(st.tuples(tokens, tokens), max_size=6), st.lists(st.tuples(tokens, tokens), max_size=6))
+def test_more_requests_before_never_leave_less_to_reuse(
+        history: list[tuple[list[int], list[int]]], served: list[tuple[list[int], list[int]]]) -> None:
+    alone = reusable_tokens(served, BLOCK)
+    after = reusable_tokens(history + served, BLOCK)[len(history):]
+    assert all(a >= b for a, b in zip(after, alone, strict=True))
+
+
+def test_a_prompt_whose_first_block_differs_reuses_nothing() -> None:
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert reusable_tokens([(a, [1, 1]), ([0] + a[1:], [])], BLOCK) == [0, 0]
+    assert reusable_tokens([(a, [1, 1]), (a, [])], BLOCK) == [0, 8]  # 2 whole blocks of 4; not the 9th
+    # the answer's last token (8) was sampled, never fed back: its block was not computed whole
+    assert reusable_tokens([([1, 2, 3], [4, 5, 6, 7, 8]), (list(range(1, 10)), [])], BLOCK) == [0, 4]
+
+
 @given(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=50), st.floats(0, 1))
 def test_percentile_lies_between_the_extremes_and_matches_the_ends(xs: list[float], q: float) -> None:
     p = percentile(xs, q)
@@ -75,7 +125,7 @@ def test_percentile_of_nothing_is_nan() -> None:
 def test_summarise_compares_outputs_with_the_baseline_token_for_token() -> None:
     trace = quick_trace()
     served = {r.id: {"ttft": 1.0 + i, "e2e": 2.0, "prompt_tokens": len(r.prompt), "cached_tokens": 32,
-                     "token_ids": [i]} for i, r in enumerate(trace)}
+                     "token_ids": [i], "prompt_token_ids": r.prompt} for i, r in enumerate(trace)}
     same = summarise(trace, served, {k: dict(v) for k, v in served.items()})
     assert same["outputs_equal"] is True
     assert same["returning_ttft_p50"] == 2.0  # the one returning request, q1
@@ -86,6 +136,24 @@ def test_summarise_compares_outputs_with_the_baseline_token_for_token() -> None:
     tokens = sum(len(r.prompt) + 1 for r in trace)
     assert same["throughput_tok_s"] == tokens / 6.0  # over the summed request times by default
     assert summarise(trace, served, None, seconds=3.0)["throughput_tok_s"] == tokens / 3.0
+
+
+def test_summarise_names_the_requests_whose_engines_computed_what_a_cache_could_have_supplied() -> None:
+    trace = quick_trace()  # q1 is q0's prompt and answer, then new tokens; q2 shares nothing
+    answer = list(range(3, 3 + 40))
+    prompts = {"q0-s0": trace[0].prompt, "q1-s0": trace[0].prompt + answer + trace[1].new,
+               "q2-s1": trace[2].prompt}
+    can = (len(trace[0].prompt) + len(answer) - 1) // 32 * 32  # q0's KV: its answer's last token never fed
+    served = {k: {"ttft": 1.0, "e2e": 2.0, "prompt_tokens": len(v), "cached_tokens": 0,
+                  "token_ids": answer if k == "q0-s0" else [5], "prompt_token_ids": v}
+              for k, v in prompts.items()}
+    cold = summarise(trace, served, None)
+    assert cold["below_ceiling"] == ["q1-s0"]
+    assert cold["reusable_share"] == can / sum(len(v) for v in prompts.values())
+    assert cold["returning_reusable_share"] == can / len(prompts["q1-s0"])
+    full = {k: dict(v, cached_tokens=can if k == "q1-s0" else 0) for k, v in served.items()}
+    assert summarise(trace, full, None)["below_ceiling"] == []
+    assert summarise(trace, full, None)["returning_cached_share"] == can / len(prompts["q1-s0"])
 
 
 def test_connector_totals_reads_the_last_totals_line_and_nothing_else() -> None:
@@ -236,7 +304,8 @@ def test_serve_all_refuses_a_request_whose_parent_is_not_served() -> None:
 def test_report_gives_the_sweep_ratios_the_saved_check_and_unequal_outputs_as_counts() -> None:
     row = {"ttft_p50": 1.0, "ttft_p90": 2.0, "returning_ttft_p50": 1.0, "returning_ttft_p90": 2.0,
            "taken_over_ttft_p50": 2.0, "taken_over_ttft_p90": 3.0, "throughput_tok_s": 100.0,
-           "cached_share": 0.5, "other_cpu_seconds": 0.0, "requests": 21}
+           "cached_share": 0.5, "returning_cached_share": 0.8, "reusable_share": 0.67,
+           "returning_reusable_share": 0.9, "below_ceiling": [], "other_cpu_seconds": 0.0, "requests": 21}
     results = {"concurrency": 4, "trace": {"requests": 21},
                "systems": {"cold": dict(row, outputs_equal=True, equal_outputs=21),
                            "emsd": dict(row, returning_ttft_p50=0.25, outputs_equal=False, equal_outputs=18,
@@ -251,6 +320,9 @@ def test_report_gives_the_sweep_ratios_the_saved_check_and_unequal_outputs_as_co
     assert "Requests in each engine at once: 4" in text
     assert "| 18 of 21 |" in text and equal_outputs(results["systems"]["cold"]) == "yes"
     assert "returning TTFT p50 0.250x" in text
+    assert "0.67 of the prompt tokens, the ceiling of the cached column" in text
+    assert "of the returning turns' 0.90, where the engines found cold 0.80, emsd 0.80" in text
+    assert "Requests below the ceiling: cold 0; emsd 0" in text
     assert "of the 604 blocks left in the engines' prefix caches, emsd held 600, 600 of them" in text
     assert ("| 4 | 4.000 / 1.000 | 0.250x | 8.000 / 0.800 | 0.100x | 120.000 / 150.000 | 1.250x "
             "| 18 of 21 |") in text

@@ -12,8 +12,9 @@ same outputs and engine B finds A's prompt in it; so do LMCache's own
 set up by scripts/test-vllm.sh), with the CPU copy the benchmark gives LMCache
 0.5.6 (benchmarks/engines/lmcache_cpu.py). emsd's copy of every block left in
 an engine's prefix cache equals the engine's own, byte for byte, with one
-request at a time and with two at once. No timing is asserted: the figures
-are the benchmark's.
+request at a time and with two at once, and emsd's engines compute nothing
+that a cache holding every block computed before could have supplied. No
+timing is asserted: the figures are the benchmark's.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def test_quick_run_loads_across_engines_and_nodes_with_equal_outputs(tmp_path: P
         assert systems[name]["loaded_blocks"] >= blocks_of_a, systems[name]
         check = systems[name]["saved_check"]  # emsd's copies of the engines' cached blocks, byte for byte
         assert check["blocks"] >= blocks_of_a and check["equal"] == check["blocks"], check
+        assert systems[name]["below_ceiling"] == [], systems[name]  # found all any cache could supply
+    assert systems["cold"]["below_ceiling"] == ["q1-s0"]  # its engine B holds none of A's blocks
     assert systems["cold"]["loaded_blocks"] == 0
     # Mooncake and LMCache: engine B, a process of its own, computes none of A's prompt tokens (its
     # own prefix cache holds none of them; the cold engine's B computes them all)
