@@ -52,7 +52,7 @@ from ems.config import CcKvOption, resolve_option
 from ems.layout import KvLayout
 from ems.namespace import namespace_name
 from ems.profiling import Profiler
-from ems.requests import BatchRequest, exists_keys, hash_request, slots_within, token_request
+from ems.requests import BatchRequest, exists_keys, hash_request, slots_within, split_request, token_request
 from ems.result import CcFuture, CcResult
 from ems.touches import Touches
 from emsd.pool.keys import KT_INT, KeyBatch
@@ -345,6 +345,11 @@ class ContextCaching:
         return CcResult(good, req.total)
 
     def _load(self, req: BatchRequest, opt: CcKvOption) -> CcResult:
+        """A load: from the shared index without a round trip when every block is in this
+        node's pool, else PIN, copy, RELEASE; in a cluster, a load of more bytes than the
+        daemon's ``part`` (HELLO) is pinned in parts of at most that, one after the other, so
+        that its copies of other nodes' blocks always find room (``Service.load_part``); it
+        stops at the first part that does not load whole."""
         n = len(req.keys)
         if n == 0:
             return CcResult(0, req.total)
@@ -352,6 +357,18 @@ class ContextCaching:
         ns = self._ns(client, deadline)
         if client.index is not None and self._load_published(req, client, ns):
             return CcResult(n, req.total)
+        hits = 0
+        for part in split_request(req, layout.block_bytes(req.counts), int(client.info.get("part", 0))):
+            got = self._pin_load(part, opt, client, ns, deadline)
+            hits += got
+            if got < len(part.keys):
+                break
+        return CcResult(hits, req.total)
+
+    def _pin_load(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient, ns: int,
+                  deadline: float | None) -> int:
+        """PIN ``req``'s keys, copy the leading blocks found into its slots, RELEASE; how many."""
+        layout, n = self.layout, len(req.keys)
         self._touches.send_with_next(client)
         pin = PinRequest(ns, req.keys, req.prev, opt.read_local_only, opt.write_rcache, _to(deadline))
         _remaining(deadline)  # a call whose time is up pins nothing
@@ -377,7 +394,7 @@ class ContextCaching:
         finally:
             if count:
                 client.send_noreply(Op.RELEASE, *ReleaseRequest(handles).encode())
-        return CcResult(hits, req.total)
+        return hits
 
     def _load_published(self, req: BatchRequest, client: DaemonClient, ns: int) -> bool:
         """A load without a round trip, when every key is in the shared index

@@ -344,3 +344,24 @@ def token_request(slot_mapping: Any, token_ids: Any, mask: Any, block_size: int,
         skip = _readonly(skip)
     return BatchRequest(_digest_batch(digests), _readonly(np.array(used)), _readonly(counts),
                         skip, k, prev)
+
+
+def split_request(req: BatchRequest, sizes: np.ndarray, most: int) -> list[BatchRequest]:
+    """``req`` cut into consecutive parts of at most ``most`` bytes of blocks each (``sizes``: each
+    key's bytes), in order; a block larger than ``most`` is a part of its own. ``[req]`` itself
+    when it fits, or when ``most`` is 0 (no limit). A part after the first continues the chain
+    of the one before it (``prev``: that one's last key), as a call of its own would."""
+    if most <= 0 or int(sizes.sum()) <= most:
+        return [req]
+    cuts, held = [0], 0
+    for i, size in enumerate(sizes.tolist()):
+        if held and held + size > most:
+            cuts.append(i)
+            held = 0
+        held += size
+    cuts.append(len(sizes))
+    starts = np.concatenate(([0], np.cumsum(req.counts)))
+    return [BatchRequest(req.keys.take(slice(a, b)), req.slots[starts[a]:starts[b]], req.counts[a:b],
+                         None if req.skip is None else req.skip[a:b], req.total,
+                         req.prev if a == 0 else req.keys.take(slice(a - 1, a)))
+            for a, b in zip(cuts, cuts[1:], strict=False)]

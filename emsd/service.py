@@ -229,10 +229,21 @@ class Service:
         self.sessions += 1
         info = {"node": self.node_id, "pool_size": self.store.stats().capacity,
                 "region": self.region_kind, "server_pid": os.getpid(), "grants": self.grants,
-                "sparse": self.sparse, "page": self.store.page_size}
+                "sparse": self.sparse, "page": self.store.page_size, "part": self.load_part()}
         if header.get("idx") is True and self.store.shared is not None:
             info["idx"] = self.store.shared.size  # its fd follows the pool's
         return info
+
+    def load_part(self) -> int:
+        """The most bytes of blocks one PIN of a client here should ask for (HELLO's ``part``; 0:
+        no limit): in a cluster, a quarter of the room that copies of other nodes' blocks may
+        take from this node's own (``BlockStore.copy_floor``, ``pool.read_cache_share``), so
+        that a load larger than that, or four loads at once, still find room for every copy;
+        the SDK pins a larger load in parts of at most this size, one after the other. A
+        standalone node fetches nothing, and with a share of 0 copies never take owned room."""
+        if isinstance(self.cluster, Solo):
+            return 0
+        return self.store.copy_floor // 4
 
     def handle(self, session: Session, header: dict[str, Any], payload: bytes) -> Response:
         """Answer one request from this pool alone (``serve_sync`` without its effects: for
