@@ -357,8 +357,8 @@ class ContextCaching:
         ns = self._ns(client, deadline)
         if client.index is not None and self._load_published(req, client, ns):
             return CcResult(n, req.total)
-        hits = 0
-        for part in split_request(req, layout.block_bytes(req.counts), int(client.info.get("part", 0))):
+        most, hits = int(client.info.get("part", 0)), 0
+        for part in split_request(req, layout.block_bytes(req.counts), most) if most else (req,):
             got = self._pin_load(part, opt, client, ns, deadline)
             hits += got
             if got < len(part.keys):
