@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import tempfile
@@ -353,11 +354,14 @@ def main() -> None:
     print(f"replay (standalone, prefix, 50% of the live working set): mean modelled TTFT "
           f"{req_without.mean() * 1e3:.1f} ms -> {req_with.mean() * 1e3:.1f} ms; "
           f"run took {out['seconds']:.0f} s")
+    if args.json:  # before the plots: a run's figures are kept whatever happens to them
+        args.json.write_text(json.dumps(out, indent=1))
+    if importlib.util.find_spec("matplotlib") is None:
+        print("plots not written: matplotlib is not installed (pip install -e '.[bench]')")
+        return
     plot_hit_rate(out, args.plots)
     plot_ttft(out, solo, req_with, req_without, args.plots)
     print(f"plots in {args.plots}/workload_hit_rate.png and workload_ttft.png")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
 
 
 def _pyplot() -> Any:
