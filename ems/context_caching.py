@@ -52,7 +52,7 @@ from ems.config import CcKvOption, resolve_option
 from ems.layout import KvLayout
 from ems.namespace import namespace_name
 from ems.profiling import Profiler
-from ems.requests import BatchRequest, exists_keys, hash_request, slots_within, split_request, token_request
+from ems.requests import BatchRequest, exists_keys, hash_request, request_part, slots_within, token_request
 from ems.result import CcFuture, CcResult
 from ems.touches import Touches
 from emsd.pool.keys import KT_INT, KeyBatch
@@ -346,10 +346,11 @@ class ContextCaching:
 
     def _load(self, req: BatchRequest, opt: CcKvOption) -> CcResult:
         """A load: from the shared index without a round trip when every block is in this
-        node's pool, else PIN, copy, RELEASE; in a cluster, a load of more bytes than the
-        daemon's ``part`` (HELLO) is pinned in parts of at most that, one after the other, so
-        that its copies of other nodes' blocks always find room (``Service.load_part``); it
-        stops at the first part that does not load whole."""
+        node's pool, else PIN, copy, RELEASE. In a cluster, in parts of at most the daemon's
+        ``part`` bytes (HELLO; ``Service.load_part``), one after the other, so that the copies
+        of other nodes' blocks find room; a part that loads fewer blocks than it asked for is
+        followed by one for the rest (its room may have been other loads' pins, released
+        since), and the load ends at the first that loads none: a miss costs one PIN more."""
         n = len(req.keys)
         if n == 0:
             return CcResult(0, req.total)
@@ -357,13 +358,16 @@ class ContextCaching:
         ns = self._ns(client, deadline)
         if client.index is not None and self._load_published(req, client, ns):
             return CcResult(n, req.total)
-        most, hits = int(client.info.get("part", 0)), 0
-        for part in split_request(req, layout.block_bytes(req.counts), most) if most else (req,):
-            got = self._pin_load(part, opt, client, ns, deadline)
-            hits += got
-            if got < len(part.keys):
+        most = int(client.info.get("part", 0))
+        if not most:  # standalone: a block is here or nowhere
+            return CcResult(self._pin_load(req, opt, client, ns, deadline), req.total)
+        sizes, done = layout.block_bytes(req.counts), 0
+        while done < n:  # a part that stops short goes on from there, until one loads nothing
+            got = self._pin_load(request_part(req, sizes, done, most), opt, client, ns, deadline)
+            if got == 0:
                 break
-        return CcResult(hits, req.total)
+            done += got
+        return CcResult(done, req.total)
 
     def _pin_load(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient, ns: int,
                   deadline: float | None) -> int:

@@ -346,22 +346,20 @@ def token_request(slot_mapping: Any, token_ids: Any, mask: Any, block_size: int,
                         skip, k, prev)
 
 
-def split_request(req: BatchRequest, sizes: np.ndarray, most: int) -> list[BatchRequest]:
-    """``req`` cut into consecutive parts of at most ``most`` bytes of blocks each (``sizes``: each
-    key's bytes), in order; a block larger than ``most`` is a part of its own. ``[req]`` itself
-    when it fits, or when ``most`` is 0 (no limit). A part after the first continues the chain
-    of the one before it (``prev``: that one's last key), as a call of its own would."""
-    if most <= 0 or int(sizes.sum()) <= most:
-        return [req]
-    cuts, held = [0], 0
-    for i, size in enumerate(sizes.tolist()):
-        if held and held + size > most:
-            cuts.append(i)
-            held = 0
-        held += size
-    cuts.append(len(sizes))
+def request_part(req: BatchRequest, sizes: np.ndarray, start: int, most: int) -> BatchRequest:
+    """The part of ``req`` from key ``start`` on that holds at most ``most`` bytes of blocks
+    (``sizes``: each key's bytes; 0: no limit), at least one key: a call of its own for those
+    keys, which continues the chain of the key before it (``prev``), as ``req`` does for its
+    first. ``req`` itself when that is all of it."""
+    n = len(sizes)
+    if most <= 0:
+        end = n
+    else:
+        fit = int(np.searchsorted(np.cumsum(sizes[start:], dtype=np.int64), most, side="right"))
+        end = start + max(1, fit)
+    if start == 0 and end == n:
+        return req
     starts = np.concatenate(([0], np.cumsum(req.counts)))
-    return [BatchRequest(req.keys.take(slice(a, b)), req.slots[starts[a]:starts[b]], req.counts[a:b],
-                         None if req.skip is None else req.skip[a:b], req.total,
-                         req.prev if a == 0 else req.keys.take(slice(a - 1, a)))
-            for a, b in zip(cuts, cuts[1:], strict=False)]
+    return BatchRequest(req.keys.take(slice(start, end)), req.slots[starts[start]:starts[end]],
+                        req.counts[start:end], None if req.skip is None else req.skip[start:end], req.total,
+                        req.prev if start == 0 else req.keys.take(slice(start - 1, start)))

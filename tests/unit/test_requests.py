@@ -17,8 +17,8 @@ from ems.requests import (
     as_int_array,
     exists_keys,
     hash_request,
+    request_part,
     slots_within,
-    split_request,
     token_request,
 )
 from ems.tokens import chunk_keys
@@ -345,32 +345,33 @@ def test_a_bad_one_block_request_is_refused_as_before(args: tuple) -> None:
 
 
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=40), st.integers(0, 12), st.booleans())
-def test_split_request_cuts_a_request_into_consecutive_parts_of_at_most_the_bytes(
+def test_request_parts_cover_a_request_in_order_each_as_large_as_fits(
         counts: list[int], most: int, skipped: bool) -> None:
     req = hash_request(list(range(100, 100 + sum(counts))), list(range(7, 7 + len(counts))), counts)
     if skipped:
         req = BatchRequest(req.keys, req.slots, req.counts, req.counts // 2, req.total)
     sizes = req.counts.astype(np.uint64) * 2  # bytes: 2 a slot
-    parts = split_request(req, sizes, most)
     if most == 0 or int(sizes.sum()) <= most:
-        assert parts == [req]
-        return
+        assert request_part(req, sizes, 0, most) is req  # all of it: the call itself
+    parts, start = [], 0
+    while start < len(counts):  # as a load that finds every block takes them
+        part = request_part(req, sizes, start, most)
+        n = len(part.keys)
+        assert n >= 1
+        assert most == 0 or int(sizes[start:start + n].sum()) <= most or n == 1  # over: one block alone
+        if most and start + n < len(counts):  # as many as fit
+            assert int(sizes[start:start + n + 1].sum()) > most
+        if start == 0:
+            assert part.prev is None
+        else:  # the part continues the chain of the key before it
+            assert part.prev is not None and part.prev.key(0) == req.keys.key(start - 1)
+        assert part.total == req.total
+        parts.append(part)
+        start += n
     assert user_keys(req) == [k for part in parts for k in user_keys(part)]
     assert np.array_equal(np.concatenate([part.slots for part in parts]), req.slots)
     assert np.array_equal(np.concatenate([part.counts for part in parts]), req.counts)
     if skipped:
-        assert req.skip is not None
         assert np.array_equal(np.concatenate([part.skip for part in parts]), req.skip)  # type: ignore[misc]
-    start = 0
-    for i, part in enumerate(parts):
-        n = len(part.keys)
-        assert n >= 1
-        assert int(sizes[start:start + n].sum()) <= most or n == 1  # over only by a block of its own
-        if i + 1 < len(parts):  # cut only where the next block would not fit
-            assert int(sizes[start:start + n + 1].sum()) > most
-        if i == 0:
-            assert part.prev is None
-        else:  # the part continues the chain of the one before it
-            assert part.prev is not None and part.prev.key(0) == req.keys.key(start - 1)
-        assert part.total == req.total
-        start += n
+    mid = request_part(req, sizes, len(counts) - 1, most)  # any start: from that key on
+    assert user_keys(mid) == [req.keys.key(len(counts) - 1)]
