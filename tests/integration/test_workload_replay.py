@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,8 +44,7 @@ def test_replay_hits_match_the_daemons_own_store_in_process(emsd_factory: Any, e
     assert 0 < got.hit.sum() < (sim.infinite(chained) * BLOCK).sum()  # evictions cost hits
 
 
-def test_a_cluster_replay_hits_within_a_few_points_of_the_same_cluster_in_process(
-        tmp_path: Any, zookeeper: Any) -> None:
+def test_a_cluster_replay_hits_within_a_few_points_of_the_same_cluster_in_process(zookeeper: Any) -> None:
     """Three real daemons of the smallest pool (1 MiB each, ``write_rcache`` off, as the
     benchmark's cluster) against ``sim.in_cluster``, the same ring and stores in process: the
     real cluster also holds, for a while, copies of what its loads fetch and its saves forward,
@@ -55,11 +57,15 @@ def test_a_cluster_replay_hits_within_a_few_points_of_the_same_cluster_in_proces
     trace = generate(Mix(sessions=30, span_s=60.0, agent_steps=(3, 8)), 11)
     chained = sim.chain(trace, BLOCK)
     pool = 1 << 20
-    dep = daemons.start(tmp_path, 3, pool, "prefix", zookeeper, name="replay-cluster")
+    work = Path(tempfile.mkdtemp(prefix="wlc-"))  # short: socket paths under pytest's tmp_path run long
     try:
-        got = replay(trace, daemons.connect(dep, "wl"), CcKvOption(write_rcache=False))
+        dep = daemons.start(work, 3, pool, "prefix", zookeeper, name="c")
+        try:
+            got = replay(trace, daemons.connect(dep, "wl"), CcKvOption(write_rcache=False))
+        finally:
+            dep.stop()
     finally:
-        dep.stop()
+        shutil.rmtree(work, ignore_errors=True)
     want = sim.in_cluster(chained, 3, pool, BLOCK_BYTES, PAGE, "prefix", 512) * BLOCK
     assert want.sum() > 0
     # equal here (2026-12-01); without the parts it was 0.84 of it
