@@ -333,7 +333,6 @@ def summarise(trace: list[EngineRequest], served: dict[str, dict[str, Any]],
     back = [served[r.id] for r in trace if r.returning]
     returning = [x["ttft"] for x in back]
     can = reusable_tokens([(x["prompt_token_ids"], x["token_ids"]) for x in rows], BLOCK)
-    ceiling = {r.id: c for r, c in zip(trace, can, strict=True)}
     taken = [served[r.id]["ttft"] for r in taken_over(trace)]
     tokens = sum(x["prompt_tokens"] + len(x["token_ids"]) for x in rows)
     if seconds is None:
@@ -351,9 +350,10 @@ def summarise(trace: list[EngineRequest], served: dict[str, dict[str, Any]],
             "throughput_tok_s": tokens / seconds if seconds else float("nan"),
             "cached_share": _cached(rows), "returning_cached_share": _cached(back),
             "reusable_share": _share(can, [x["prompt_tokens"] for x in rows]),
-            "returning_reusable_share": _share([ceiling[r.id] for r in trace if r.returning],
+            "returning_reusable_share": _share([c for r, c in zip(trace, can, strict=True) if r.returning],
                                                [x["prompt_tokens"] for x in back]),
-            "below_ceiling": [r.id for r in trace if served[r.id]["cached_tokens"] < ceiling[r.id]],
+            "below_ceiling": [r.id for r, x, c in zip(trace, rows, can, strict=True)
+                              if x["cached_tokens"] < c],
             "outputs_equal": equal, "equal_outputs": same, "requests": len(rows)}
 
 
