@@ -188,6 +188,8 @@ class ZooKeeperMembership:
             log.warning("ZooKeeper connection suspended; keeping the last view")
         elif state == KazooState.LOST:
             self._enter(MembershipState.LOST)
+            if self._stopped:  # ``stop`` closed the session: kazoo reports that as lost too
+                return
             self._need_register = True
             log.warning("ZooKeeper session lost; keeping the last view, will re-register")
         else:  # CONNECTED: make sure we are registered and the view is fresh

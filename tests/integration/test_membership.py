@@ -244,3 +244,15 @@ def test_static_membership_is_standalone_without_others() -> None:
     assert pair.state is MembershipState.JOINED
     with pytest.raises(ValueError):
         StaticMembership(info("a"), (info("a"),))
+
+
+def test_leaving_logs_no_lost_session(members: Callable[..., ZooKeeperMembership],
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    """``stop`` closes the session, which kazoo reports as lost: a daemon stopping must not
+    warn that it lost its session and will re-register (it did, on every clean stop)."""
+    a = members("a")
+    wait_for(lambda: a.state is MembershipState.JOINED)
+    with caplog.at_level("WARNING", logger="emsd.membership"):
+        a.stop()
+    assert a.state is MembershipState.LOST
+    assert [r.getMessage() for r in caplog.records if r.name == "emsd.membership"] == []
