@@ -348,9 +348,11 @@ class ContextCaching:
         """A load: from the shared index without a round trip when every block is in this
         node's pool, else PIN, copy, RELEASE. In a cluster, in parts of at most the daemon's
         ``part`` bytes (HELLO; ``Service.load_part``), one after the other, so that the copies
-        of other nodes' blocks find room; a part that loads fewer blocks than it asked for is
-        followed by one for the rest (its room may have been other loads' pins, released
-        since), and the load ends at the first that loads none: a miss costs one PIN more."""
+        of other nodes' blocks find room. A part that loads fewer blocks than it asked for is
+        followed by one for the rest when its answer says ``more`` (blocks fetched for it found
+        no room, which other loads' pins may have held: ``PinAnswer.more``), and the load ends
+        at the first part that loads none. A daemon that never says ``more`` (HELLO without
+        it: an older emsd) gets a PIN for the rest after every short part."""
         n = len(req.keys)
         if n == 0:
             return CcResult(0, req.total)
@@ -360,18 +362,21 @@ class ContextCaching:
             return CcResult(n, req.total)
         most = int(client.info.get("part", 0))
         if not most:  # standalone: a block is here or nowhere
-            return CcResult(self._pin_load(req, opt, client, ns, deadline), req.total)
+            return CcResult(self._pin_load(req, opt, client, ns, deadline)[0], req.total)
         sizes, done = layout.block_bytes(req.counts), 0
-        while done < n:  # a part that stops short goes on from there, until one loads nothing
-            got = self._pin_load(request_part(req, sizes, done, most), opt, client, ns, deadline)
-            if got == 0:
-                break
+        always = not client.info.get("more")
+        while done < n:  # a part that stops short goes on from there if it may load more
+            part = request_part(req, sizes, done, most)
+            got, more = self._pin_load(part, opt, client, ns, deadline)
             done += got
+            if got == 0 or (got < len(part.keys) and not (more or always)):
+                break
         return CcResult(done, req.total)
 
     def _pin_load(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient, ns: int,
-                  deadline: float | None) -> int:
-        """PIN ``req``'s keys, copy the leading blocks found into its slots, RELEASE; how many."""
+                  deadline: float | None) -> tuple[int, bool]:
+        """PIN ``req``'s keys, copy the leading blocks found into its slots, RELEASE; how many,
+        and whether the daemon said ``more`` (``PinAnswer.more``)."""
         layout, n = self.layout, len(req.keys)
         self._touches.send_with_next(client)
         pin = PinRequest(ns, req.keys, req.prev, opt.read_local_only, opt.write_rcache, _to(deadline))
@@ -384,7 +389,8 @@ class ContextCaching:
                 header, payload = client.wait(pending, _left(deadline))
                 _release_late(client, n)(header, payload)
             raise
-        offsets, lengths, handles = _answer(PinAnswer.decode, *client.wait(pending, _left(deadline)), n)
+        answer = _answer(PinAnswer.decode, *client.wait(pending, _left(deadline)), n)
+        offsets, lengths, handles = answer.offsets, answer.lengths, answer.handles
         count = len(handles)
         try:
             expected = layout.block_bytes(req.counts[:count]).astype(np.uint64)
@@ -398,7 +404,7 @@ class ContextCaching:
         finally:
             if count:
                 client.send_noreply(Op.RELEASE, *ReleaseRequest(handles).encode())
-        return hits
+        return hits, answer.more and hits == count  # a block of the wrong length ends the load
 
     def _load_published(self, req: BatchRequest, client: DaemonClient, ns: int) -> bool:
         """A load without a round trip, when every key is in the shared index

@@ -65,6 +65,7 @@ class Coordinator:
                            header: dict[str, Any], payload: bytes) -> Response:
         """Run a PIN's ``before`` work, then handle the PIN (and any work after it)."""
         fetched: frozenset[int] = frozenset()
+        refused = self.service.refusals()  # another load's work may raise it too: then one PIN more
         try:
             fetched = await self.remote.before(first, deadline)
         except Exception:  # peers failing means misses, never a failed PIN
@@ -72,7 +73,8 @@ class Coordinator:
         if session.closed:  # the client is gone: pinning now would leak the pins
             self.service.drop_fetched(session, fetched)
             return {}, []
-        resp, parts, effects = self.service.after_fetch(session, header, payload, fetched)
+        resp, parts, effects = self.service.after_fetch(session, header, payload, fetched,
+                                                        self.service.refusals() != refused)
         if effects:
             return await self._complete(effects, now(), resp, parts)
         return resp, parts

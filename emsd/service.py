@@ -209,6 +209,7 @@ class Service:
         self.prefault: Callable[[], dict[str, Any]] | None = None  # background prefault's progress
         self.info: dict[str, Any] = {}  # start-up facts STATS reports (restart outcome, metrics address)
         self.sessions = 0  # connections past HELLO
+        self.copies_refused = 0  # blocks fetched from owners that found no room here (``refusals``)
         self._pressure = Once(60.0)  # "evicting under pressure", at most once a minute
 
     # -- entry points ---------------------------------------------------------
@@ -229,7 +230,8 @@ class Service:
         self.sessions += 1
         info = {"node": self.node_id, "pool_size": self.store.stats().capacity,
                 "region": self.region_kind, "server_pid": os.getpid(), "grants": self.grants,
-                "sparse": self.sparse, "page": self.store.page_size, "part": self.load_part()}
+                "sparse": self.sparse, "page": self.store.page_size, "part": self.load_part(),
+                "more": True}
         if header.get("idx") is True and self.store.shared is not None:
             info["idx"] = self.store.shared.size  # its fd follows the pool's
         return info
@@ -385,11 +387,16 @@ class Service:
         return Fetch(ns, keys.take(slice(count, None)), budget, keep)
 
     def after_fetch(self, session: Session, header: dict[str, Any], payload: bytes,
-                    fetched: frozenset[int]) -> Planned:
+                    fetched: frozenset[int], room: bool = False) -> Planned:
         """``serve_sync`` of a PIN whose ``before`` work has run. ``fetched``: the copies that
         work made with ``wr`` off; those this PIN pins stay only until the session releases
-        them (``Session.transient``), the others are dropped now."""
+        them (``Session.transient``), the others are dropped now. ``room``: blocks that work
+        brought found no room (``refusals`` rose meanwhile): a PIN that pinned fewer keys than
+        it asked for then says ``more`` (``PinAnswer``), so that the SDK asks again for the
+        rest; without it the pin stopped at a block that is nowhere, and the load ends there."""
         resp, parts, effects = self.serve_sync(session, header, payload)
+        if room and resp["st"] == Status.OK and resp.get("count", 0) < header.get("n", 0):
+            resp["more"] = 1  # PinAnswer.more
         if fetched:
             pinned = np.frombuffer(parts[2], dtype="<u4").tolist() if resp["st"] == Status.OK else []
             held = fetched.intersection(pinned)
@@ -454,9 +461,18 @@ class Service:
             held = int(sizes[fresh].sum())
         if held:
             self.quotas.hold(tenant, held)
-        if not copy:  # a peer's save served here (a fetched copy is this node's own load)
+        if copy:
+            self.copies_refused += failed
+        else:  # a peer's save served here (a fetched copy is this node's own load)
             self.metrics.reserved(new, held, failed, "peer_put")
         return res
+
+    def refusals(self) -> int:
+        """Blocks that a load's work brought here but found no room for since start: copies
+        fetched from their owners past the read-cache room or the tenant's quota
+        (``reserve_arriving``), promotions from the disk tier past the pool's. A PIN whose
+        ``before`` work raised it may load more if asked again (``after_fetch``'s ``room``)."""
+        return self.copies_refused + (self.tiers.refused if self.tiers is not None else 0)
 
     def commit_arrived(self, handles: np.ndarray) -> int:
         """``store.commit`` of the NEW blocks of one ``reserve_arriving`` that the peer wrote,

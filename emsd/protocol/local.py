@@ -38,9 +38,10 @@ Layouts (little-endian, n keys; ``H`` a handle, u32; offsets and sizes u64):
            ``CommitAnswer``    ``{committed, reached?}``: in a cluster ``reached`` has one byte per
            committed handle, 1 when the block is at its owner.
 - PIN      ``PinRequest``      ``{ns, n, kt, lo?, wr?, to?, pk?}`` + keys.
-           ``PinAnswer``       ``{count}`` + offsets x count + lengths x count + handles x count:
-           the leading blocks present (fetched from their owners first, in a cluster), pinned
-           until released.
+           ``PinAnswer``       ``{count, more?}`` + offsets x count + lengths x count + handles x
+           count: the leading blocks present (fetched from their owners first, in a cluster),
+           pinned until released; ``more`` when fewer than asked because blocks fetched for it
+           found no room (a part of a larger load: pin the rest again once these are released).
 - RELEASE  ``ReleaseRequest``  ``{}`` + handles x n (a handle pinned twice is listed twice).
 - TOUCH    ``TouchRequest``    ``{ns, n, kt, x?, pk?}`` + keys: keys the SDK read through the
            shared index, counted as PIN and its RELEASE would; ``x`` keys exists found there.
@@ -65,8 +66,8 @@ Layouts (little-endian, n keys; ``H`` a handle, u32; offsets and sizes u64):
 - PING, STATS, DRAIN ``{to?}``: header only; STATS answers a free-form map of counters, DRAIN
   ``{moved, failed, remaining}``. HELLO is the connection's first frame (``Service.hello``);
   its answer names the node and the pool (``pool_size``, ``region``, ``sparse``, ``page``),
-  whether it grants chunks (``grants``) and the most bytes one PIN should ask for (``part``,
-  ``Service.load_part``; 0: no limit).
+  whether it grants chunks (``grants``), the most bytes one PIN should ask for (``part``,
+  ``Service.load_part``; 0: no limit) and whether its PIN answers say ``more`` (``more``).
 """
 
 from __future__ import annotations
@@ -305,15 +306,20 @@ class PinRequest(NamedTuple):
 
 
 class PinAnswer(NamedTuple):
-    """The ``count`` leading blocks pinned: where they are, their lengths, their handles."""
+    """The ``count`` leading blocks pinned: where they are, their lengths, their handles; ``more``:
+    the pin stopped short because blocks fetched for it found no room here (another PIN of the
+    rest, once these are released, may load more), not at a block that is nowhere."""
 
     offsets: np.ndarray  # u64 x count
     lengths: np.ndarray  # u64 x count
     handles: np.ndarray  # u32 x count
+    more: bool = False
 
     def encode(self) -> Encoded:
-        return {"count": len(self.handles)}, [_u8_bytes(self.offsets), _u8_bytes(self.lengths),
-                                              _u4_bytes(self.handles)]
+        header: dict[str, Any] = {"count": len(self.handles)}
+        if self.more:
+            header["more"] = 1
+        return header, [_u8_bytes(self.offsets), _u8_bytes(self.lengths), _u4_bytes(self.handles)]
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, asked: int) -> PinAnswer:
@@ -321,7 +327,8 @@ class PinAnswer(NamedTuple):
         exact_size(payload, 20 * count, "PIN answer")
         return cls(np.frombuffer(payload, dtype="<u8", count=count),
                    np.frombuffer(payload, dtype="<u8", count=count, offset=8 * count),
-                   np.frombuffer(payload, dtype="<u4", count=count, offset=16 * count))
+                   np.frombuffer(payload, dtype="<u4", count=count, offset=16 * count),
+                   header.get("more") == 1)
 
 
 class ReleaseRequest(NamedTuple):

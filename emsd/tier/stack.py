@@ -41,6 +41,7 @@ from emsd.tier.engine import runs
 log = logging.getLogger("emsd.tier")
 
 _NEW = np.uint8(SlotStatus.NEW)
+_FAILED = np.uint8(SlotStatus.FAILED)
 
 
 def leading(ok: np.ndarray) -> int:
@@ -71,6 +72,7 @@ class TierStack:
         self.checksums = checksums
         self.promoted = 0  # blocks read from disk into the pool
         self.late = 0  # promotions whose read ended after their load's deadline
+        self.refused = 0  # blocks to promote that found no room in the pool (``Service.refusals``)
         store.on_evict = self.on_evict
 
     # -- demotion ------------------------------------------------------------------------------
@@ -136,6 +138,7 @@ class TierStack:
             return 0
         held = [e for e in entries[:got] if e is not None]
         res = self._reserve(ns, keys, count, wanted.take(slice(0, got)), held)
+        self.refused += int(np.count_nonzero(res.status == _FAILED))
         new = np.flatnonzero(res.status == _NEW)
         for i in np.flatnonzero(res.status != _NEW).tolist():
             self.disk.checkin(held[i])  # PRESENT (stored meanwhile) or FAILED (no room): no read

@@ -491,6 +491,26 @@ def test_reads_through_a_full_node_cost_its_own_blocks_at_most_its_read_cache_sh
     assert a.alive() and b.alive()
 
 
+def test_a_load_that_ends_at_a_miss_costs_one_pin(cluster: Any, monkeypatch: Any) -> None:
+    """A load whose tail is nowhere stops at the first missing block: one PIN, which fetches
+    what the other node holds. The PIN's answer says ``more`` only when fetched blocks found
+    no room (the parts of a load larger than that room, above); before, the SDK pinned the
+    rest once more after every short part, asking the owners again for what they lack."""
+    a, b, _ = saved_at_owners(cluster, monkeypatch, 13)
+    cc = use(b, monkeypatch)
+    cc.register_kvcache(kv(14))
+    keys = KEYS[:-2] + [9_000_001, 9_000_002]  # the last two saved nowhere
+    pins = b.metric("emsd_ops_total", 'op="pin",result="ok"')
+    res = cc.load(SLOTS, hashes=keys, offsets=[BLOCK] * BLOCKS, option=CcKvOption(write_rcache=False))
+    assert res.success == BLOCKS - 2
+    assert b.metric("emsd_ops_total", 'op="pin",result="ok"') == pins + 1
+    cc._connected().info.pop("more")  # as from an emsd whose answers never say more
+    res = cc.load(SLOTS, hashes=keys, offsets=[BLOCK] * BLOCKS, option=CcKvOption(write_rcache=False))
+    assert res.success == BLOCKS - 2
+    assert b.metric("emsd_ops_total", 'op="pin",result="ok"') == pins + 3  # the rest asked for again
+    assert a.alive() and b.alive()
+
+
 def test_a_load_with_write_rcache_off_keeps_no_copy(cluster: Any, monkeypatch: Any) -> None:
     a, b, held_b = saved_at_owners(cluster, monkeypatch, 11)
     cc = use(b, monkeypatch)

@@ -148,7 +148,7 @@ class Client:
         loop = asyncio.get_running_loop()
         start = loop.time()
         pin = PinRequest(self.ns, KeyBatch.from_user(keys), wr=keep, to=timeout_ms)
-        offsets, lengths, handles = PinAnswer.decode(*await self.request(Op.PIN, pin), len(keys))
+        offsets, lengths, handles, _ = PinAnswer.decode(*await self.request(Op.PIN, pin), len(keys))
         count = len(handles)
         assert self.service.cluster is not None
         pool = self.service.cluster.pool

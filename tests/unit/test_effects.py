@@ -245,3 +245,50 @@ def test_copies_fetched_with_wr_off_stay_only_while_the_pin_holds_them() -> None
 
 def test_the_session_carries_no_data_between_a_handler_and_its_work() -> None:
     assert not {"put", "copies", "fetched"} & set(Session.__dataclass_fields__)
+
+
+class ShortCluster(FakeCluster):
+    """Its owners hold the first ``held`` keys of a fetch; of those, the first ``room`` find room
+    here (``reserve_arriving``, as a GET's blocks do) and the rest are refused."""
+
+    def __init__(self, svc: Service, held: int, room: int) -> None:
+        super().__init__(svc)
+        self.held, self.room = held, room
+
+    async def fetch(self, name: str, keys: KeyBatch, _deadline: float) -> np.ndarray:
+        ns, sent = self.svc.namespace_id(name), min(self.held, len(keys))
+        res = self.svc.reserve_arriving(ns, keys.take(slice(0, sent)), _sizes(sent), copy=True)
+        if sent > self.room:  # what the pool refuses: the same status a full read-cache room gives
+            self.svc.store.abort(res.handles[self.room :])
+            res.status[self.room :] = 2
+            self.svc.copies_refused += sent - self.room
+        self.svc.commit_arrived(res.handles[: min(sent, self.room)])
+        return np.ones(len(keys), dtype=bool)
+
+
+@pytest.mark.parametrize(("held", "room", "count", "more"), [
+    (4, 4, 4, False),  # all found, all stored: a whole answer
+    (2, 4, 2, False),  # the owners lack the rest: a miss ends the load
+    (4, 2, 2, True),  # stored two, refused two for room: ask again for the rest
+])
+def test_a_pin_says_more_only_when_what_it_fetched_found_no_room(held: int, room: int, count: int,
+                                                                 more: bool) -> None:
+    svc, s, ns = _service()
+    svc.cluster = ShortCluster(svc, held, room)  # type: ignore[assignment]
+    pin = local.PinRequest(ns, _keys([60, 61, 62, 63]), to=1000)
+    resp, parts = _served(Coordinator(svc), s, *request(Op.PIN, pin))
+    answer = local.PinAnswer.decode(resp, b"".join(parts), 4)
+    assert (len(answer.handles), answer.more) == (count, more)
+
+
+def test_reserve_arriving_counts_the_copies_it_refuses() -> None:
+    svc, s, ns = _service()
+    svc.store.copy_floor = 0  # copies may take no owned room: a pool full of owned blocks refuses them
+    fill = svc.store.reserve(ns, _keys(list(range(10_000, 10_000 + POOL // BLOCK + 1))),
+                             _sizes(POOL // BLOCK + 1))
+    svc.store.commit_reserved(fill.handles[fill.status == 0])
+    assert (fill.status == 2).any()  # the pool is full of owned blocks
+    res = svc.reserve_arriving(ns, _keys([1, 2]), _sizes(2), copy=True)
+    assert res.status.tolist() == [2, 2] and svc.copies_refused == 2
+    assert svc.refusals() == 2  # no disk tier: the copies alone
+    svc.abort_arriving(res.handles[res.status == 0])

@@ -160,7 +160,8 @@ def answers(draw: st.DrawFn) -> tuple[Any, int]:
     count = draw(st.integers(0, n))
     if kind == "pin":
         return PinAnswer(draw(u64s(count)), draw(u64s(count)),
-                         np.array(draw(st.lists(u32, min_size=count, max_size=count)), dtype=np.uint32)), n
+                         np.array(draw(st.lists(u32, min_size=count, max_size=count)), dtype=np.uint32),
+                         draw(st.booleans())), n
     if kind == "put":
         status = np.array(draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)), dtype=np.uint8)
         new = int(np.count_nonzero(status == 0))
