@@ -96,6 +96,8 @@ def median_ms(load: Callable[[], Any], want: int, reps: int) -> float:
 
 
 def run(reps: int, checksum: bool) -> dict[str, float]:
+    """One run (see the module docstring): per case its median in ms, and under the case's
+    name with ``_pins`` the PINs node B served a load of it; ``part_mib``, ``shared_index``."""
     with contextlib.ExitStack() as stack:
         shm = "/dev/shm" if Path("/dev/shm").is_dir() else None  # the daemons keep their pools beside
         work = Path(tempfile.mkdtemp(prefix="emsd-parts-", dir=shm))
@@ -107,7 +109,8 @@ def run(reps: int, checksum: bool) -> dict[str, float]:
         secret = work / "secret"
         secret.write_text("bench-parts-secret\n")
         secret.chmod(0o600)
-        socks, port, out = [], 0, {}
+        socks: list[Path] = []
+        port, out = 0, {}
         for name in ("a", "b"):
             proc, sock, port = start_daemon(work, name, server.hosts, secret, checksum)
             stack.callback(proc.wait, 30)
@@ -119,6 +122,7 @@ def run(reps: int, checksum: bool) -> dict[str, float]:
             before = pins(port)  # node B's, the last started
             out[name] = median_ms(load, want, n)
             out[name + "_pins"] = (pins(port) - before) / n
+
         time.sleep(1.0)  # both views settle (membership is event-driven)
         ns = namespace_name(None, CcConfig(rank_id=0, device_id=0, model_id="bench"), "")
         ring = Ring.build(ClusterView.of([Member("a", POOL), Member("b", POOL)]))
@@ -147,6 +151,7 @@ def run(reps: int, checksum: bool) -> dict[str, float]:
             raise RuntimeError("the remote block was not saved")
         small = max(reps, 51)
         case("one_remote_ms", lambda: cc.load([LOCAL], hashes=there, offsets=[1]), 1, small)
+
         def then_miss() -> Any:
             return cc.load([LOCAL, LOCAL + 1], hashes=there + nowhere[:1], offsets=[1, 1])
 
