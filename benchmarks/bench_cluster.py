@@ -65,19 +65,41 @@ def start_daemon(work: Path, name: str, zk_hosts: str, secret: Path,
                  cluster: str = "", node: str = "") -> tuple[subprocess.Popen[bytes], Path]:
     """Daemon ``name`` of cluster "bench", ready; ``cluster``, ``node``: more ``[cluster]`` and
     ``[node]`` lines."""
+    proc, sock, _ = start_member(work, name, zk_hosts, secret, cluster, node)
+    return proc, sock
+
+
+def start_member(work: Path, name: str, zk_hosts: str, secret: Path, cluster: str = "", node: str = "",
+                 pool: str = "") -> tuple[subprocess.Popen[bytes], Path, int]:
+    """``start_daemon``, with ``pool``: more ``[pool]`` lines; also its metrics port."""
     sock = work / name / "sock"
     sock.parent.mkdir(parents=True)
     port, peer = zk.free_port(), zk.free_port()
     cfg = work / name / "emsd.toml"
     cfg.write_text(
         f'[node]\nid = "{name}"\nsocket_dir = "{sock}"\n{node}'
-        f'[pool]\nsize = "{POOL >> 20}MiB"\nhugepages = "auto"\npage_size = "64MiB"\n'
+        f'[pool]\nsize = "{POOL >> 20}MiB"\nhugepages = "auto"\npage_size = "64MiB"\n{pool}'
         f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n'
         f'[cluster]\nname = "bench"\nzookeeper = "{zk_hosts}"\npeer_listen = "127.0.0.1:{peer}"\n'
         f'secret_file = "{secret}"\nsession_timeout = 4\n{cluster}')
     proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(cfg)], cwd=ROOT)
     daemon_ready.wait(port, proc, f"emsd {name}")
-    return proc, sock
+    return proc, sock, port
+
+
+def cluster_work(stack: contextlib.ExitStack, prefix: str) -> tuple[Path, Any, Path]:
+    """A work directory (on tmpfs where there is one), a ZooKeeper started in it and a cluster
+    secret file, each undone by ``stack``: (directory, server, secret)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=SHM))
+    stack.callback(shutil.rmtree, work, True)
+    # the daemons' pool keepers outlive a killed daemon (warm restart): stop them too
+    stack.callback(subprocess.run, ["pkill", "-f", f"keeper --detach {work}"], check=False)
+    server = zk.ZooKeeperServer(work / "zk").start()
+    stack.callback(server.stop)
+    secret = work / "secret"
+    secret.write_text(f"{prefix}cluster-secret\n")
+    secret.chmod(0o600)  # emsd refuses a secret others can read
+    return work, server, secret
 
 
 def sdk(sock: Path) -> Any:

@@ -29,10 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -42,10 +39,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-import daemon_ready  # noqa: E402
 import torch  # noqa: E402
 import zk  # noqa: E402
-from bench_cluster import POOL, keys_owned_by, sdk  # noqa: E402
+from bench_cluster import POOL, cluster_work, keys_owned_by, sdk, start_member  # noqa: E402
 
 from ems import CcConfig, Ems  # noqa: E402
 from ems.namespace import namespace_name  # noqa: E402
@@ -53,24 +49,6 @@ from emsd.placement import ClusterView, Member, Ring  # noqa: E402
 
 BLOCK = 2 << 20
 LOCAL = 96  # blocks of the local load: 192 MiB, three parts of 64 MiB
-
-
-def start_daemon(work: Path, name: str, hosts: str, secret: Path,
-                 checksum: bool) -> tuple[subprocess.Popen[bytes], Path, int]:
-    """Daemon ``name`` of cluster "bench", ready; its socket directory and metrics port."""
-    sock = work / name / "sock"
-    sock.parent.mkdir(parents=True)
-    port, peer = zk.free_port(), zk.free_port()
-    cfg = work / name / "emsd.toml"
-    cfg.write_text(
-        f'[node]\nid = "{name}"\nsocket_dir = "{sock}"\n'
-        f'[pool]\nsize = "{POOL >> 20}MiB"\npage_size = "64MiB"\nchecksum = {str(checksum).lower()}\n'
-        f'[metrics]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "warning"\n'
-        f'[cluster]\nname = "bench"\nzookeeper = "{hosts}"\npeer_listen = "127.0.0.1:{peer}"\n'
-        f'secret_file = "{secret}"\nsession_timeout = 4\n')
-    proc = subprocess.Popen([sys.executable, "-m", "emsd", "--config", str(cfg)], cwd=ROOT)
-    daemon_ready.wait(port, proc, f"emsd {name}")
-    return proc, sock, port
 
 
 def pins(port: int) -> float:
@@ -99,20 +77,12 @@ def run(reps: int, checksum: bool) -> dict[str, float]:
     """One run (see the module docstring): per case its median in ms, and under the case's
     name with ``_pins`` the PINs node B served a load of it; ``part_mib``, ``shared_index``."""
     with contextlib.ExitStack() as stack:
-        shm = "/dev/shm" if Path("/dev/shm").is_dir() else None  # the daemons keep their pools beside
-        work = Path(tempfile.mkdtemp(prefix="emsd-parts-", dir=shm))
-        stack.callback(shutil.rmtree, work, True)
-        # the daemons' pool keepers outlive a killed daemon (warm restart): stop them too
-        stack.callback(subprocess.run, ["pkill", "-f", f"keeper --detach {work}"], check=False)
-        server = zk.ZooKeeperServer(work / "zk").start()
-        stack.callback(server.stop)
-        secret = work / "secret"
-        secret.write_text("bench-parts-secret\n")
-        secret.chmod(0o600)
+        work, server, secret = cluster_work(stack, "emsd-parts-")
         socks: list[Path] = []
         port, out = 0, {}
         for name in ("a", "b"):
-            proc, sock, port = start_daemon(work, name, server.hosts, secret, checksum)
+            proc, sock, port = start_member(work, name, server.hosts, secret,
+                                            pool=f"checksum = {str(checksum).lower()}\n")
             stack.callback(proc.wait, 30)
             stack.callback(proc.terminate)
             socks.append(sock)

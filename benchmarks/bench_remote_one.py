@@ -26,10 +26,7 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +36,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "peers"), str(ROOT / "tests")]
 import zk  # noqa: E402
-from bench_cluster import POOL, start_daemon  # noqa: E402
+from bench_cluster import POOL, cluster_work, start_daemon  # noqa: E402
 from clients.emsd_remote_client import EmsdRemoteClient  # noqa: E402
 
 from ems.client import BUSY_POLL_ENV  # noqa: E402
@@ -84,16 +81,7 @@ def main() -> None:
         sys.exit(f"no ZooKeeper: {why}")
     rounds = []
     with contextlib.ExitStack() as stack:
-        shm = "/dev/shm" if Path("/dev/shm").is_dir() else None  # the daemons keep their pools beside
-        work = Path(tempfile.mkdtemp(prefix="emsd-remote-one-", dir=shm))
-        stack.callback(shutil.rmtree, work, True)
-        # the daemons' pool keepers outlive a killed daemon (warm restart): stop them too
-        stack.callback(subprocess.run, ["pkill", "-f", f"keeper --detach {work}"], check=False)
-        server = zk.ZooKeeperServer(work / "zk").start()
-        stack.callback(server.stop)
-        secret = work / "secret"
-        secret.write_text("bench-remote-one-secret\n")
-        secret.chmod(0o600)
+        work, server, secret = cluster_work(stack, "emsd-remote-one-")
         nodes = {}
         for name in ("a", "b"):
             proc, sock = start_daemon(work, name, server.hosts, secret, node=node)
