@@ -6,9 +6,12 @@ A ZooKeeper and two clustered daemons on loopback with 1 GiB pools (so HELLO's
 ``part``, ``Service.load_part``, is 64 MiB), and an SDK client of node B.
 Medians over ``--reps`` loads (51 for the small ones) of:
 
-- a local load of 96 blocks of 2 MiB (192 MiB, three parts) that node B owns,
-  pinned in parts as the SDK does and, for comparison, in one PIN (the
-  connection's ``part`` set to 0 in this process);
+- a local load of 96 blocks of 2 MiB (192 MiB, three times ``part``) that
+  node B owns, as the SDK loads it (a PIN brings at most ``part`` bytes from
+  elsewhere, ``PinRequest.bring``, and pins what is here however much: one
+  PIN), and in parts of at most ``part`` bytes, one PIN each (the
+  connection's HELLO ``bring`` removed in this process, as against an emsd
+  that does not offer it, and as every load did before 2026-12-02);
 - a load of one block node A owns (a copy of it is on B by then), and the same
   followed by one block that is nowhere: a PIN whose answer does not say
   ``more`` (``PinAnswer``: its fetch found room for what the owners had) ends
@@ -111,10 +114,10 @@ def run(reps: int, checksum: bool) -> dict[str, float]:
         def local() -> Any:
             return cc.load(slots, hashes=mine, offsets=[1] * LOCAL)
 
+        case("local_ms", local, LOCAL, reps)
+        client.info.pop("bring")
         case("local_parts_ms", local, LOCAL, reps)
-        client.info["part"] = 0
-        case("local_one_pin_ms", local, LOCAL, reps)
-        client.info["part"] = part
+        client.info["bring"] = True
         there = keys_owned_by("a", 1, 5_000_000, ns, ring)
         nowhere = keys_owned_by("a", 2, 7_000_000, ns, ring)
         if cc.save([0], hashes=there, offsets=[1]).success != 1:
@@ -147,8 +150,8 @@ def main() -> None:
         print(json.dumps(r, indent=2))
         return
     print(f"part {r['part_mib']:.0f} MiB, shared index {'on' if r['shared_index'] else 'off'}")
-    for name, what in (("local_parts_ms", f"local load of {LOCAL} x 2 MiB, in parts"),
-                       ("local_one_pin_ms", f"local load of {LOCAL} x 2 MiB, in one PIN"),
+    for name, what in (("local_ms", f"local load of {LOCAL} x 2 MiB"),
+                       ("local_parts_ms", f"local load of {LOCAL} x 2 MiB, in parts (HELLO's bring removed)"),
                        ("one_remote_ms", "one block of the other node's (a copy here by then)"),
                        ("one_then_miss_ms", "the same, then one block that is nowhere"),
                        ("one_then_miss_pinned_again_ms", "the same, pinned again (HELLO's more removed)"),

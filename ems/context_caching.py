@@ -346,13 +346,16 @@ class ContextCaching:
 
     def _load(self, req: BatchRequest, opt: CcKvOption) -> CcResult:
         """A load: from the shared index without a round trip when every block is in this
-        node's pool, else PIN, copy, RELEASE. In a cluster, in parts of at most the daemon's
-        ``part`` bytes (HELLO; ``Service.load_part``), one after the other, so that the copies
-        of other nodes' blocks find room. A part that loads fewer blocks than it asked for is
-        followed by one for the rest when its answer says ``more`` (blocks fetched for it found
-        no room, which other loads' pins may have held: ``PinAnswer.more``), and the load ends
-        at the first part that loads none. A daemon that never says ``more`` (HELLO without
-        it: an older emsd) gets a PIN for the rest after every short part."""
+        node's pool, else PIN, copy, RELEASE. In a cluster a PIN brings at most the daemon's
+        ``part`` bytes (HELLO; ``Service.load_part``) of blocks from other nodes here, so that
+        their copies find room: its ``bring`` (``PinRequest``) is the keys of the largest
+        block that fit. Blocks here already are pinned however many. A PIN that loads fewer
+        blocks than it asked for is followed by one for the rest when its answer says ``more``
+        (it stopped at that bound, or blocks it fetched found no room, which other loads'
+        pins may have held: ``PinAnswer.more``), and the load ends at the first that loads
+        none. Against an older emsd (HELLO without ``bring``) the load goes in parts of at
+        most ``part`` bytes, one after the other; without ``more`` too, a short part is
+        followed by a PIN for the rest every time."""
         n = len(req.keys)
         if n == 0:
             return CcResult(0, req.total)
@@ -364,22 +367,24 @@ class ContextCaching:
         if not most:  # standalone: a block is here or nowhere
             return CcResult(self._pin_load(req, opt, client, ns, deadline)[0], req.total)
         sizes, done = layout.block_bytes(req.counts), 0
+        bring = max(1, most // int(sizes.max())) if client.info.get("bring") else None
         always = not client.info.get("more")
-        while done < n:  # a part that stops short goes on from there if it may load more
-            part = request_part(req, sizes, done, most)
-            got, more = self._pin_load(part, opt, client, ns, deadline)
+        while done < n:  # a PIN that stops short goes on from there if it may load more
+            part = request_part(req, sizes, done, 0 if bring else most)
+            got, more = self._pin_load(part, opt, client, ns, deadline, bring)
             done += got
             if got == 0 or (got < len(part.keys) and not (more or always)):
                 break
         return CcResult(done, req.total)
 
     def _pin_load(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient, ns: int,
-                  deadline: float | None) -> tuple[int, bool]:
-        """PIN ``req``'s keys, copy the leading blocks found into its slots, RELEASE; how many,
-        and whether the daemon said ``more`` (``PinAnswer.more``)."""
+                  deadline: float | None, bring: int | None = None) -> tuple[int, bool]:
+        """PIN ``req``'s keys (bringing at most ``bring`` here: ``PinRequest``), copy the leading
+        blocks found into its slots, RELEASE; how many, and whether the daemon said ``more``
+        (``PinAnswer.more``)."""
         layout, n = self.layout, len(req.keys)
         self._touches.send_with_next(client)
-        pin = PinRequest(ns, req.keys, req.prev, opt.read_local_only, opt.write_rcache, _to(deadline))
+        pin = PinRequest(ns, req.keys, req.prev, opt.read_local_only, opt.write_rcache, _to(deadline), bring)
         _remaining(deadline)  # a call whose time is up pins nothing
         pending = client.submit(Op.PIN, *pin.encode(), late=_release_late(client, n))
         try:

@@ -74,7 +74,7 @@ class Coordinator:
             self.service.drop_fetched(session, fetched)
             return {}, []
         resp, parts, effects = self.service.after_fetch(session, header, payload, fetched,
-                                                        self.service.refusals() != refused)
+                                                        self.service.refusals() != refused, first.upto)
         if effects:
             return await self._complete(effects, now(), resp, parts)
         return resp, parts

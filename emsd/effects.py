@@ -44,27 +44,34 @@ from emsd.pool.keys import KeyBatch
 @dataclass(frozen=True, slots=True, eq=False)
 class Promote:
     """Before a PIN: read the disk-only blocks of the run after the ``count`` leading keys
-    found in DRAM into the pool; then, with ``fetch`` (a cluster, not ``read_local_only``),
-    fetch what is still missing from the owners as ``Fetch`` does (``keep`` as there)."""
+    found in DRAM (up to the PIN's ``bring`` keys after them) into the pool; then, with
+    ``fetch`` (a cluster, not ``read_local_only``), fetch what is still missing from the
+    owners as ``Fetch`` does (``keep`` as there)."""
 
     ns: int
-    keys: KeyBatch  # every key of the PIN
+    keys: KeyBatch  # the PIN's keys up to ``upto``
     count: int
     budget: float
     fetch: bool
     keep: bool
 
+    @property
+    def upto(self) -> int:
+        """The index of the PIN's first key this work does not bring here."""
+        return len(self.keys)
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Fetch:
-    """Before a PIN: fetch ``keys`` (the PIN's keys from the first one missing here) from their
-    owners. The copies stay as read cache; with ``keep`` false (``wr``: write_rcache off) only
-    while the PIN's session holds them pinned."""
+    """Before a PIN: fetch ``keys`` (the PIN's keys from the first one missing here, at most
+    its ``bring``) from their owners. The copies stay as read cache; with ``keep`` false
+    (``wr``: write_rcache off) only while the PIN's session holds them pinned."""
 
     ns: int
     keys: KeyBatch
     budget: float
     keep: bool
+    upto: int  # the index of the PIN's first key after ``keys`` (not brought here)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -108,6 +108,7 @@ from emsd.protocol.local import (
     ReserveAnswer,
     ReserveRequest,
     TouchRequest,
+    bring_field,
 )
 from emsd.quota import Quotas
 from emsd.solo import Solo
@@ -231,7 +232,7 @@ class Service:
         info = {"node": self.node_id, "pool_size": self.store.stats().capacity,
                 "region": self.region_kind, "server_pid": os.getpid(), "grants": self.grants,
                 "sparse": self.sparse, "page": self.store.page_size, "part": self.load_part(),
-                "more": True}
+                "more": True, "bring": True}
         if header.get("idx") is True and self.store.shared is not None:
             info["idx"] = self.store.shared.size  # its fd follows the pool's
         return info
@@ -362,40 +363,49 @@ class Service:
         """The work a PIN whose keys are not all here needs before its handler, or None.
 
         ``Promote`` when the next missing block is on the disk tier (then, in a cluster, the
-        rest from their owners), else ``Fetch`` of the missing tail from the owners. The
-        coordinator runs it, then answers with ``after_fetch`` (the fetched blocks are local
-        by then, kept as read cache). None: nothing to fetch (not a PIN, alone in the cluster
-        (standalone) without a disk tier, ``lo`` = read_local_only without one, all present,
-        or a bad request that the handler will refuse).
+        rest from their owners), else ``Fetch`` of the missing tail from the owners; either
+        way at most the PIN's ``bring`` keys after the leading ones here. The coordinator runs
+        it, then answers with ``after_fetch`` (the fetched blocks are local by then, kept as
+        read cache). None: nothing to fetch (not a PIN, alone in the cluster (standalone)
+        without a disk tier, ``lo`` = read_local_only without one, all present, or a bad
+        request that the handler will refuse).
         """
         remote = not header.get("lo") and not self.cluster.placement.alone()
         if header.get("op") != Op.PIN or not (remote or self.tiers is not None):
             return None
         try:
             ns, keys, _ = self._keys(session, header, payload)
-        except RequestError:
+            bring = bring_field(header)
+        except (RequestError, FrameError):
             return None
         count = self.store.exists(ns, keys)
         if count == len(keys):
             return None
         budget = _timeout(header)
         keep = header.get("wr", True) is not False
+        upto = len(keys) if bring is None else min(len(keys), count + bring)
+        if upto < len(keys):
+            keys = keys.take(slice(0, upto))
         if self.tiers is not None and self.tiers.wanted(ns, keys, count):
             return Promote(ns, keys, count, budget, remote, keep)
         if not remote:
             return None
-        return Fetch(ns, keys.take(slice(count, None)), budget, keep)
+        return Fetch(ns, keys.take(slice(count, None)), budget, keep, upto)
 
     def after_fetch(self, session: Session, header: dict[str, Any], payload: bytes,
-                    fetched: frozenset[int], room: bool = False) -> Planned:
+                    fetched: frozenset[int], room: bool = False, upto: int | None = None) -> Planned:
         """``serve_sync`` of a PIN whose ``before`` work has run. ``fetched``: the copies that
         work made with ``wr`` off; those this PIN pins stay only until the session releases
-        them (``Session.transient``), the others are dropped now. ``room``: blocks that work
-        brought found no room (``refusals`` rose meanwhile): a PIN that pinned fewer keys than
-        it asked for then says ``more`` (``PinAnswer``), so that the SDK asks again for the
-        rest; without it the pin stopped at a block that is nowhere, and the load ends there."""
+        them (``Session.transient``), the others are dropped now. A PIN that pinned fewer keys
+        than it asked for says ``more`` (``PinAnswer``), so that the SDK asks again for the
+        rest, when ``room`` (blocks that work brought found no room: ``refusals`` rose
+        meanwhile) or when it stopped at or past ``upto`` (the first key that work did not
+        bring: its ``bring`` bound); else it stopped at a block that is nowhere, and the load
+        ends there."""
         resp, parts, effects = self.serve_sync(session, header, payload)
-        if room and resp["st"] == Status.OK and resp.get("count", 0) < header.get("n", 0):
+        count = resp.get("count", 0)
+        if resp["st"] == Status.OK and count < header.get("n", 0) and (
+                room or (upto is not None and count >= upto)):
             resp["more"] = 1  # PinAnswer.more
         if fetched:
             pinned = np.frombuffer(parts[2], dtype="<u4").tolist() if resp["st"] == Status.OK else []

@@ -37,11 +37,14 @@ Layouts (little-endian, n keys; ``H`` a handle, u32; offsets and sizes u64):
 - COMMIT   ``CommitRequest``   ``{c, a, wr?, to?}`` + handles x c to commit, then x a to abort.
            ``CommitAnswer``    ``{committed, reached?}``: in a cluster ``reached`` has one byte per
            committed handle, 1 when the block is at its owner.
-- PIN      ``PinRequest``      ``{ns, n, kt, lo?, wr?, to?, pk?}`` + keys.
+- PIN      ``PinRequest``      ``{ns, n, kt, lo?, wr?, to?, pk?, br?}`` + keys; ``br``: at most
+           this many keys after the leading ones here are brought here (fetched from their
+           owners, read from the disk tier) for this PIN.
            ``PinAnswer``       ``{count, more?}`` + offsets x count + lengths x count + handles x
            count: the leading blocks present (fetched from their owners first, in a cluster),
            pinned until released; ``more`` when fewer than asked because blocks fetched for it
-           found no room (a part of a larger load: pin the rest again once these are released).
+           found no room, or it stopped at a key past the ``br`` brought (pin the rest again
+           once these are released).
 - RELEASE  ``ReleaseRequest``  ``{}`` + handles x n (a handle pinned twice is listed twice).
 - TOUCH    ``TouchRequest``    ``{ns, n, kt, x?, pk?}`` + keys: keys the SDK read through the
            shared index, counted as PIN and its RELEASE would; ``x`` keys exists found there.
@@ -67,7 +70,8 @@ Layouts (little-endian, n keys; ``H`` a handle, u32; offsets and sizes u64):
   ``{moved, failed, remaining}``. HELLO is the connection's first frame (``Service.hello``);
   its answer names the node and the pool (``pool_size``, ``region``, ``sparse``, ``page``),
   whether it grants chunks (``grants``), the most bytes one PIN should ask for (``part``,
-  ``Service.load_part``; 0: no limit) and whether its PIN answers say ``more`` (``more``).
+  ``Service.load_part``; 0: no limit) and whether its PIN answers say ``more`` (``more``) and it
+  honours a PIN's ``br`` (``bring``).
 """
 
 from __future__ import annotations
@@ -285,7 +289,9 @@ class CommitAnswer(NamedTuple):
 
 
 class PinRequest(NamedTuple):
-    """Pin the leading blocks of ``keys`` present (in a cluster, fetched first) for reading."""
+    """Pin the leading blocks of ``keys`` present (in a cluster, fetched first) for reading.
+    ``bring``: at most this many keys after the leading ones found here are brought here for
+    it (fetched from their owners, read from the disk tier); None: no limit."""
 
     ns: int
     keys: KeyBatch
@@ -293,16 +299,24 @@ class PinRequest(NamedTuple):
     lo: bool = False
     wr: bool = True
     to: int | None = None
+    bring: int | None = None
 
     def encode(self) -> Encoded:
         header, parts = _keyed(self.ns, self.keys)
+        if self.bring is not None:
+            header["br"] = self.bring
         return _optional(header, self.to, self.prev, self.lo, self.wr), parts
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes, split: Split | None = None) -> PinRequest:
         ns, keys, _ = _head(header, payload, split, True)
         return cls(ns, keys, prev_key(header), _flag(header, "lo", False), _flag(header, "wr", True),
-                   _budget(header))
+                   _budget(header), bring_field(header))
+
+
+def bring_field(header: dict[str, Any]) -> int | None:
+    """``br``: the most keys a PIN may bring here (``PinRequest.bring``), or None."""
+    return None if header.get("br") is None else _int(header, "br", 1, MAX_BATCH_KEYS)
 
 
 class PinAnswer(NamedTuple):

@@ -457,8 +457,8 @@ def test_reads_through_a_full_node_cost_its_own_blocks_at_most_its_read_cache_sh
     node's blocks; the copies take at most pool.read_cache_share of the pool (4 MiB of 64
     here) from the node's own blocks, which the cluster finds only there, and beyond that
     evict only other copies. Before, one large load with write_rcache off took as much as it
-    fetched. A load larger than that room loads whole all the same: the SDK pins it in parts
-    of that room (``Service.load_part``), each released before the next."""
+    fetched. A load larger than that room loads whole all the same: each PIN brings at most
+    that room (``Service.load_part``, ``PinRequest.bring``), released before the next."""
     a, b = cluster(2, pool={"page_size": "1MiB"})
     cc = use(b, monkeypatch)
     cc.register_kvcache(kv(31))
@@ -481,7 +481,7 @@ def test_reads_through_a_full_node_cost_its_own_blocks_at_most_its_read_cache_sh
                          for _ in range(2)])
     res = cc.load(list(range(len(big) * BLOCK)), hashes=big, offsets=[BLOCK] * len(big),
                   option=CcKvOption(write_rcache=False))
-    assert res.success == len(big)  # pinned in parts of 4 MiB (HELLO's part): every copy finds room
+    assert res.success == len(big)  # 4 MiB (HELLO's part) brought a PIN: every copy finds room
     assert lost() <= 4 << 20  # not the 7.5 MiB it fetched
     cc.register_kvcache(kv(32))
     for keys in batches[-25:]:  # 37 MiB of loads, copies kept
@@ -504,7 +504,8 @@ def test_a_load_that_ends_at_a_miss_costs_one_pin(cluster: Any, monkeypatch: Any
     res = cc.load(SLOTS, hashes=keys, offsets=[BLOCK] * BLOCKS, option=CcKvOption(write_rcache=False))
     assert res.success == BLOCKS - 2
     assert b.metric("emsd_ops_total", 'op="pin",result="ok"') == pins + 1
-    cc._connected().info.pop("more")  # as from an emsd whose answers never say more
+    for field in ("more", "bring"):  # as from an emsd whose answers never say more
+        cc._connected().info.pop(field)
     res = cc.load(SLOTS, hashes=keys, offsets=[BLOCK] * BLOCKS, option=CcKvOption(write_rcache=False))
     assert res.success == BLOCKS - 2
     assert b.metric("emsd_ops_total", 'op="pin",result="ok"') == pins + 3  # the rest asked for again

@@ -8,13 +8,14 @@ key (this node owns none), records what is pushed and answers as told.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from emsd.coordinator import Coordinator
-from emsd.effects import AskOwners, Drain, DropElsewhere, Fetch, Forward, RefreshOwners
+from emsd.effects import AskOwners, Drain, DropElsewhere, Fetch, Forward, Promote, RefreshOwners
 from emsd.membership.base import MembershipState
 from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
@@ -279,6 +280,51 @@ def test_a_pin_says_more_only_when_what_it_fetched_found_no_room(held: int, room
     resp, parts = _served(Coordinator(svc), s, *request(Op.PIN, pin))
     answer = local.PinAnswer.decode(resp, b"".join(parts), 4)
     assert (len(answer.handles), answer.more) == (count, more)
+
+
+class AskedCluster(FakeCluster):
+    """Its owners hold every key but those ``nowhere``; records the keys of each fetch."""
+
+    def __init__(self, svc: Service, nowhere: set[int]) -> None:
+        super().__init__(svc)
+        self.nowhere, self.asked = nowhere, list[list[int]]()
+
+    async def fetch(self, name: str, keys: KeyBatch, deadline: float) -> np.ndarray:
+        asked = [int(k) for k in keys.words[:, 0]]
+        self.asked.append(asked)
+        held = next((i for i, k in enumerate(asked) if k in self.nowhere), len(asked))
+        if held:
+            await super().fetch(name, keys.take(slice(0, held)), deadline)
+        return np.ones(len(keys), dtype=bool)
+
+
+@pytest.mark.parametrize(("here", "nowhere", "bring", "asked", "count", "more"), [
+    ([1, 2], set(), 2, [[3, 4]], 4, True),  # brought two: ask again for the rest
+    ([1, 2, 5], set(), 2, [[3, 4]], 5, True),  # and pinned the next one, here already
+    ([1, 2], {4}, 2, [[3, 4]], 3, False),  # a key that is nowhere, within the bound: the end
+    ([1, 2, 3, 4, 5, 6], set(), 2, [], 6, False),  # all here: pinned however many
+    ([1, 2], set(), None, [[3, 4, 5, 6]], 6, False),  # no bound
+])
+def test_a_pin_brings_at_most_its_bring_here_and_says_more_when_it_stopped_there(
+        here: list[int], nowhere: set[int], bring: int | None, asked: list[list[int]], count: int,
+        more: bool) -> None:
+    svc, s, ns = _service()
+    svc.cluster = cluster = AskedCluster(svc, nowhere)  # type: ignore[assignment]
+    _save(svc, ns, here)
+    pin = local.PinRequest(ns, _keys([1, 2, 3, 4, 5, 6]), to=1000, bring=bring)
+    resp, parts = _served(Coordinator(svc), s, *request(Op.PIN, pin))
+    answer = local.PinAnswer.decode(resp, b"".join(parts), 6)
+    assert (cluster.asked, len(answer.handles), answer.more) == (asked, count, more)
+
+
+def test_a_pins_promotion_from_the_disk_tier_is_bounded_by_its_bring_too() -> None:
+    svc, s, ns = _service()
+    _save(svc, ns, [1])
+    svc.tiers = SimpleNamespace(wanted=lambda _ns, _keys, _count: True)  # type: ignore[assignment]
+    pin = local.PinRequest(ns, _keys([1, 2, 3, 4, 5]), bring=2)
+    promote = svc.before(s, *request(Op.PIN, pin))
+    assert isinstance(promote, Promote) and (promote.count, promote.upto) == (1, 3)
+    assert promote.keys.words[:, 0].tolist() == [1, 2, 3]
 
 
 def test_reserve_arriving_counts_the_copies_it_refuses() -> None:

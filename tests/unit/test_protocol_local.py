@@ -115,7 +115,8 @@ def puts(draw: st.DrawFn) -> PutRequest:
                       draw(st.booleans()), draw(budgets))
 
 
-pins = st.builds(PinRequest, ns_ids, batches, prevs, st.booleans(), st.booleans(), budgets)
+pins = st.builds(PinRequest, ns_ids, batches, prevs, st.booleans(), st.booleans(), budgets,
+                 st.none() | st.integers(1, MAX_BATCH_KEYS))
 touches = st.builds(TouchRequest, ns_ids, batches, prevs, st.integers(0, MAX_FOUND))
 exists = st.builds(ExistsRequest, ns_ids, batches, st.booleans(), budgets)
 commits = st.builds(CommitRequest, u32s(), u32s(), st.booleans(), budgets)
@@ -263,6 +264,7 @@ BAD_HEADERS: list[tuple[Any, dict[str, Any], bytes]] = [
       for pk in (b"", b"x" * 9, "text", 5, b"\x40" + bytes(32))],
     *[(cls, keyed_header(**{flag: 1}), KEY) for cls, flag in
       ((PinRequest, "lo"), (PinRequest, "wr"), (ExistsRequest, "lo"))],
+    *[(PinRequest, keyed_header(br=br), KEY) for br in (0, -1, MAX_BATCH_KEYS + 1, "4", 2.0, True)],
     (PutRequest, keyed_header(wr="no"), KEY + bytes(16)),
     (TouchRequest, keyed_header(x=-1), KEY),
     (TouchRequest, keyed_header(x=MAX_FOUND + 1), KEY),
