@@ -143,11 +143,12 @@ class Client:
                           loop.time() - start, timeout_ms / 1000)
 
     async def load(self, keys: list[int], timeout_ms: int, keep: bool = True,
-                   die_holding_pins: bool = False) -> CallResult:
-        """The fetch from the owners, PIN, check every byte, RELEASE (``keep``: write_rcache)."""
+                   die_holding_pins: bool = False, bring: int | None = None) -> CallResult:
+        """The fetch from the owners, PIN, check every byte, RELEASE (``keep``: write_rcache;
+        ``bring``: at most that many keys fetched, ``PinRequest.bring``)."""
         loop = asyncio.get_running_loop()
         start = loop.time()
-        pin = PinRequest(self.ns, KeyBatch.from_user(keys), wr=keep, to=timeout_ms)
+        pin = PinRequest(self.ns, KeyBatch.from_user(keys), wr=keep, to=timeout_ms, bring=bring)
         offsets, lengths, handles, _ = PinAnswer.decode(*await self.request(Op.PIN, pin), len(keys))
         count = len(handles)
         assert self.service.cluster is not None

@@ -16,8 +16,9 @@ leaves cleanly, crashes, restarts empty, loses or regains its ZooKeeper
 session, or drains: leaves the ring, pushing what it owns; a partition; a
 storm of dropped, slow and lost messages; a heal) fire at random virtual
 times while clients on random nodes save and load batches of keys (loads
-mostly of batches saved recently, elsewhere). When the step's calls have all returned, the invariants
-are checked:
+mostly of batches saved recently, elsewhere; half of them bringing at most
+a few keys here, as a cluster SDK's ``PinRequest.bring``). When the step's
+calls have all returned, the invariants are checked:
 
 - no load returned a byte that differs from what was saved under its key
   (checked as each load returns: block bytes encode their key);
@@ -316,7 +317,9 @@ class Simulation:
                 self.counts["saves"] += 1
                 self._recent = [*self._recent[-15:], tuple(keys)]
             else:
-                res = await client.load(keys, timeout_ms, keep, die_holding_pins=rng.random() < 0.05)
+                bring = None if rng.random() < 0.5 else rng.randint(1, len(keys))  # a cluster SDK's bound
+                res = await client.load(keys, timeout_ms, keep, die_holding_pins=rng.random() < 0.05,
+                                        bring=bring)
                 self.counts["loads"] += 1
                 self.counts["hits"] += res.count
                 self.counts["misses"] += len(keys) - res.count
