@@ -367,7 +367,8 @@ class ContextCaching:
         if not most:  # standalone: a block is here or nowhere
             return CcResult(self._pin_load(req, opt, client, ns, deadline)[0], req.total)
         sizes, done = layout.block_bytes(req.counts), 0
-        bring = max(1, most // int(sizes.max())) if client.info.get("bring") else None
+        # (at most n: a PIN's br is bounded by the keys a request may have)
+        bring = min(n, max(1, most // int(sizes.max()))) if client.info.get("bring") else None
         always = not client.info.get("more")
         while done < n:  # a PIN that stops short goes on from there if it may load more
             part = request_part(req, sizes, done, 0 if bring else most)
