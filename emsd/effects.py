@@ -46,7 +46,8 @@ class Promote:
     """Before a PIN: read the disk-only blocks of the run after the ``count`` leading keys
     found in DRAM (up to the PIN's ``bring`` keys after them) into the pool; then, with
     ``fetch`` (a cluster, not ``read_local_only``), fetch what is still missing from the
-    owners as ``Fetch`` does (``keep`` as there)."""
+    owners as ``Fetch`` does (``keep`` as there). ``elsewhere`` (with ``fetch``): per key,
+    owned by other nodes; the run goes on through those keys (``TierStack.promote``)."""
 
     ns: int
     keys: KeyBatch  # the PIN's keys up to ``upto``
@@ -54,6 +55,7 @@ class Promote:
     budget: float
     fetch: bool
     keep: bool
+    elsewhere: np.ndarray | None = None  # bool per key
 
     @property
     def upto(self) -> int:

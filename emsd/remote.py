@@ -77,7 +77,7 @@ class Remote:
             return await self.fetch(effect.ns, effect.keys, deadline, effect.keep)
         tiers = self.service.tiers
         assert tiers is not None
-        await tiers.promote(effect.ns, effect.keys, effect.count, deadline)
+        await tiers.promote(effect.ns, effect.keys, effect.count, deadline, effect.elsewhere)
         count = self.service.store.exists(effect.ns, effect.keys)
         if effect.fetch and count < len(effect.keys) and now() < deadline:
             return await self.fetch(effect.ns, effect.keys.take(slice(count, None)), deadline, effect.keep)

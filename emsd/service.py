@@ -362,8 +362,9 @@ class Service:
     def before(self, session: Session, header: dict[str, Any], payload: bytes) -> Before | None:
         """The work a PIN whose keys are not all here needs before its handler, or None.
 
-        ``Promote`` when the next missing block is on the disk tier (then, in a cluster, the
-        rest from their owners), else ``Fetch`` of the missing tail from the owners; either
+        ``Promote`` when a block of the PIN's run is on the disk tier (its next missing one;
+        in a cluster also one after keys other nodes own; then the rest from their owners),
+        else ``Fetch`` of the missing tail from the owners; either
         way at most the PIN's ``bring`` keys after the leading ones here. The coordinator runs
         it, then answers with ``after_fetch`` (the fetched blocks are local by then, kept as
         read cache). None: nothing to fetch (not a PIN, alone in the cluster (standalone)
@@ -386,8 +387,11 @@ class Service:
         upto = len(keys) if bring is None else min(len(keys), count + bring)
         if upto < len(keys):
             keys = keys.take(slice(0, upto))
-        if self.tiers is not None and self.tiers.wanted(ns, keys, count):
-            return Promote(ns, keys, count, budget, remote, keep)
+        if self.tiers is not None:
+            # in a cluster, this node's disk blocks after keys other nodes own load too
+            elsewhere = ~self.cluster.placement.owned_here(self.namespace_name(ns), keys) if remote else None
+            if self.tiers.wanted(ns, keys, count, elsewhere):
+                return Promote(ns, keys, count, budget, remote, keep, elsewhere)
         if not remote:
             return None
         return Fetch(ns, keys.take(slice(count, None)), budget, keep, upto)

@@ -11,7 +11,8 @@ knowing the other:
   (``exists``: the leading run of such keys, as the store counts READY ones).
 - ``promote`` is the asynchronous step before a PIN (a ``Promote`` effect of ``Service.before``,
   like a remote fetch): the keys of the PIN's leading run that are only on
-  disk get chunks in the pool (PENDING entries the stack owns), reader threads
+  disk (in a cluster the run goes on through keys other nodes own, which the
+  fetch after it brings) get chunks in the pool (PENDING entries the stack owns), reader threads
   read them straight into those chunks (one I/O a run of adjacent slots) and
   check them, and the stack commits each one that read right. What is not
   read by the deadline stays PENDING until its read ends (then committed or
@@ -114,18 +115,31 @@ class TierStack:
 
     # -- promotion -----------------------------------------------------------------------------
 
-    def wanted(self, ns: int, keys: KeyBatch, count: int) -> bool:
-        """Whether a PIN of ``keys`` (``count`` leading in DRAM) would find its next block on disk."""
+    def wanted(self, ns: int, keys: KeyBatch, count: int, elsewhere: np.ndarray | None = None) -> bool:
+        """Whether a PIN of ``keys`` (``count`` leading in DRAM) would find a block of its run
+        on disk: its next block, or with ``elsewhere`` (per key, owned by other nodes: a fetch
+        may bring it) any block of the leading run of keys in DRAM, on disk or elsewhere."""
         if count >= len(keys) or self.disk.failed:
             return False
-        return bool(self.disk.present(self.ns_name(ns), keys.take(slice(count, count + 1)))[0])
+        if elsewhere is None:
+            return bool(self.disk.present(self.ns_name(ns), keys.take(slice(count, count + 1)))[0])
+        return self._disk_only(ns, keys.take(slice(count, None)), elsewhere[count:]).size > 0
 
-    async def promote(self, ns: int, keys: KeyBatch, count: int, deadline: float) -> int:
+    def _disk_only(self, ns: int, rest: KeyBatch, elsewhere: np.ndarray | None) -> np.ndarray:
+        """Positions in ``rest`` of the keys only on disk within its leading run of keys in DRAM,
+        on disk or (``elsewhere``) owned by other nodes."""
+        dram = self.store.present(ns, rest)
+        disk = self.disk.present(self.ns_name(ns), rest) & ~dram
+        held = dram | disk if elsewhere is None else dram | disk | elsewhere
+        return np.flatnonzero(disk[: leading(held)])
+
+    async def promote(self, ns: int, keys: KeyBatch, count: int, deadline: float,
+                      elsewhere: np.ndarray | None = None) -> int:
         """Read the disk-only blocks of the leading run after ``count`` into the pool, until
-        ``deadline`` (the loop's clock). Returns how many were committed in time."""
+        ``deadline`` (the loop's clock); with ``elsewhere`` (per key, owned by other nodes) the
+        run goes on through those keys. Returns how many were committed in time."""
         rest = keys.take(slice(count, None))
-        run = leading(self.present(ns, rest))
-        want = np.flatnonzero(~self.store.present(ns, rest.take(slice(0, run))))
+        want = self._disk_only(ns, rest, None if elsewhere is None else elsewhere[count:])
         if want.size == 0:
             return 0
         wanted = rest.take(want)

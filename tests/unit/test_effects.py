@@ -320,7 +320,7 @@ def test_a_pin_brings_at_most_its_bring_here_and_says_more_when_it_stopped_there
 def test_a_pins_promotion_from_the_disk_tier_is_bounded_by_its_bring_too() -> None:
     svc, s, ns = _service()
     _save(svc, ns, [1])
-    svc.tiers = SimpleNamespace(wanted=lambda _ns, _keys, _count: True)  # type: ignore[assignment]
+    svc.tiers = SimpleNamespace(wanted=lambda *_: True)  # type: ignore[assignment]
     pin = local.PinRequest(ns, _keys([1, 2, 3, 4, 5]), bring=2)
     promote = svc.before(s, *request(Op.PIN, pin))
     assert isinstance(promote, Promote) and (promote.count, promote.upto) == (1, 3)
