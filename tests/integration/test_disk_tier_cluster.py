@@ -94,6 +94,7 @@ def test_a_load_larger_than_a_pin_brings_reads_both_nodes_disks_with_every_byte_
     want = [batch_kv(batch) for batch in (1, 2, 3)]  # saved first: on disk by now
     dst = [[torch.zeros(LOADED, TOKENS, 16, 32) for _ in range(2)] for _ in range(2)]
     cc.register_kvcache(dst)
+    assert cc.exists(keys(1) + keys(2) + keys(3)).success == LOADED  # on either disk: counted
     pins = b.metric("emsd_ops_total", PIN_OK)
     reads_a, reads_b = a.metric("emsd_disk_reads_total"), b.metric("emsd_disk_reads_total")
     res = cc.load(list(range(LOADED * TOKENS)), hashes=keys(1) + keys(2) + keys(3), offsets=[TOKENS] * LOADED)
