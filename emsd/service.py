@@ -364,12 +364,12 @@ class Service:
 
         ``Promote`` when a block of the PIN's run is on the disk tier (its next missing one;
         in a cluster also one after keys other nodes own; then the rest from their owners),
-        else ``Fetch`` of the missing tail from the owners; either
-        way at most the PIN's ``bring`` keys after the leading ones here. The coordinator runs
-        it, then answers with ``after_fetch`` (the fetched blocks are local by then, kept as
-        read cache). None: nothing to fetch (not a PIN, alone in the cluster (standalone)
-        without a disk tier, ``lo`` = read_local_only without one, all present, or a bad
-        request that the handler will refuse).
+        else ``Fetch`` of the missing tail from the owners; either way at most the PIN's
+        ``bring`` keys after the leading ones here. The coordinator runs it, then answers
+        with ``after_fetch`` (the fetched blocks are local by then, kept as read cache).
+        None: nothing to fetch (not a PIN, alone in the cluster (standalone) without a disk
+        tier, ``lo`` = read_local_only without one, all present, or a bad request that the
+        handler will refuse).
         """
         remote = not header.get("lo") and not self.cluster.placement.alone()
         if header.get("op") != Op.PIN or not (remote or self.tiers is not None):

@@ -12,9 +12,10 @@ knowing the other:
 - ``promote`` is the asynchronous step before a PIN (a ``Promote`` effect of ``Service.before``,
   like a remote fetch): the keys of the PIN's leading run that are only on
   disk (in a cluster the run goes on through keys other nodes own, which the
-  fetch after it brings) get chunks in the pool (PENDING entries the stack owns), reader threads
-  read them straight into those chunks (one I/O a run of adjacent slots) and
-  check them, and the stack commits each one that read right. What is not
+  fetch after it brings) get chunks in the pool (PENDING entries the stack
+  owns), reader threads read them straight into those chunks (one I/O a run
+  of adjacent slots) and check them, and the stack commits each one that
+  read right. What is not
   read by the deadline stays PENDING until its read ends (then committed or
   aborted): the PIN, handled at the deadline, counts it as a miss, and the
   load never waits longer than its timeout. The event loop never waits for
