@@ -108,6 +108,14 @@ class Emsd:
                 return float(line.split()[-1])
         return 0.0
 
+    def disk_settled(self, timeout: float = 30.0) -> float:
+        """Wait until the disk tier has no demotion queued; the blocks on disk then."""
+        deadline = time.monotonic() + timeout
+        while self.metric("emsd_disk_queue_blocks") > 0:
+            assert time.monotonic() < deadline, self.log()
+            time.sleep(0.05)
+        return self.metric("emsd_disk_blocks")
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 

@@ -70,15 +70,6 @@ def keys(batch: int) -> list[int]:
     return [batch * 1000 + k for k in range(BATCH)]
 
 
-def settled(d: Any, timeout: float = 30.0) -> float:
-    """Wait until ``d`` has no demotion queued; its blocks on disk."""
-    deadline = time.monotonic() + timeout
-    while d.metric("emsd_disk_queue_blocks") > 0:
-        assert time.monotonic() < deadline, d.log()
-        time.sleep(0.05)
-    return d.metric("emsd_disk_blocks")
-
-
 def test_a_load_larger_than_a_pin_brings_reads_both_nodes_disks_with_every_byte_right(
         nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = nodes
@@ -90,7 +81,7 @@ def test_a_load_larger_than_a_pin_brings_reads_both_nodes_disks_with_every_byte_
         cc.register_kvcache(batch_kv(batch))
         once = CcKvOption(write_rcache=False)  # each block at its owner only
         assert cc.save(slots, hashes=keys(batch), offsets=[TOKENS] * BATCH, option=once).success == BATCH
-    assert settled(a) > 0 and settled(b) > 0, (a.log(), b.log())
+    assert a.disk_settled() > 0 and b.disk_settled() > 0, (a.log(), b.log())
     want = [batch_kv(batch) for batch in (1, 2, 3)]  # saved first: on disk by now
     dst = [[torch.zeros(LOADED, TOKENS, 16, 32) for _ in range(2)] for _ in range(2)]
     cc.register_kvcache(dst)

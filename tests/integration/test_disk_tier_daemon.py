@@ -66,15 +66,6 @@ def load(cc: Any, batch: int) -> tuple[int, bool]:
     return got, all(bool((t[:got] == float(batch)).all()) for layer in kv for t in layer)
 
 
-def settled(d: Any, timeout: float = 30.0) -> float:
-    """Wait until no demotion is queued; returns the blocks on disk."""
-    deadline = time.monotonic() + timeout
-    while d.metric("emsd_disk_queue_blocks") > 0:
-        assert time.monotonic() < deadline, d.log()
-        time.sleep(0.05)
-    return d.metric("emsd_disk_blocks")
-
-
 def fill(cc: Any, batches: int) -> None:
     for b in range(1, batches + 1):
         assert save(cc, b) == BLOCKS
@@ -86,7 +77,7 @@ def test_blocks_evicted_from_dram_are_on_disk_and_load_back_identical(
     cc = sdk(d)
     fill(cc, 40)  # 40 MiB of blocks through a 16 MiB pool
     assert d.metric("emsd_disk_direct_io") == 1
-    assert settled(d) >= 20 * BLOCKS
+    assert d.disk_settled() >= 20 * BLOCKS
     assert cc.exists(_keys(1)).success == BLOCKS  # only on disk: counted
     reads = d.metric("emsd_disk_reads_total")
     for b in (1, 2, 3):
@@ -103,7 +94,7 @@ def test_drop_removes_the_namespace_from_disk(emsd_factory: Any, sdk: Any, disk_
     d = emsd_factory(pool=POOL, disk={"dir": str(disk_dir), "size": "256MiB", "extent": "4MiB"})
     cc = sdk(d)
     fill(cc, 30)
-    assert settled(d) > 0 and cc.exists(_keys(1)).success == BLOCKS
+    assert d.disk_settled() > 0 and cc.exists(_keys(1)).success == BLOCKS
     cc.clear()
     assert d.metric("emsd_disk_blocks") == 0
     assert cc.exists(_keys(1)).success == 0 and load(cc, 1)[0] == 0
@@ -114,7 +105,7 @@ def test_reboot_kill_9_page_cache_dropped_pool_files_gone_loads_what_was_on_disk
     d = emsd_factory(pool=POOL, disk={"dir": str(disk_dir), "size": "256MiB", "extent": "4MiB"})
     cc = sdk(d)
     fill(cc, 40)
-    on_disk = settled(d)
+    on_disk = d.disk_settled()
     assert on_disk >= 20 * BLOCKS
     Ems._reset()
     d.kill9()
@@ -164,7 +155,7 @@ def test_a_disk_that_disappears_is_reported_and_dram_keeps_serving(
     d = emsd_factory(pool=POOL, disk={"dir": str(disk_dir), "size": "128MiB", "extent": "4MiB"})
     cc = sdk(d)
     fill(cc, 20)
-    settled(d)
+    d.disk_settled()
     assert d.http("/readyz") == (200, b"ready\n")
     (disk_dir / "emsd-disk.data").unlink()
     code, body = d.http("/readyz")
@@ -184,7 +175,7 @@ def test_a_read_slower_than_the_load_timeout_is_a_miss_not_a_hang(
     d = emsd_factory(pool=POOL, disk={"dir": str(disk_dir), "size": "256MiB", "extent": "4MiB"})
     cc = sdk(d)
     fill(cc, 30)
-    settled(d)
+    d.disk_settled()
     from ems import CcKvOption
 
     cc.register_kvcache(_kv(-1.0))
