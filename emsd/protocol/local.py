@@ -321,8 +321,9 @@ def bring_field(header: dict[str, Any]) -> int | None:
 
 class PinAnswer(NamedTuple):
     """The ``count`` leading blocks pinned: where they are, their lengths, their handles; ``more``:
-    the pin stopped short because blocks fetched for it found no room here (another PIN of the
-    rest, once these are released, may load more), not at a block that is nowhere."""
+    the pin stopped short because blocks fetched for it found no room here, or at a key past
+    those its ``bring`` let it bring (another PIN of the rest, once these are released, may
+    load more), not at a block that is nowhere."""
 
     offsets: np.ndarray  # u64 x count
     lengths: np.ndarray  # u64 x count

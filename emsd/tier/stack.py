@@ -15,11 +15,10 @@ knowing the other:
   fetch after it brings) get chunks in the pool (PENDING entries the stack
   owns), reader threads read them straight into those chunks (one I/O a run
   of adjacent slots) and check them, and the stack commits each one that
-  read right. What is not
-  read by the deadline stays PENDING until its read ends (then committed or
-  aborted): the PIN, handled at the deadline, counts it as a miss, and the
-  load never waits longer than its timeout. The event loop never waits for
-  the disk.
+  read right. What is not read by the deadline stays PENDING until its read
+  ends (then committed or aborted): the PIN, handled at the deadline, counts
+  it as a miss, and the load never waits longer than its timeout. The event
+  loop never waits for the disk.
 """
 
 from __future__ import annotations
