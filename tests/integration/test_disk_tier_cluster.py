@@ -1,9 +1,13 @@
 """The disk tier in a cluster, against two real daemons and a real ZooKeeper.
 
-A load through a node, larger than what one of its PINs may bring there (HELLO's ``part``,
-``PinRequest.bring``), of blocks that both nodes have moved to disk: the node reads its own
-back from its disk (``Promote``) and fetches the other node's, which that node reads from its
-own disk for the GET (``Service.peer_promotion``), PIN after PIN, every byte right.
+- A load through a node, larger than what one of its PINs may bring there (HELLO's
+  ``part``, ``PinRequest.bring``), of blocks that both nodes have moved to disk: the node
+  reads its own back from its disk (``Promote``) and fetches the other node's, which that
+  node reads from its own disk for the GET (``Service.peer_promotion``), PIN after PIN,
+  every byte right; with pool checksums on as well.
+- A clear through one node removes the namespace from both nodes' disks.
+- A node killed with -9 whose DRAM is gone (the pool's shared memory and ledger removed)
+  comes back with its disk, and its blocks load again through the other node.
 
 The tiers' directories are under /var/tmp (a real file system: /dev/shm is DRAM).
 """
@@ -36,28 +40,35 @@ PIN_OK = 'op="pin",result="ok"'
 
 
 @pytest.fixture
-def nodes(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) -> Iterator[list[Any]]:
-    """Two joined daemons of 16 MiB, each with a disk tier of its own."""
+def nodes(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path,
+          request: pytest.FixtureRequest) -> Iterator[list[Any]]:
+    """Two joined daemons of 16 MiB, each with a disk tier of its own (indirect parameter:
+    ``pool.checksum``, default off)."""
+    pool = {**POOL, "checksum": bool(getattr(request, "param", False))}
     secret = tmp_path / "secret"
     secret.write_text("a-cluster-secret-of-some-length\n")
     os.chmod(secret, 0o600)
     base = os.environ.get("EMSD_TEST_DISK_DIR", "/var/tmp")
     dirs = [Path(tempfile.mkdtemp(prefix="emsd-disk-cluster-", dir=base)) for _ in range(2)]
-    ds = [emsd_factory(start=False, pool=POOL, disk={"dir": str(d), "size": "256MiB", "extent": "4MiB"},
+    ds = [emsd_factory(start=False, pool=pool, disk={"dir": str(d), "size": "256MiB", "extent": "4MiB"},
                        cluster={"name": "t", "zookeeper": zookeeper.hosts,
                                 "peer_listen": f"127.0.0.1:{zk.free_port()}",
                                 "secret_file": str(secret), "session_timeout": 4}) for d in dirs]
     try:
         for d in ds:
             d.start()
-        deadline = time.monotonic() + 90  # joins can be slow on a machine loaded by test workers
-        while not all(d.metric("emsd_cluster_members") == 2 for d in ds):
-            assert time.monotonic() < deadline, "the two daemons did not see each other"
-            time.sleep(0.05)
+        joined(ds)
         yield ds
     finally:
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def joined(ds: list[Any]) -> None:
+    deadline = time.monotonic() + 90  # joins can be slow on a machine loaded by test workers
+    while not all(d.metric("emsd_cluster_members") == 2 for d in ds):
+        assert time.monotonic() < deadline, "the two daemons did not see each other"
+        time.sleep(0.05)
 
 
 def batch_kv(batch: int) -> list[list[torch.Tensor]]:
@@ -70,31 +81,84 @@ def keys(batch: int) -> list[int]:
     return [batch * 1000 + k for k in range(BATCH)]
 
 
-def test_a_load_larger_than_a_pin_brings_reads_both_nodes_disks_with_every_byte_right(
-        nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b = nodes
-    monkeypatch.setenv("EMS_SOCKET_DIR", str(b.socket_dir))
+def connect(node: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("EMS_SOCKET_DIR", str(node.socket_dir))
+    Ems._reset()
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="disk-cluster")))
-    cc = Ems.get_cc()
+    return Ems.get_cc()
+
+
+def fill(cc: Any, nodes: list[Any]) -> None:
+    """40 MiB through two pools of 16: each node's own blocks go to its disk."""
     slots = list(range(BATCH * TOKENS))
-    for batch in range(1, 41):  # 40 MiB through two pools of 16: each node's own blocks go to its disk
+    for batch in range(1, 41):
         cc.register_kvcache(batch_kv(batch))
         once = CcKvOption(write_rcache=False)  # each block at its owner only
         assert cc.save(slots, hashes=keys(batch), offsets=[TOKENS] * BATCH, option=once).success == BATCH
-    assert a.disk_settled() > 0 and b.disk_settled() > 0, (a.log(), b.log())
-    want = [batch_kv(batch) for batch in (1, 2, 3)]  # saved first: on disk by now
+    assert all(d.disk_settled() > 0 for d in nodes), [d.log() for d in nodes]
+
+
+def load_first_three(cc: Any) -> int:
+    """Load batches 1-3 (saved first: on disk by now) in one call; how many blocks loaded
+    (the leading ones), each checked byte for byte."""
+    want = [batch_kv(batch) for batch in (1, 2, 3)]
     dst = [[torch.zeros(LOADED, TOKENS, 16, 32) for _ in range(2)] for _ in range(2)]
     cc.register_kvcache(dst)
+    got = int(cc.load(list(range(LOADED * TOKENS)), hashes=keys(1) + keys(2) + keys(3),
+                      offsets=[TOKENS] * LOADED).success)
+    for layer in range(2):
+        for kv in range(2):
+            src = torch.cat([w[layer][kv] for w in want])
+            assert torch.equal(dst[layer][kv][:got], src[:got])  # every byte
+    return got
+
+
+@pytest.mark.parametrize("nodes", [False, True], indirect=True, ids=["plain", "checksums"])
+def test_a_load_larger_than_a_pin_brings_reads_both_nodes_disks_with_every_byte_right(
+        nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = nodes
+    cc = connect(b, monkeypatch)
+    fill(cc, nodes)
     assert cc.exists(keys(1) + keys(2) + keys(3)).success == LOADED  # on either disk: counted
     pins = b.metric("emsd_ops_total", PIN_OK)
     reads_a, reads_b = a.metric("emsd_disk_reads_total"), b.metric("emsd_disk_reads_total")
-    res = cc.load(list(range(LOADED * TOKENS)), hashes=keys(1) + keys(2) + keys(3), offsets=[TOKENS] * LOADED)
-    assert res.success == LOADED, (a.log(), b.log())
-    for i, src in enumerate(want):
-        for layer, got in zip(src, dst, strict=True):
-            for s, t in zip(layer, got, strict=True):
-                assert torch.equal(t[i * BATCH : (i + 1) * BATCH], s)  # every byte
+    assert load_first_three(cc) == LOADED, (a.log(), b.log())
     assert b.metric("emsd_ops_total", PIN_OK) >= pins + 3  # at most 1 MiB brought a PIN: 3 MiB, 3 PINs
     assert b.metric("emsd_disk_reads_total") > reads_b  # its own blocks, from its disk
     assert a.metric("emsd_disk_reads_total") > reads_a  # the other node's, from that node's disk
     assert a.alive() and b.alive()
+
+
+def test_a_clear_through_one_node_removes_the_namespace_from_both_disks(
+        nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = nodes
+    cc = connect(b, monkeypatch)
+    fill(cc, nodes)
+    cc.clear()
+    deadline = time.monotonic() + 30  # the DROP reaches the other member after the answer
+    while a.metric("emsd_disk_blocks") + b.metric("emsd_disk_blocks") > 0:
+        assert time.monotonic() < deadline, (a.log(), b.log())
+        time.sleep(0.05)
+    assert cc.exists(keys(1) + keys(2) + keys(3)).success == 0
+    assert connect(a, monkeypatch).exists(keys(1)).success == 0  # nor through the other node
+    assert a.alive() and b.alive()
+
+
+def test_a_node_killed_with_its_dram_gone_serves_its_disk_blocks_again(
+        nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = nodes
+    cc = connect(b, monkeypatch)
+    fill(cc, nodes)
+    Ems._reset()
+    a.kill9()
+    for f in Path(a.sections["pool"]["state_dir"]).iterdir():  # its pool and ledger: DRAM is gone
+        f.unlink()
+    a.start()
+    assert "index attached" in a.log(), a.log()
+    joined(nodes)
+    cc = connect(b, monkeypatch)
+    deadline = time.monotonic() + 30  # until b's client sees a again (placement agreed)
+    while (got := load_first_three(cc)) < LOADED and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert got == LOADED, (a.log(), b.log())
+    assert a.metric("emsd_disk_reads_total") > 0  # a's blocks came from a's disk
