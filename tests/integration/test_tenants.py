@@ -1,10 +1,13 @@
-"""Tenants: access keys checked, namespaces kept apart on the daemon, quotas, and SO_PEERCRED."""
+"""Tenants: access keys checked, namespaces kept apart on the daemon and on its disk tier, quotas,
+and SO_PEERCRED."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import struct
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -175,3 +178,49 @@ def _exact(s: socket.socket, n: int) -> bytes:
         assert chunk, "closed"
         buf += chunk
     return buf
+
+
+def test_blocks_on_disk_stay_their_tenants(emsd_factory: Any, tenants_file: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant's blocks moved to the disk tier load back for it, byte for byte, and another
+    tenant with the same model and keys neither finds nor loads them."""
+    base = Path(os.environ.get("EMSD_TEST_DISK_DIR", "/var/tmp"))
+    disk = Path(tempfile.mkdtemp(prefix="emsd-disk-tenants-", dir=base))
+    try:
+        d = emsd_factory(tenants={"file": str(tenants_file)}, pool={"size": "16MiB", "page_size": "1MiB"},
+                         disk={"dir": str(disk), "size": "256MiB", "extent": "4MiB"})
+        monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
+
+        def as_tenant(access_id: str, key: str) -> Any:
+            Ems._reset()
+            Ems.init(EmsConfig(access_id=access_id, access_key=key,
+                               cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
+            return Ems.get_cc()
+
+        def kv(value: float) -> list[list[torch.Tensor]]:
+            return [[torch.full((BLOCKS, BLOCK, 64, 32), value) for _ in range(2)]]  # 64 KiB a block
+
+        def batch(b: int) -> list[int]:
+            return [b * 1000 + i for i in range(BLOCKS)]
+
+        cc = as_tenant("team-a", KEY_A)
+        for b in range(1, 41):  # 40 MiB through a 16 MiB pool: the first batches go to disk
+            cc.register_kvcache(kv(float(b)))
+            assert cc.save(SLOTS, hashes=batch(b), offsets=[BLOCK] * BLOCKS).success == BLOCKS
+        assert d.disk_settled() >= BLOCKS
+        assert cc.exists(batch(1)).success == BLOCKS  # on disk, counted
+
+        cc = as_tenant("team-b", KEY_B)  # same model, same keys
+        got = kv(-1.0)
+        cc.register_kvcache(got)
+        assert cc.exists(batch(1)).success == 0
+        assert cc.load(SLOTS, hashes=batch(1), offsets=[BLOCK] * BLOCKS).success == 0
+        assert bool((got[0][0] == -1.0).all()) and d.metric("emsd_disk_reads_total") == 0
+
+        cc = as_tenant("team-a", KEY_A)
+        got = kv(0.0)
+        cc.register_kvcache(got)
+        assert cc.load(SLOTS, hashes=batch(1), offsets=[BLOCK] * BLOCKS).success == BLOCKS
+        assert all(bool((t == 1.0).all()) for t in got[0]) and d.metric("emsd_disk_reads_total") > 0
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
