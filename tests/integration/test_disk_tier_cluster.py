@@ -8,6 +8,8 @@
 - A clear through one node removes the namespace from both nodes' disks.
 - A node killed with -9 whose DRAM is gone (the pool's shared memory and ledger removed)
   comes back with its disk, and its blocks load again through the other node.
+- With two replicas, a node loads the copies on its own disk, also those it holds as a
+  replica, with the primary up or killed with -9.
 
 The tiers' directories are under /var/tmp (a real file system: /dev/shm is DRAM).
 """
@@ -42,9 +44,10 @@ PIN_OK = 'op="pin",result="ok"'
 @pytest.fixture
 def nodes(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path,
           request: pytest.FixtureRequest) -> Iterator[list[Any]]:
-    """Two joined daemons of 16 MiB, each with a disk tier of its own (indirect parameter:
-    ``pool.checksum``, default off)."""
-    pool = {**POOL, "checksum": bool(getattr(request, "param", False))}
+    """Two joined daemons of 16 MiB, each with a disk tier of its own (indirect parameter: a
+    dict of ``checksum``, ``pool.checksum``, default off, and ``replicas``, default 1)."""
+    param = getattr(request, "param", {})
+    pool = {**POOL, "checksum": param.get("checksum", False)}
     secret = tmp_path / "secret"
     secret.write_text("a-cluster-secret-of-some-length\n")
     os.chmod(secret, 0o600)
@@ -53,7 +56,8 @@ def nodes(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path,
     ds = [emsd_factory(start=False, pool=pool, disk={"dir": str(d), "size": "256MiB", "extent": "4MiB"},
                        cluster={"name": "t", "zookeeper": zookeeper.hosts,
                                 "peer_listen": f"127.0.0.1:{zk.free_port()}",
-                                "secret_file": str(secret), "session_timeout": 4}) for d in dirs]
+                                "secret_file": str(secret), "session_timeout": 4,
+                                "replicas": param.get("replicas", 1)}) for d in dirs]
     try:
         for d in ds:
             d.start()
@@ -98,13 +102,14 @@ def fill(cc: Any, nodes: list[Any]) -> None:
     assert all(d.disk_settled() > 0 for d in nodes), [d.log() for d in nodes]
 
 
-def load_first_three(cc: Any) -> int:
-    """Load batches 1-3 (saved first: on disk by now) in one call; how many blocks loaded
-    (the leading ones), each checked byte for byte."""
-    want = [batch_kv(batch) for batch in (1, 2, 3)]
+def load_first_three(cc: Any, first: int = 1) -> int:
+    """Load batches ``first`` to ``first + 2`` (saved among the first: on disk by now) in one
+    call; how many blocks loaded (the leading ones), each checked byte for byte."""
+    batches = (first, first + 1, first + 2)
+    want = [batch_kv(batch) for batch in batches]
     dst = [[torch.zeros(LOADED, TOKENS, 16, 32) for _ in range(2)] for _ in range(2)]
     cc.register_kvcache(dst)
-    got = int(cc.load(list(range(LOADED * TOKENS)), hashes=keys(1) + keys(2) + keys(3),
+    got = int(cc.load(list(range(LOADED * TOKENS)), hashes=[k for b in batches for k in keys(b)],
                       offsets=[TOKENS] * LOADED).success)
     for layer in range(2):
         for kv in range(2):
@@ -113,7 +118,7 @@ def load_first_three(cc: Any) -> int:
     return got
 
 
-@pytest.mark.parametrize("nodes", [False, True], indirect=True, ids=["plain", "checksums"])
+@pytest.mark.parametrize("nodes", [{}, {"checksum": True}], indirect=True, ids=["plain", "checksums"])
 def test_a_load_larger_than_a_pin_brings_reads_both_nodes_disks_with_every_byte_right(
         nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = nodes
@@ -162,3 +167,20 @@ def test_a_node_killed_with_its_dram_gone_serves_its_disk_blocks_again(
         time.sleep(0.2)
     assert got == LOADED, (a.log(), b.log())
     assert a.metric("emsd_disk_reads_total") > 0  # a's blocks came from a's disk
+
+
+@pytest.mark.parametrize("nodes", [{"replicas": 2}], indirect=True, ids=["replicas"])
+def test_with_two_replicas_a_node_loads_its_own_disk_copies_also_with_the_primary_dead(
+        nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block is on both nodes; a load through one reads its own copies from its disk,
+    those it holds as a replica too, whether the primary is up or killed with -9."""
+    a, b = nodes
+    cc = connect(b, monkeypatch)
+    fill(cc, nodes)
+    fetched = f'peer="{a.sections["node"]["id"]}",op="get"'
+    gets = b.metric("emsd_peer_blocks_total", fetched)
+    assert load_first_three(cc, 1) == LOADED, (a.log(), b.log())
+    assert b.metric("emsd_peer_blocks_total", fetched) == gets  # nothing fetched from the other node
+    a.kill9()
+    assert load_first_three(cc, 4) == LOADED, b.log()
+    assert b.alive()
