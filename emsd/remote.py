@@ -165,11 +165,13 @@ class Remote:
         return {"missed": await self.cluster.drop(effect.name, deadline)}
 
     async def drain(self, _effect: Drain, deadline: float) -> Fields:
-        """Leave the ring, then push owned blocks (oldest namespaces first) until the deadline.
+        """Leave the ring, then push owned blocks (oldest namespaces first) until the deadline,
+        and after those in DRAM the ones on the disk tier, read back a part at a time.
 
         Each pushed block becomes a read-cache copy here; ``remaining`` counts
-        the owned blocks still to move, ``moved`` those that reached an owner
-        in this call, ``failed`` those no owner took.
+        the owned blocks still to move (in DRAM, and on disk not yet read back),
+        ``moved`` those that reached an owner in this call, ``failed`` those no
+        owner took or that could not be read back.
         """
         service, store, cluster = self.service, self.service.store, self.cluster
         await cluster.leave()
@@ -178,7 +180,11 @@ class Remote:
         while now() < deadline:
             owned = service.owned_here()
             if owned.size == 0:
-                break
+                unread = await self._read_back(deadline)
+                if unread is None:
+                    break
+                failed += unread
+                continue
             ns = int(idx.nstag[owned[0]] >> 8)
             batch = owned[(idx.nstag[owned] >> 8) == ns][:DRAIN_BATCH]
             keys = idx.keys_of(batch)
@@ -187,8 +193,27 @@ class Remote:
             moved += int(np.count_nonzero(got))
             failed += len(keys) - int(np.count_nonzero(got))
         remaining = int(service.owned_here().size)
+        if service.tiers is not None:
+            remaining += service.tiers.drain_left(DRAIN_BATCH)
         log.info("drain: %d blocks moved, %d not taken, %d to go", moved, failed, remaining)
         return {"moved": moved, "failed": failed, "remaining": remaining}
+
+    async def _read_back(self, deadline: float) -> int | None:
+        """Promote the next part of the blocks on disk a drain moves (``TierStack.drain_next``)
+        into the pool, where they are owned blocks for the drain to push; how many of the part
+        could not be read back, None when no part is left (or there is no disk tier)."""
+        service, tiers = self.service, self.service.tiers
+        part = tiers.drain_next(DRAIN_BATCH) if tiers is not None else None
+        if tiers is None or part is None:
+            return None
+        name, keys = part
+        ns = service.namespace_id(name)
+        if service.retired(ns):
+            return 0
+        keys = keys.take(np.flatnonzero(~service.store.present(ns, keys)))  # here: moved already
+        if len(keys) == 0:
+            return 0
+        return len(keys) - await tiers.promote(ns, keys, 0, deadline)
 
 
 # The step that carries out each kind of effect after a handler (a dict: no isinstance chain).

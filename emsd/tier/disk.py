@@ -101,6 +101,13 @@ def key_bytes(keys: KeyBatch) -> list[bytes]:
     return [flat[i * 33 : i * 33 + 33] for i in range(n)]
 
 
+def batch_of(kbs: list[bytes]) -> KeyBatch:
+    """The keys of ``key_bytes`` form (33 bytes each) as a ``KeyBatch``."""
+    raw = np.frombuffer(b"".join(kbs), dtype=np.uint8).reshape(len(kbs), 33)
+    words = np.ascontiguousarray(raw[:, :32]).view("<u8").astype(np.uint64).reshape(len(kbs), 4)
+    return KeyBatch(words, raw[:, 32].copy())
+
+
 def digest(buf: memoryview | bytes) -> int:
     """xxh3-64 of a block (never 0, which the index reads as "none")."""
     return xxhash.xxh3_64_intdigest(buf) or 1
@@ -306,6 +313,16 @@ class DiskTier:
             for k in gone:
                 self._remove(k)
             return len(gone)
+
+    def keys_on_disk(self) -> dict[str, KeyBatch]:
+        """Every namespace's keys whose blocks are whole on disk now (a snapshot, in the order
+        they were indexed): what a drain moves. Touches nothing."""
+        with self._lock:
+            by_ns: dict[int, list[bytes]] = {}
+            for (ns, kb), e in self._index.items():
+                if e.ready and not e.gone:
+                    by_ns.setdefault(ns, []).append(kb)
+            return {self._ns_names[ns]: batch_of(kbs) for ns, kbs in by_ns.items()}
 
     # -- presence -----------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ knowing the other:
   a block whose staged bytes no longer match its seal is not written.
 - ``exists`` and ``present`` count a key as held when it is in DRAM or on disk
   (``exists``: the leading run of such keys, as the store counts READY ones).
+- ``drain_next`` hands a drain (``emsd.remote``) the blocks on disk when it began, a part
+  at a time, for it to promote and push to their new owners.
 - ``promote`` is the asynchronous step before a PIN (a ``Promote`` effect of ``Service.before``,
   like a remote fetch): the keys of the PIN's leading run that are only on
   disk (in a cluster the run goes on through keys other nodes own, which the
@@ -74,6 +76,7 @@ class TierStack:
         self.promoted = 0  # blocks read from disk into the pool
         self.late = 0  # promotions whose read ended after their load's deadline
         self.refused = 0  # blocks to promote that found no room in the pool (``Service.refusals``)
+        self._drain: list[tuple[str, KeyBatch]] | None = None  # what a drain has yet to move
         store.on_evict = self.on_evict
 
     # -- demotion ------------------------------------------------------------------------------
@@ -219,6 +222,29 @@ class TierStack:
             self.promoted += self.store.commit(h)
         if bad:
             self.store.abort(np.array(bad, dtype=np.uint32))
+
+    # -- drain ---------------------------------------------------------------------------------
+
+    def _drain_queue(self, limit: int) -> list[tuple[str, KeyBatch]]:
+        """The blocks on disk when the node's drain began, in parts of at most ``limit`` keys of
+        one namespace, the next last. Blocks demoted after that are not in it: what a drain
+        evicts are copies it has moved (read-cache copies, never demoted)."""
+        if self._drain is None:
+            parts = [(name, keys.take(slice(i, i + limit)))
+                     for name, keys in self.disk.keys_on_disk().items() if not name.startswith("\0")
+                     for i in range(0, len(keys), limit)]
+            self._drain = parts[::-1]
+        return self._drain
+
+    def drain_next(self, limit: int) -> tuple[str, KeyBatch] | None:
+        """The next part (namespace name, keys) of the blocks on disk a drain moves; None once
+        every part has been handed out."""
+        queue = self._drain_queue(limit)
+        return queue.pop() if queue else None
+
+    def drain_left(self, limit: int) -> int:
+        """How many keys on disk the drain has not been handed yet."""
+        return sum(len(keys) for _, keys in self._drain_queue(limit))
 
     def summary(self) -> dict[str, object]:
         """The tier's state for STATS (``emsctl status``)."""

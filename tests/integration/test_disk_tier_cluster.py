@@ -10,6 +10,7 @@
   comes back with its disk, and its blocks load again through the other node.
 - With two replicas, a node loads the copies on its own disk, also those it holds as a
   replica, with the primary up or killed with -9.
+- A drain moves the node's blocks on disk as well as those in DRAM.
 
 The tiers' directories are under /var/tmp (a real file system: /dev/shm is DRAM).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -183,4 +185,24 @@ def test_with_two_replicas_a_node_loads_its_own_disk_copies_also_with_the_primar
     assert b.metric("emsd_peer_blocks_total", fetched) == gets  # nothing fetched from the other node
     a.kill9()
     assert load_first_three(cc, 4) == LOADED, b.log()
+    assert b.alive()
+
+
+def test_a_drain_moves_the_blocks_on_the_nodes_disk_too(nodes: list[Any],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``emsctl drain`` of a node whose share is mostly on its disk: every block it owns, in
+    DRAM or on disk, reaches the other node, and after it stops every block loads there."""
+    a, b = nodes
+    cc = connect(b, monkeypatch)
+    fill(cc, nodes)
+    Ems._reset()
+    out = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(a.socket_dir), "drain"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout, out.stderr, a.log())
+    moved = int(out.stdout.split("drained: ")[1].split()[0])
+    assert moved > 16 << 5, out.stdout  # more than a's 16 MiB pool holds of 32 KiB blocks
+    assert a.terminate() == 0
+    cc = connect(b, monkeypatch)
+    loaded = sum(load_first_three(cc, first) for first in range(1, 40, 3))  # batches 1-39
+    assert loaded == 13 * LOADED, (out.stderr, b.log())
     assert b.alive()

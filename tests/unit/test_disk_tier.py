@@ -223,3 +223,27 @@ def test_adjacent_blocks_read_in_one_run_and_a_bad_one_is_a_miss_alone(disk_dir:
     view.release()
     dest.close()
     tier.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, (1 << 64) - 1), st.binary(min_size=1, max_size=32)),
+                min_size=1, max_size=12, unique=True))
+def test_keys_on_disk_gives_back_the_keys_demoted(keys: list[int | bytes]) -> None:
+    """What a drain reads back: every demoted key, int or bytes, in its canonical form."""
+    base = os.environ.get("EMSD_TEST_DISK_DIR", "/var/tmp")
+    path = Path(tempfile.mkdtemp(prefix="emsd-disk-test-", dir=base))
+    try:
+        tier = DiskTier(path, 8 * EXTENT, extent=EXTENT)
+        batch = KeyBatch.from_user(keys)
+        pool, offs, lens = _pool([_bytes(i, 4096) for i in range(len(keys))])
+        assert tier.demote("ns", batch, memoryview(pool), offs, lens) == len(keys)
+        assert tier.wait_idle(30)
+        got = tier.keys_on_disk()
+        assert list(got) == ["ns"]
+        def canonical(b: KeyBatch) -> list[tuple[list[int], int]]:
+            return sorted(zip(b.words.tolist(), b.tags.tolist(), strict=True))
+
+        assert canonical(got["ns"]) == canonical(batch)
+        tier.close()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
