@@ -8,7 +8,11 @@ Off by default (``[disk]`` in the config). Three ways in and out:
   a page-aligned staging buffer at once, because the store hands its chunk to
   the next block in the same call, and queued for a writer thread. The queue
   is bounded in bytes (``queue_bytes``); a demotion that does not fit is
-  dropped and counted, so eviction and saves never wait for the disk.
+  dropped and counted, so eviction and saves never wait for the disk. Until
+  its write ends a queued block counts as here: ``present`` finds it and a
+  promotion copies it from its staging buffer (``copy_staged``), so that a
+  block evicted and asked for again at once is not a miss; a drop removes it
+  from the queue and its write is skipped.
 - Promotion: a load whose blocks are not all in DRAM finds the next ones
   here, the daemon reserves chunks for them in the pool, and reader threads
   read them straight into those chunks (``read``), check each against its
@@ -16,7 +20,8 @@ Off by default (``[disk]`` in the config). Three ways in and out:
   disk copy stays (blocks are content-addressed: it is still right), so the
   block's next eviction costs no write.
 - Presence: ``present`` answers per key whether a whole, checked-in block is
-  here; ``exists`` adds them to what DRAM holds, as consecutive runs.
+  here (or queued to be); ``exists`` adds them to what DRAM holds, as
+  consecutive runs.
 
 A block's life here::
 
@@ -195,6 +200,9 @@ class DiskTier:
         self._idle = threading.Condition(self._lock)  # notified when a demotion ends
         self._index: OrderedDict[Key, DiskEntry] = OrderedDict()  # LRU order: oldest first
         self._at: dict[int, Key] = {}  # slot offset -> key, for freeing an extent
+        # Blocks queued for writing, not yet on disk: their staging buffers and lengths. They are
+        # found (``present``) and promoted from these buffers (``copy_staged``) meanwhile.
+        self._staged: dict[Key, tuple[mmap.mmap, int]] = {}
         self._free_rows: list[int] = []
         self._rows = 0  # rows ever used (the next new row id)
         self._ns: dict[str, int] = {}
@@ -312,30 +320,37 @@ class DiskTier:
             gone = [k for k in self._index if k[0] == ns]
             for k in gone:
                 self._remove(k)
-            return len(gone)
+            staged = [k for k in self._staged if k[0] == ns]
+            for k in staged:  # its write is skipped
+                del self._staged[k]
+            return len(gone) + len(staged)
 
     def keys_on_disk(self) -> dict[str, KeyBatch]:
-        """Every namespace's keys whose blocks are whole on disk now (a snapshot, in the order
-        they were indexed): what a drain moves. Touches nothing."""
+        """Every namespace's keys whose blocks are whole on disk or queued for writing there now
+        (a snapshot): what a drain moves. Touches nothing."""
         with self._lock:
             by_ns: dict[int, list[bytes]] = {}
             for (ns, kb), e in self._index.items():
                 if e.ready and not e.gone:
+                    by_ns.setdefault(ns, []).append(kb)
+            for ns, kb in self._staged:
+                if (ns, kb) not in self._index:
                     by_ns.setdefault(ns, []).append(kb)
             return {self._ns_names[ns]: batch_of(kbs) for ns, kbs in by_ns.items()}
 
     # -- presence -----------------------------------------------------------------------------
 
     def present(self, name: str, keys: KeyBatch) -> np.ndarray:
-        """Per key: a whole block of it is on disk (bool). Touches nothing."""
+        """Per key: a whole block of it is on disk, or queued for writing there (bool). Touches
+        nothing."""
         out = np.zeros(len(keys), dtype=bool)
         ns = self._ns.get(name)
-        if ns is None or self.failed or not self._index:
+        if ns is None or self.failed or not (self._index or self._staged):
             return out
         with self._lock:
             for i, kb in enumerate(key_bytes(keys)):
                 e = self._index.get((ns, kb))
-                out[i] = e is not None and e.ready
+                out[i] = (e is not None and e.ready) or (ns, kb) in self._staged
         return out
 
     # -- demotion -----------------------------------------------------------------------------
@@ -367,6 +382,8 @@ class DiskTier:
                 if e is not None:
                     self._index.move_to_end(key)
                     continue
+                if key in self._staged:
+                    continue
             slot = slot_for(n)
             with self._lock:
                 if n > self.space.max_block or self.queued_bytes + slot > self.queue_bytes:
@@ -380,6 +397,8 @@ class DiskTier:
                     self._spare_bytes -= slot
             buf = reused if reused is not None else aligned(slot)
             buf[:n] = pool[off : off + n]
+            with self._lock:
+                self._staged[key] = (buf, n)
             self.engine.write(self._write, key, name, buf, n, seal)
             queued += 1
         return queued
@@ -397,7 +416,7 @@ class DiskTier:
                 if self.failed:
                     self.dropped["failed"] += 1
                     return
-                if key in self._index:
+                if key in self._index or key not in self._staged:  # written meanwhile, or dropped
                     return
                 why = self._make_room(key[0], name, length)
                 if why:
@@ -425,6 +444,8 @@ class DiskTier:
             self._fail(f"writing {self.data.path}: {exc}")
         finally:
             with self._lock:
+                if self._staged.get(key, (None,))[0] is buf:
+                    del self._staged[key]  # on disk now (or never): its buffer goes back
                 self.queued -= 1
                 self.queued_bytes -= slot
                 keep = self._spare_bytes + slot <= self.queue_bytes // 2
@@ -497,6 +518,32 @@ class DiskTier:
                     e.readers += 1
                     self._index.move_to_end((ns, kb))
                     out[i] = e
+        return out
+
+    def staged_lengths(self, name: str, keys: KeyBatch) -> list[int | None]:
+        """Per key: the length of its block queued for writing and not on disk yet, or None."""
+        ns = self._ns.get(name)
+        if ns is None or not self._staged:
+            return [None] * len(keys)
+        with self._lock:
+            return [self._staged.get((ns, kb), (None, None))[1] for kb in key_bytes(keys)]
+
+    def copy_staged(self, name: str, keys: KeyBatch, dests: list[memoryview]) -> list[bool]:
+        """Copy each key's block queued for writing into ``dests[i]`` (of its length), from its
+        staging buffer (a memory copy, no I/O: the event loop may call it); per key whether it
+        was still queued. Counts as a read."""
+        ns = self._ns.get(name)
+        out = [False] * len(keys)
+        if ns is None:
+            return out
+        with self._lock:  # the writer recycles a buffer only under the lock
+            for i, kb in enumerate(key_bytes(keys)):
+                got = self._staged.get((ns, kb))
+                if got is not None and got[1] == len(dests[i]):
+                    with memoryview(got[0]) as view:
+                        dests[i][:] = view[: got[1]]
+                    out[i] = True
+                    self.reads += 1
         return out
 
     def read(self, entry: DiskEntry, dest: memoryview, base: int) -> bool:

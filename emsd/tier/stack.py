@@ -140,40 +140,41 @@ class TierStack:
                       elsewhere: np.ndarray | None = None) -> int:
         """Read the disk-only blocks of the leading run after ``count`` into the pool, until
         ``deadline`` (the loop's clock); with ``elsewhere`` (per key, owned by other nodes) the
-        run goes on through those keys. Returns how many were committed in time."""
+        run goes on through those keys. A block still queued for writing is copied from its
+        staging buffer instead. Returns how many were committed in time."""
         rest = keys.take(slice(count, None))
         want = self._disk_only(ns, rest, None if elsewhere is None else elsewhere[count:])
         if want.size == 0:
             return 0
-        wanted = rest.take(want)
-        entries = self.disk.checkout(self.ns_name(ns), wanted)
-        got = next((i for i, e in enumerate(entries) if e is None), len(entries))
+        name, wanted = self.ns_name(ns), rest.take(want)
+        entries = self.disk.checkout(name, wanted)
+        staged = self.disk.staged_lengths(name, wanted)
+        lengths = [n if e is None else e.length for e, n in zip(entries, staged, strict=True)]
+        got = next((i for i, n in enumerate(lengths) if n is None), len(lengths))
         for e in entries[got:]:  # gone since ``present``: the run ends before them
             if e is not None:
                 self.disk.checkin(e)
         if got == 0:
             return 0
-        held = [e for e in entries[:got] if e is not None]
-        res = self._reserve(ns, keys, count, wanted.take(slice(0, got)), held)
+        entries, wanted = entries[:got], wanted.take(slice(0, got))
+        res = self._reserve(ns, keys, wanted, np.array(lengths[:got], dtype=np.uint64))
         self.refused += int(np.count_nonzero(res.status == _FAILED))
-        new = np.flatnonzero(res.status == _NEW)
         for i in np.flatnonzero(res.status != _NEW).tolist():
-            self.disk.checkin(held[i])  # PRESENT (stored meanwhile) or FAILED (no room): no read
-        if new.size == 0:
+            e = entries[i]  # PRESENT (stored meanwhile) or FAILED (no room): no read
+            if e is not None:
+                self.disk.checkin(e)
+        new = np.flatnonzero(res.status == _NEW).tolist()
+        if not new:
             return 0
-        loop = asyncio.get_running_loop()
-        reads: dict[asyncio.Future[object], list[int]] = {}
-        picked = [held[i] for i in new.tolist()]
-        at = res.offsets[new].tolist()
-        handles = res.handles[new].tolist()
-        for span in runs([e.offset for e in picked], [e.length for e in picked], at, self.disk.data.direct):
-            dests = [self.pool[at[j] : at[j] + picked[j].length] for j in span]
-            fut = self.disk.engine.read(self.disk.read_run, [picked[j] for j in span], dests,
-                                        [at[j] for j in span])
-            reads[asyncio.wrap_future(fut)] = [handles[j] for j in span]
-        done, late = await asyncio.wait(reads, timeout=max(0.0, deadline - loop.time()))
         ok: list[int] = []
         bad: list[int] = []
+        self._copy_staged(name, wanted, [i for i in new if entries[i] is None], res, lengths, ok, bad)
+        reads = self._read(res, [(i, e) for i in new if (e := entries[i]) is not None])
+        loop = asyncio.get_running_loop()
+        done: set[asyncio.Future[object]] = set()
+        late: set[asyncio.Future[object]] = set()
+        if reads:
+            done, late = await asyncio.wait(reads, timeout=max(0.0, deadline - loop.time()))
         for f in done:
             _sort(f, reads[f], ok, bad)
         self._settle(ok, bad)
@@ -182,19 +183,50 @@ class TierStack:
             f.add_done_callback(functools.partial(self._settle_late, handles=reads[f]))
         return len(ok)
 
+    def _copy_staged(self, name: str, wanted: KeyBatch, picked: list[int], res: Reservation,
+                     lengths: list[int | None], ok: list[int], bad: list[int]) -> None:
+        """The blocks at positions ``picked`` of ``wanted`` (of ``lengths``), queued for writing,
+        into their reserved chunks from their staging buffers; their handles into ``ok`` or
+        (written and gone from the queue meanwhile) ``bad``."""
+        if not picked:
+            return
+        at = res.offsets[picked].tolist()
+        dests = [self.pool[a : a + int(lengths[i] or 0)] for a, i in zip(at, picked, strict=True)]
+        copied = self.disk.copy_staged(name, wanted.take(np.array(picked)), dests)
+        for h, right in zip(res.handles[picked].tolist(), copied, strict=True):
+            (ok if right else bad).append(h)
+
+    def _read(self, res: Reservation,
+              picked: list[tuple[int, DiskEntry]]) -> dict[asyncio.Future[object], list[int]]:
+        """Start reading the checked-out blocks ``picked`` (position in ``res``, entry) into their
+        reserved chunks, one I/O a run of adjacent slots: each read's future and its handles."""
+        reads: dict[asyncio.Future[object], list[int]] = {}
+        if not picked:
+            return reads
+        at = res.offsets[[i for i, _ in picked]].tolist()
+        handles = res.handles[[i for i, _ in picked]].tolist()
+        blocks = [e for _, e in picked]
+        for span in runs([e.offset for e in blocks], [e.length for e in blocks], at, self.disk.data.direct):
+            dests = [self.pool[at[j] : at[j] + blocks[j].length] for j in span]
+            fut = self.disk.engine.read(self.disk.read_run, [blocks[j] for j in span], dests,
+                                        [at[j] for j in span])
+            reads[asyncio.wrap_future(fut)] = [handles[j] for j in span]
+        return reads
+
     def _settle_late(self, fut: asyncio.Future[object], handles: list[int]) -> None:
         ok: list[int] = []
         bad: list[int] = []
         _sort(fut, handles, ok, bad)
         self._settle(ok, bad)
 
-    def _reserve(self, ns: int, keys: KeyBatch, count: int, wanted: KeyBatch,
-                 held: list[DiskEntry]) -> Reservation:
-        """Chunks for the blocks to promote; the load's leading DRAM blocks are pinned meanwhile,
-        so that the reservation's evictions do not take what the load is about to read."""
-        head = self.store.pin(ns, keys.take(slice(0, count))) if count else None
+    def _reserve(self, ns: int, keys: KeyBatch, wanted: KeyBatch, sizes: np.ndarray) -> Reservation:
+        """Chunks for the blocks to promote; the load's blocks in DRAM are pinned meanwhile, the
+        leading ones and those further on alike, so that the reservation's evictions do not
+        take what the load is about to read (a block evicted further on would be a miss of
+        this load, and of the next until its demotion is written)."""
+        here = np.flatnonzero(self.store.present(ns, keys))
+        head = self.store.pin(ns, keys.take(here)) if here.size else None
         try:
-            sizes = np.array([e.length for e in held], dtype=np.uint64)
             if self.quota is None:
                 return self.store.reserve(ns, wanted, sizes)
             fit = self.quota.fit_quota(ns, wanted, sizes)

@@ -8,8 +8,10 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -247,3 +249,44 @@ def test_keys_on_disk_gives_back_the_keys_demoted(keys: list[int | bytes]) -> No
         tier.close()
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _held_writes(tier: DiskTier) -> threading.Event:
+    """Hold ``tier``'s writer threads until the returned event is set (demotions stay queued)."""
+    go = threading.Event()
+    write = tier._write
+
+    def held(*args: Any) -> None:
+        go.wait(30)
+        write(*args)
+
+    tier._write = held  # type: ignore[method-assign,assignment]
+    return go
+
+
+def test_a_block_queued_for_writing_is_found_copied_and_dropped_with_its_namespace(disk_dir: Path) -> None:
+    """Until its write ends a demoted block is present and copied from its staging buffer; a
+    drop meanwhile removes it, and its write is skipped."""
+    tier = DiskTier(disk_dir, 8 * EXTENT, extent=EXTENT)
+    go = _held_writes(tier)
+    blocks = [_bytes(i) for i in range(3)]
+    pool, offs, lens = _pool(blocks)
+    keys = KeyBatch.from_user([1, 2, 3])
+    assert tier.demote("ns", keys, memoryview(pool), offs, lens) == 3
+    assert tier.present("ns", keys).all() and tier.queued == 3
+    assert tier.staged_lengths("ns", keys) == [BLOCK] * 3
+    assert sorted(tier.keys_on_disk()["ns"].words[:, 0].tolist()) == [1, 2, 3]
+    dests = [memoryview(bytearray(BLOCK)) for _ in range(2)]
+    assert tier.copy_staged("ns", keys.take(slice(0, 2)), dests) == [True, True]
+    assert [bytes(d) for d in dests] == blocks[:2]
+    wrong_size = [memoryview(bytearray(10))]
+    assert tier.copy_staged("ns", keys.take(slice(0, 1)), wrong_size) == [False]
+    assert tier.drop("ns") == 3
+    assert not tier.present("ns", keys).any()
+    go.set()
+    assert tier.wait_idle(30)
+    assert not tier.present("ns", keys).any() and tier.stats().blocks == 0  # the writes were skipped
+    assert tier.demote("ns", keys, memoryview(pool), offs, lens) == 3  # queued afresh, then written
+    assert tier.wait_idle(30)
+    assert tier.staged_lengths("ns", keys) == [None] * 3 and _read(tier, "ns", keys) == blocks
+    tier.close()

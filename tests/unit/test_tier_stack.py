@@ -12,6 +12,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -186,3 +187,31 @@ def test_blocks_evicted_for_room_go_to_disk_and_come_back() -> None:
         got = asyncio.run(stack.promote(NS, KeyBatch.from_user(gone), 0, float("inf")))
         assert got == len(gone)
         assert [_dram_bytes(stack, k) for k in gone] == [_bytes(k) for k in gone]
+
+
+def test_a_block_evicted_and_still_queued_for_disk_is_promoted_from_its_staging_buffer() -> None:
+    """A load right after an eviction, before the demotion is written: the block is found and
+    comes back byte for byte, copied from the write queue (before, a miss until written)."""
+    with _stack() as stack:
+        go = threading.Event()
+        write = stack.disk._write
+
+        def held(*args: Any) -> None:
+            go.wait(30)
+            write(*args)
+
+        stack.disk._write = held  # type: ignore[method-assign,assignment]
+        try:
+            n = 2 * POOL // BLOCK
+            for key in range(n):
+                _in_dram(stack, [key])
+            keys = KeyBatch.from_user(list(range(n)))
+            gone = np.flatnonzero(~stack.store.present(NS, keys))[:8].tolist()
+            assert gone and stack.disk.queued >= len(gone)  # evicted, none written yet
+            batch = KeyBatch.from_user(gone)
+            assert stack.exists(NS, batch, 0) == len(gone)
+            assert asyncio.run(stack.promote(NS, batch, 0, float("inf"))) == len(gone)
+            assert [_dram_bytes(stack, k) for k in gone] == [_bytes(k) for k in gone]
+        finally:
+            go.set()
+        assert stack.disk.wait_idle(30)
