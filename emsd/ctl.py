@@ -18,10 +18,14 @@ not be reached or refused, 2 a bad command line or config file.
 
 emsctl speaks for the default tenant, or with ``--access-id ID`` for tenant
 ID, whose key it takes from ``$EMS_ACCESS_KEY`` only (a command line is
-visible to every user of the host). A daemon with a tenants file refuses
-the default tenant unless ``tenants.allow_default``; and ``drop`` of a
-tenant's namespace needs that tenant, since the daemon keeps tenants'
-namespaces apart.
+visible to every user of the host). ``drain`` and ``placement set`` change
+the cluster for every tenant: they are the operator's, and a daemon with a
+tenants file takes them only from emsctl without ``--access-id`` run as root
+or as the daemon's user (``Service.operator``). Such a connection is served
+on a daemon of tenants only (no ``tenants.allow_default``) too, for
+``status``, ``stats``, ``owner``, ``drain`` and ``placement set`` alone. And
+``drop`` of a tenant's namespace needs that tenant, since the daemon keeps
+tenants' namespaces apart.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class Control:
             raise CtlError(f"cannot reach emsd at {self.path}: {exc}") from None
         if not frames or frames[0].header.get("st") != 0:
             why = frames[0].header.get("msg") if frames else "no answer"
+            self.sock.close()
             raise CtlError(f"emsd refused the connection: {why}")
 
     def call(self, op: Op, fields: dict[str, Any], payload: list[bytes] | tuple[()] = (),

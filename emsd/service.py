@@ -124,6 +124,13 @@ MAX_NAMESPACES_PER_TENANT = 1024  # default tenants.max_namespaces
 FREED = "\0free"  # the name of a namespace id freed for reuse (_free_unused)
 RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_namespace)
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
+OPERATOR_OPS = frozenset((Op.DRAIN, Op.PLACEMENT))  # they change the cluster for every tenant
+OPERATOR_SESSION_OPS = OPERATOR_OPS | {Op.STATS, Op.OWNER, Op.PING}  # what an operator-only session may ask
+
+
+def operator_uid(uid: int) -> bool:
+    """Whether a peer of user id ``uid`` (SO_PEERCRED) is root or the daemon's own user."""
+    return uid >= 0 and uid in (0, os.geteuid())
 PEER_PROMOTE_BUDGET = 1.0  # seconds a peer's GET may spend reading blocks from the disk tier
 # Slot statuses as numpy scalars: comparing an array with one skips the enum's slow lookup.
 _NEW, _FAILED, _PRESENT = (np.uint8(st) for st in (SlotStatus.NEW, SlotStatus.FAILED, SlotStatus.PRESENT))
@@ -145,7 +152,9 @@ class Session:
     """One client connection's state."""
 
     peer_pid: int = 0
+    peer_uid: int = -1  # SO_PEERCRED's uid (the Unix socket sets it; -1: not known)
     authenticated: bool = False
+    operator_only: bool = False  # admitted for operator commands alone (``Service.hello``)
     namespaces: set[int] = field(default_factory=set)
     pending: set[int] = field(default_factory=set)
     pins: Counter[int] = field(default_factory=Counter)
@@ -222,6 +231,8 @@ class Service:
         pid = header.get("pid", 0)
         session.peer_pid = pid if type(pid) is int else 0
         tenant = self.tenants.authenticate(header.get("access_id"), header.get("access_key"))
+        if tenant is None and header.get("access_id") in (None, "") and operator_uid(session.peer_uid):
+            tenant, session.operator_only = DEFAULT_TENANT, True  # emsctl on a node of tenants only
         if tenant is None:
             log.warning("refused client pid %s: unknown tenant %r or wrong access key",
                         session.peer_pid, str(header.get("access_id"))[:64])
@@ -236,6 +247,15 @@ class Service:
         if header.get("idx") is True and self.store.shared is not None:
             info["idx"] = self.store.shared.size  # its fd follows the pool's
         return info
+
+    def operator(self, session: Session) -> bool:
+        """Whether ``session`` speaks for the operator, who alone may change the cluster (DRAIN,
+        PLACEMENT): every client of a node without tenants; with tenants, a connection without
+        an access id from root or the daemon's own user (a tenant's client never, whatever its
+        user)."""
+        if not self.tenants.enabled:
+            return True
+        return session.tenant == DEFAULT_TENANT and operator_uid(session.peer_uid)
 
     def load_part(self) -> int:
         """The most bytes of blocks one PIN of a client here should ask for (HELLO's ``part``; 0:
@@ -272,6 +292,13 @@ class Service:
             handler = self._handlers.get(op) if type(op) is int else None  # type: ignore[call-overload]
             if handler is None:
                 raise RequestError(Status.INVALID_ARGUMENT, f"unknown op {op!r}")
+            if op in OPERATOR_OPS and not self.operator(session):
+                raise RequestError(Status.INVALID_ARGUMENT, f"{name} is the operator's: run emsctl as "
+                                   "root or as the daemon's user, without --access-id")
+            if session.operator_only and op not in OPERATOR_SESSION_OPS:
+                raise RequestError(Status.INVALID_ARGUMENT, f"{name}: this emsd serves no default tenant "
+                                   "(tenants.allow_default); a connection without an access id may "
+                                   "only run operator commands here")
             held = session.uncommitted
             try:
                 out = handler(self, session, header, payload)

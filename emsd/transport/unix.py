@@ -302,7 +302,7 @@ class UnixControlServer:
         session = Session()
         try:
             pid, uid, gid = peer_credentials(conn)
-            session.peer_pid = pid
+            session.peer_pid, session.peer_uid = pid, uid
             header = await asyncio.wait_for(self._read_hello(loop, conn), HANDSHAKE_TIMEOUT)
             if not self.admits(uid, gid):  # before answering: a refused peer never gets the fd
                 log.warning("refused pid %d: uid %d / gid %d not in node.allowed_uids/gids", pid, uid, gid)
@@ -315,7 +315,8 @@ class UnixControlServer:
                 conn.close()
                 return
             info = service.hello(session, header)
-            fd = self._pool_fd(session.tenant)  # the memory of the client's tenant alone
+            # the memory of the client's tenant alone; none for a session of operator commands only
+            fd = None if session.operator_only else self._pool_fd(session.tenant)
             fds = [] if fd is None else [fd]
             shared = service.store.shared
             if fds and shared is not None and "idx" in info:

@@ -12,6 +12,7 @@ test_peer.py.)
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402
 from tenant_sdk import as_tenant  # noqa: E402
 
-from ems import CcKvOption  # noqa: E402
+from ems import CcKvOption, EmsErrorCode, EmsException  # noqa: E402
 from ems.client import DaemonClient  # noqa: E402
+from emsd.ctl import Control, CtlError  # noqa: E402
 from emsd.transport.frames import Op  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(zk.available() is not None, reason=str(zk.available())),
@@ -109,3 +111,41 @@ def test_a_tenant_over_its_quota_saving_through_another_node_evicts_only_its_own
         a_keys, option=CcKvOption(read_local_only=True)).success == BLOCKS
     assert local.success < BLOCKS  # y holds only its share: the rest was found at x above
     assert x.alive() and y.alive()
+
+
+def test_a_tenant_may_not_drain_a_node_or_change_the_placement(nodes: list[Any]) -> None:
+    """DRAIN and PLACEMENT change the cluster for every tenant: a tenant's connection is refused
+    both, whatever its user, and the node stays in the ring with the record unchanged."""
+    x, _ = nodes
+    before = {k: stats(x)[k] for k in ("placement_record", "vnodes", "replicas")}
+    client = DaemonClient(x.socket_dir / "emsd.sock")
+    client.connect({"access_id": "team-a", "access_key": KEY_A})
+    try:
+        for op, fields in ((Op.DRAIN, {"to": 2000}), (Op.PLACEMENT, {"vnodes": 64, "replicas": 2})):
+            with pytest.raises(EmsException) as err:
+                client.call(op, fields, timeout=10)
+            assert err.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT
+            assert "is the operator's" in err.value.message()
+    finally:
+        client.close()
+    assert all(len(stats(d)["members"]) == 2 for d in nodes)
+    assert not stats(x)["draining"]
+    assert {k: stats(x)[k] for k in before} == before
+
+
+def test_emsctl_without_an_access_id_runs_operator_commands_only(nodes: list[Any]) -> None:
+    """On a node of tenants only (no ``allow_default``), a connection without an access id from
+    root or the daemon's user is the operator's: it is given no pool memory, may read STATS and
+    drain the node, and may not open a namespace."""
+    x, y = nodes
+    ctl = Control(x.socket_dir)
+    try:
+        assert ctl.call(Op.STATS, {})["node"] == x.sections["node"]["id"]
+        with pytest.raises(CtlError, match="only run operator commands"):
+            ctl.call(Op.NAMESPACE, {"name": "m"})
+    finally:
+        ctl.sock.close()
+    out = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(x.socket_dir), "drain"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: stats(y)["members"] == [y.sections["node"]["id"]])

@@ -41,25 +41,33 @@ pytestmark = [pytest.mark.skipif(zk.available() is not None, reason=str(zk.avail
 TOKENS, BATCH, LOADED = 4, 32, 96  # blocks of 4 tokens, 32 KiB each; 32 a save; 96 (3 MiB) a load
 POOL = {"size": "16MiB", "page_size": "1MiB"}  # part: 1/16 of it, 1 MiB
 PIN_OK = 'op="pin",result="ok"'
+TENANT = ("team-a", "A" * 43 + "=")  # access id and key
 
 
 @pytest.fixture
 def nodes(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path,
           request: pytest.FixtureRequest) -> Iterator[list[Any]]:
     """Two joined daemons of 16 MiB, each with a disk tier of its own (indirect parameter: a
-    dict of ``checksum``, ``pool.checksum``, default off, and ``replicas``, default 1)."""
+    dict of ``checksum``, ``pool.checksum``, default off; ``replicas``, default 1; ``tenants``,
+    default off: then the tenant ``TENANT`` alone, which ``connect`` connects as)."""
     param = getattr(request, "param", {})
     pool = {**POOL, "checksum": param.get("checksum", False)}
     secret = tmp_path / "secret"
     secret.write_text("a-cluster-secret-of-some-length\n")
     os.chmod(secret, 0o600)
+    more: dict[str, dict[str, Any]] = {}
+    if param.get("tenants"):
+        tenants = tmp_path / "tenants.toml"
+        tenants.write_text(f'[[tenant]]\naccess_id = "{TENANT[0]}"\naccess_key = "{TENANT[1]}"\n')
+        tenants.chmod(0o600)
+        more["tenants"] = {"file": str(tenants)}
     base = os.environ.get("EMSD_TEST_DISK_DIR", "/var/tmp")
     dirs = [Path(tempfile.mkdtemp(prefix="emsd-disk-cluster-", dir=base)) for _ in range(2)]
     ds = [emsd_factory(start=False, pool=pool, disk={"dir": str(d), "size": "256MiB", "extent": "4MiB"},
                        cluster={"name": "t", "zookeeper": zookeeper.hosts,
                                 "peer_listen": f"127.0.0.1:{zk.free_port()}",
                                 "secret_file": str(secret), "session_timeout": 4,
-                                "replicas": param.get("replicas", 1)}) for d in dirs]
+                                "replicas": param.get("replicas", 1)}, **more) for d in dirs]
     try:
         for d in ds:
             d.start()
@@ -88,9 +96,12 @@ def keys(batch: int) -> list[int]:
 
 
 def connect(node: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The SDK on ``node`` (as ``TENANT`` where the node has tenants)."""
     monkeypatch.setenv("EMS_SOCKET_DIR", str(node.socket_dir))
     Ems._reset()
-    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="disk-cluster")))
+    access_id, access_key = TENANT if "tenants" in node.sections else (None, None)
+    Ems.init(EmsConfig(access_id=access_id, access_key=access_key,
+                       cc_config=CcConfig(rank_id=0, device_id=0, model_id="disk-cluster")))
     return Ems.get_cc()
 
 
@@ -188,10 +199,12 @@ def test_with_two_replicas_a_node_loads_its_own_disk_copies_also_with_the_primar
     assert b.alive()
 
 
+@pytest.mark.parametrize("nodes", [{}, {"tenants": True}], indirect=True, ids=["plain", "tenants"])
 def test_a_drain_moves_the_blocks_on_the_nodes_disk_too(nodes: list[Any],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """``emsctl drain`` of a node whose share is mostly on its disk: every block it owns, in
-    DRAM or on disk, reaches the other node, and after it stops every block loads there."""
+    DRAM or on disk, reaches the other node, and after it stops every block loads there (a
+    tenant's too: read back into its own pages, counted against it on the owner)."""
     a, b = nodes
     cc = connect(b, monkeypatch)
     fill(cc, nodes)
