@@ -81,6 +81,8 @@ class Control:
         hello: dict[str, Any] = {"pid": os.getpid()}
         if access_id is not None:
             hello |= {"access_id": access_id, "access_key": access_key}
+        else:  # on a daemon of tenants only: a session of operator commands (Service.hello)
+            hello["operator"] = True
         try:
             self.sock.connect(str(self.path))
             self._send(Op.HELLO, hello)

@@ -231,7 +231,8 @@ class Service:
         pid = header.get("pid", 0)
         session.peer_pid = pid if type(pid) is int else 0
         tenant = self.tenants.authenticate(header.get("access_id"), header.get("access_key"))
-        if tenant is None and header.get("access_id") in (None, "") and operator_uid(session.peer_uid):
+        if (tenant is None and header.get("operator") is True and header.get("access_id") in (None, "")
+                and operator_uid(session.peer_uid)):
             tenant, session.operator_only = DEFAULT_TENANT, True  # emsctl on a node of tenants only
         if tenant is None:
             log.warning("refused client pid %s: unknown tenant %r or wrong access key",

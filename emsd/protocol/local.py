@@ -67,8 +67,10 @@ Layouts (little-endian, n keys; ``H`` a handle, u32; offsets and sizes u64):
            ``OwnerAnswer``     ``{owners}``: node ids per key.
 - PLACEMENT ``PlacementRequest`` ``{vnodes, replicas}``. Answer ``{vnodes, replicas, version}``.
 - PING, STATS, DRAIN ``{to?}``: header only; STATS answers a free-form map of counters, DRAIN
-  ``{moved, failed, remaining}``. HELLO is the connection's first frame (``Service.hello``);
-  its answer names the node and the pool (``pool_size``, ``region``, ``sparse``, ``page``),
+  ``{moved, failed, remaining}``. HELLO is the connection's first frame (``Service.hello``):
+  ``{pid, access_id?, access_key?, idx?, operator?}`` (``operator`` true: emsctl without a
+  tenant, which a daemon of tenants only serves for operator commands from root or its own
+  user); its answer names the node and the pool (``pool_size``, ``region``, ``sparse``, ``page``),
   whether it grants chunks (``grants``), the most bytes one PIN should ask for (``part``,
   ``Service.load_part``; 0: no limit) and whether its PIN answers say ``more`` (``more``) and it
   honours a PIN's ``br`` (``bring``).
