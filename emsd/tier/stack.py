@@ -168,8 +168,15 @@ class TierStack:
             return 0
         ok: list[int] = []
         bad: list[int] = []
-        self._copy_staged(name, wanted, [i for i in new if entries[i] is None], res, lengths, ok, bad)
-        reads = self._read(res, [(i, e) for i in new if (e := entries[i]) is not None])
+        on_disk = [(i, e) for i in new if (e := entries[i]) is not None]
+        written = self._copy_staged(name, wanted, [i for i in new if entries[i] is None], res, lengths, ok)
+        if written:  # their writes ended since ``staged_lengths``: on disk now (or dropped)
+            for i, e in zip(written, self.disk.checkout(name, wanted.take(np.array(written))), strict=True):
+                if e is None:
+                    bad.append(int(res.handles[i]))
+                else:
+                    on_disk.append((i, e))
+        reads = self._read(res, on_disk)
         loop = asyncio.get_running_loop()
         done: set[asyncio.Future[object]] = set()
         late: set[asyncio.Future[object]] = set()
@@ -184,17 +191,17 @@ class TierStack:
         return len(ok)
 
     def _copy_staged(self, name: str, wanted: KeyBatch, picked: list[int], res: Reservation,
-                     lengths: list[int | None], ok: list[int], bad: list[int]) -> None:
+                     lengths: list[int | None], ok: list[int]) -> list[int]:
         """The blocks at positions ``picked`` of ``wanted`` (of ``lengths``), queued for writing,
-        into their reserved chunks from their staging buffers; their handles into ``ok`` or
-        (written and gone from the queue meanwhile) ``bad``."""
+        into their reserved chunks from their staging buffers, their handles into ``ok``; the
+        positions of those no longer queued (written meanwhile)."""
         if not picked:
-            return
+            return []
         at = res.offsets[picked].tolist()
         dests = [self.pool[a : a + int(lengths[i] or 0)] for a, i in zip(at, picked, strict=True)]
         copied = self.disk.copy_staged(name, wanted.take(np.array(picked)), dests)
-        for h, right in zip(res.handles[picked].tolist(), copied, strict=True):
-            (ok if right else bad).append(h)
+        ok += [h for h, right in zip(res.handles[picked].tolist(), copied, strict=True) if right]
+        return [i for i, right in zip(picked, copied, strict=True) if not right]
 
     def _read(self, res: Reservation,
               picked: list[tuple[int, DiskEntry]]) -> dict[asyncio.Future[object], list[int]]:

@@ -115,6 +115,14 @@ def fill(cc: Any, nodes: list[Any]) -> None:
     assert all(d.disk_settled() > 0 for d in nodes), [d.log() for d in nodes]
 
 
+def filled(nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, Any]:
+    """``fill`` through the second node: (first node, second node, the SDK on the second)."""
+    a, b = nodes
+    cc = connect(b, monkeypatch)
+    fill(cc, nodes)
+    return a, b, cc
+
+
 def load_first_three(cc: Any, first: int = 1) -> int:
     """Load batches ``first`` to ``first + 2`` (saved among the first: on disk by now) in one
     call; how many blocks loaded (the leading ones), each checked byte for byte."""
@@ -134,9 +142,7 @@ def load_first_three(cc: Any, first: int = 1) -> int:
 @pytest.mark.parametrize("nodes", [{}, {"checksum": True}], indirect=True, ids=["plain", "checksums"])
 def test_a_load_larger_than_a_pin_brings_reads_both_nodes_disks_with_every_byte_right(
         nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b = nodes
-    cc = connect(b, monkeypatch)
-    fill(cc, nodes)
+    a, b, cc = filled(nodes, monkeypatch)
     assert cc.exists(keys(1) + keys(2) + keys(3)).success == LOADED  # on either disk: counted
     pins = b.metric("emsd_ops_total", PIN_OK)
     reads_a, reads_b = a.metric("emsd_disk_reads_total"), b.metric("emsd_disk_reads_total")
@@ -149,9 +155,7 @@ def test_a_load_larger_than_a_pin_brings_reads_both_nodes_disks_with_every_byte_
 
 def test_a_clear_through_one_node_removes_the_namespace_from_both_disks(
         nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b = nodes
-    cc = connect(b, monkeypatch)
-    fill(cc, nodes)
+    a, b, cc = filled(nodes, monkeypatch)
     cc.clear()
     deadline = time.monotonic() + 30  # the DROP reaches the other member after the answer
     while a.metric("emsd_disk_blocks") + b.metric("emsd_disk_blocks") > 0:
@@ -164,9 +168,7 @@ def test_a_clear_through_one_node_removes_the_namespace_from_both_disks(
 
 def test_a_node_killed_with_its_dram_gone_serves_its_disk_blocks_again(
         nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b = nodes
-    cc = connect(b, monkeypatch)
-    fill(cc, nodes)
+    a, b, cc = filled(nodes, monkeypatch)
     Ems._reset()
     a.kill9()
     for f in Path(a.sections["pool"]["state_dir"]).iterdir():  # its pool and ledger: DRAM is gone
@@ -187,9 +189,7 @@ def test_with_two_replicas_a_node_loads_its_own_disk_copies_also_with_the_primar
         nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Every block is on both nodes; a load through one reads its own copies from its disk,
     those it holds as a replica too, whether the primary is up or killed with -9."""
-    a, b = nodes
-    cc = connect(b, monkeypatch)
-    fill(cc, nodes)
+    a, b, cc = filled(nodes, monkeypatch)
     fetched = f'peer="{a.sections["node"]["id"]}",op="get"'
     gets = b.metric("emsd_peer_blocks_total", fetched)
     assert load_first_three(cc, 1) == LOADED, (a.log(), b.log())
@@ -205,9 +205,7 @@ def test_a_drain_moves_the_blocks_on_the_nodes_disk_too(nodes: list[Any],
     """``emsctl drain`` of a node whose share is mostly on its disk: every block it owns, in
     DRAM or on disk, reaches the other node, and after it stops every block loads there (a
     tenant's too: read back into its own pages, counted against it on the owner)."""
-    a, b = nodes
-    cc = connect(b, monkeypatch)
-    fill(cc, nodes)
+    a, b, cc = filled(nodes, monkeypatch)
     Ems._reset()
     out = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(a.socket_dir), "drain"],
                          capture_output=True, text=True, timeout=300)

@@ -64,13 +64,20 @@ def _in_dram(stack: TierStack, keys: list[int]) -> None:
     stack.store.commit(res.handles)
 
 
-def _on_disk(stack: TierStack, keys: list[int]) -> None:
+def _queue(stack: TierStack, keys: list[int]) -> KeyBatch:
+    """Demote blocks of ``keys`` (their bytes ``_bytes``) to the tier's write queue; the batch."""
     staging = aligned(len(keys) * BLOCK)
     for i, key in enumerate(keys):
         staging[i * BLOCK : (i + 1) * BLOCK] = _bytes(key)
     offsets = np.arange(len(keys), dtype=np.uint64) * np.uint64(BLOCK)
-    assert stack.disk.demote(NAME, KeyBatch.from_user(keys), memoryview(staging), offsets,
+    batch = KeyBatch.from_user(keys)
+    assert stack.disk.demote(NAME, batch, memoryview(staging), offsets,
                              np.full(len(keys), BLOCK, dtype=np.uint64)) == len(keys)
+    return batch
+
+
+def _on_disk(stack: TierStack, keys: list[int]) -> None:
+    _queue(stack, keys)
     assert stack.disk.wait_idle(30)
 
 
@@ -215,3 +222,30 @@ def test_a_block_evicted_and_still_queued_for_disk_is_promoted_from_its_staging_
         finally:
             go.set()
         assert stack.disk.wait_idle(30)
+
+
+def test_a_block_written_between_its_lookup_and_its_copy_is_read_from_disk() -> None:
+    """The race of a promotion with the writer: queued when looked up, on disk by the copy. The
+    block is read from disk instead (before, a miss that ended its load)."""
+    with _stack() as stack:
+        go = threading.Event()
+        write, copy_staged = stack.disk._write, stack.disk.copy_staged
+
+        def held(*args: Any) -> None:
+            go.wait(30)
+            write(*args)
+
+        def copy_after_the_writes(*args: Any) -> list[bool]:
+            go.set()
+            assert stack.disk.wait_idle(30)
+            return copy_staged(*args)
+
+        stack.disk._write = held  # type: ignore[method-assign,assignment]
+        stack.disk.copy_staged = copy_after_the_writes  # type: ignore[method-assign]
+        try:
+            keys = _queue(stack, [100, 101, 102])
+            assert stack.disk.staged_lengths(NAME, keys) == [BLOCK] * 3
+            assert asyncio.run(stack.promote(NS, keys, 0, float("inf"))) == 3
+        finally:
+            go.set()
+        assert [_dram_bytes(stack, k) for k in (100, 101, 102)] == [_bytes(k) for k in (100, 101, 102)]
