@@ -203,8 +203,10 @@ class Remote:
         into the pool, where they are owned blocks for the drain to push; how many of the part
         could not be read back, None when no part is left (or there is no disk tier)."""
         service, tiers = self.service, self.service.tiers
-        part = tiers.drain_next(DRAIN_BATCH) if tiers is not None else None
-        if tiers is None or part is None:
+        if tiers is None:
+            return None
+        part = tiers.drain_next(DRAIN_BATCH)
+        if part is None:
             return None
         name, keys = part
         ns = service.namespace_id(name)

@@ -126,17 +126,17 @@ RETIRED = "\0dropped"  # the ledger's name for a dropped namespace id (see drop_
 DRAIN_BATCH = 256  # blocks pushed per step of a drain
 OPERATOR_OPS = frozenset((Op.DRAIN, Op.PLACEMENT))  # they change the cluster for every tenant
 OPERATOR_SESSION_OPS = OPERATOR_OPS | {Op.STATS, Op.OWNER, Op.PING}  # what an operator-only session may ask
-
-
-def operator_uid(uid: int) -> bool:
-    """Whether a peer of user id ``uid`` (SO_PEERCRED) is root or the daemon's own user."""
-    return uid >= 0 and uid in (0, os.geteuid())
 PEER_PROMOTE_BUDGET = 1.0  # seconds a peer's GET may spend reading blocks from the disk tier
 # Slot statuses as numpy scalars: comparing an array with one skips the enum's slow lookup.
 _NEW, _FAILED, _PRESENT = (np.uint8(st) for st in (SlotStatus.NEW, SlotStatus.FAILED, SlotStatus.PRESENT))
 GRANT_SESSION_SHARE = 64  # a connection holds at most 1/64 of the pool in granted chunks
 GRANT_TOTAL_SHARE = 16  # all connections together at most 1/16
 CONNECTION_UNCOMMITTED_SHARE = 2  # default pool.connection_uncommitted: half the pool
+
+
+def operator_uid(uid: int) -> bool:
+    """Whether a peer of user id ``uid`` (SO_PEERCRED) is root or the daemon's own user."""
+    return uid >= 0 and uid in (0, os.geteuid())
 
 
 class RequestError(Exception):

@@ -64,6 +64,19 @@ def _in_dram(stack: TierStack, keys: list[int]) -> None:
     stack.store.commit(res.handles)
 
 
+def _held_writes(stack: TierStack) -> threading.Event:
+    """Hold the disk tier's writer threads until the returned event is set (demotions stay queued)."""
+    go = threading.Event()
+    write = stack.disk._write
+
+    def held(*args: Any) -> None:
+        go.wait(30)
+        write(*args)
+
+    stack.disk._write = held  # type: ignore[method-assign,assignment]
+    return go
+
+
 def _queue(stack: TierStack, keys: list[int]) -> KeyBatch:
     """Demote blocks of ``keys`` (their bytes ``_bytes``) to the tier's write queue; the batch."""
     staging = aligned(len(keys) * BLOCK)
@@ -200,14 +213,7 @@ def test_a_block_evicted_and_still_queued_for_disk_is_promoted_from_its_staging_
     """A load right after an eviction, before the demotion is written: the block is found and
     comes back byte for byte, copied from the write queue (before, a miss until written)."""
     with _stack() as stack:
-        go = threading.Event()
-        write = stack.disk._write
-
-        def held(*args: Any) -> None:
-            go.wait(30)
-            write(*args)
-
-        stack.disk._write = held  # type: ignore[method-assign,assignment]
+        go = _held_writes(stack)
         try:
             n = 2 * POOL // BLOCK
             for key in range(n):
@@ -228,20 +234,14 @@ def test_a_block_written_between_its_lookup_and_its_copy_is_read_from_disk() -> 
     """The race of a promotion with the writer: queued when looked up, on disk by the copy. The
     block is read from disk instead (before, a miss that ended its load)."""
     with _stack() as stack:
-        go = threading.Event()
-        write, copy_staged = stack.disk._write, stack.disk.copy_staged
-
-        def held(*args: Any) -> None:
-            go.wait(30)
-            write(*args)
+        go, copy_staged = _held_writes(stack), stack.disk.copy_staged
 
         def copy_after_the_writes(*args: Any) -> list[bool]:
             go.set()
             assert stack.disk.wait_idle(30)
             return copy_staged(*args)
 
-        stack.disk._write = held  # type: ignore[method-assign,assignment]
-        stack.disk.copy_staged = copy_after_the_writes  # type: ignore[method-assign]
+        stack.disk.copy_staged = copy_after_the_writes  # type: ignore[method-assign,assignment]
         try:
             keys = _queue(stack, [100, 101, 102])
             assert stack.disk.staged_lengths(NAME, keys) == [BLOCK] * 3
