@@ -194,7 +194,7 @@ class Remote:
             failed += len(keys) - int(np.count_nonzero(got))
         remaining = int(service.owned_here().size)
         if service.tiers is not None:
-            remaining += service.tiers.drain_left(DRAIN_BATCH)
+            remaining += service.tiers.drain_left()
         log.info("drain: %d blocks moved, %d not taken, %d to go", moved, failed, remaining)
         return {"moved": moved, "failed": failed, "remaining": remaining}
 

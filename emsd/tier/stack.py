@@ -9,8 +9,8 @@ knowing the other:
   a block whose staged bytes no longer match its seal is not written.
 - ``exists`` and ``present`` count a key as held when it is in DRAM or on disk
   (``exists``: the leading run of such keys, as the store counts READY ones).
-- ``drain_next`` hands a drain (``emsd.remote``) the blocks on disk when it began, a part
-  at a time, for it to promote and push to their new owners.
+- ``drain_next`` hands a drain (``emsd.remote``) the blocks on disk once it has pushed those
+  in DRAM, a part at a time, for it to promote and push to their new owners.
 - ``promote`` is the asynchronous step before a PIN (a ``Promote`` effect of ``Service.before``,
   like a remote fetch): the keys of the PIN's leading run that are only on
   disk (in a cluster the run goes on through keys other nodes own, which the
@@ -264,26 +264,35 @@ class TierStack:
 
     # -- drain ---------------------------------------------------------------------------------
 
-    def _drain_queue(self, limit: int) -> list[tuple[str, KeyBatch]]:
-        """The blocks on disk when the node's drain began, in parts of at most ``limit`` keys of
-        one namespace, the next last. Blocks demoted after that are not in it: what a drain
-        evicts are copies it has moved (read-cache copies, never demoted)."""
-        if self._drain is None:
-            parts = [(name, keys.take(slice(i, i + limit)))
-                     for name, keys in self.disk.keys_on_disk().items() if not name.startswith("\0")
-                     for i in range(0, len(keys), limit)]
-            self._drain = parts[::-1]
-        return self._drain
+    def _on_disk(self) -> list[tuple[str, KeyBatch]]:
+        """Every client namespace's keys whose blocks are on disk or queued for it now."""
+        return [(name, keys) for name, keys in self.disk.keys_on_disk().items() if not name.startswith("\0")]
 
     def drain_next(self, limit: int) -> tuple[str, KeyBatch] | None:
-        """The next part (namespace name, keys) of the blocks on disk a drain moves; None once
-        every part has been handed out."""
-        queue = self._drain_queue(limit)
-        return queue.pop() if queue else None
+        """The next part (namespace name, at most ``limit`` keys) of the blocks a drain moves
+        from disk; None once every part has been handed out.
 
-    def drain_left(self, limit: int) -> int:
-        """How many keys on disk the drain has not been handed yet."""
-        return sum(len(keys) for _, keys in self._drain_queue(limit))
+        The first call takes the snapshot: the blocks on disk or queued for it then. A drain
+        makes it once no owned block is left in DRAM (``emsd.remote``), so the blocks demoted
+        while it pushed those are in it; after that it demotes none of its own (what it pushes
+        becomes a read-cache copy, and those are never demoted).
+        """
+        if self._drain is None:
+            self._drain = self._on_disk()[::-1]  # the next last
+        if not self._drain:
+            return None
+        name, keys = self._drain[-1]
+        if len(keys) <= limit:
+            self._drain.pop()
+            return name, keys
+        self._drain[-1] = (name, keys.take(slice(limit, None)))
+        return name, keys.take(slice(0, limit))
+
+    def drain_left(self) -> int:
+        """How many keys on disk a drain has yet to be handed: of its snapshot once taken, else
+        of the blocks on disk now (counting them takes no snapshot)."""
+        parts = self._on_disk() if self._drain is None else self._drain
+        return sum(len(keys) for _, keys in parts)
 
     def summary(self) -> dict[str, object]:
         """The tier's state for STATS (``emsctl status``)."""

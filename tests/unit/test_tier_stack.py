@@ -249,3 +249,31 @@ def test_a_block_written_between_its_lookup_and_its_copy_is_read_from_disk() -> 
         finally:
             go.set()
         assert [_dram_bytes(stack, k) for k in (100, 101, 102)] == [_bytes(k) for k in (100, 101, 102)]
+
+
+def _drained(stack: TierStack, limit: int) -> list[int]:
+    """The user keys of every part ``drain_next`` hands out, each part at most ``limit`` keys."""
+    got: list[int] = []
+    while (part := stack.drain_next(limit)) is not None:
+        name, keys = part
+        assert name == NAME and 0 < len(keys) <= limit
+        got += [int(keys.key(i)) for i in range(len(keys))]
+    return got
+
+
+def test_a_drain_moves_what_was_demoted_before_it_reached_the_disk() -> None:
+    """A drain that counts what is left on disk (its first call ran out of time while it pushed
+    DRAM blocks) takes no snapshot then: blocks demoted after the count are moved too. Once it
+    reaches the disk, the snapshot is fixed and handed out in parts of at most the limit."""
+    with _stack() as stack:
+        _on_disk(stack, [1, 2, 3])
+        assert stack.drain_left() == 3
+        _on_disk(stack, [4, 5])  # evicted from DRAM while the drain pushed other blocks
+        assert stack.drain_left() == 5
+        first = stack.drain_next(2)
+        assert first is not None and len(first[1]) == 2
+        _on_disk(stack, [6])  # after the snapshot: not the drain's (it demotes none of its own)
+        assert stack.drain_left() == 3
+        moved = [int(first[1].key(i)) for i in range(2)] + _drained(stack, 2)
+        assert sorted(moved) == [1, 2, 3, 4, 5]
+        assert stack.drain_left() == 0 and stack.drain_next(2) is None
