@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -106,6 +106,8 @@ class Cluster:
             PeerConnection(owner, pool, node_id, secret, tls, cfg.peer_socket_buffer, busy), rdma,
             self.transports, self._advert, self._report))
         self.peers = PeerPool(dial, self._address, cfg.peer_connections, metrics)
+        self.on_ring: Callable[[], None] | None = None  # called after every new ring (``emsd.handoff``)
+        self.handed = {"passes": 0, "moved": 0, "kept": 0}  # the handoffs' counts (``emsd.handoff``)
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
         self.membership: Membership = membership or ZooKeeperMembership(
@@ -187,12 +189,16 @@ class Cluster:
                 "placement_config_differs": p.config_differs,
                 "placement_differs": {node: {"vnodes": v, "replicas": r}
                                       for node, (v, r) in p.disagree.items()},
+                "handoff": dict(self.handed),
                 "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in p.members]}
 
     def set_view(self, view: tuple[NodeInfo, ...]) -> None:
-        """Adopt a membership view: rebuild the ring, drop the links to departed nodes."""
+        """Adopt a membership view: rebuild the ring, drop the links to departed nodes, then
+        tell ``on_ring``."""
         for gone in self.peers.retain(self.placement.update(view)):
             self.transports.forget(gone)
+        if self.on_ring is not None:
+            self.on_ring()
 
     async def leave(self) -> None:
         """Leave the ring for good (drain): deregister, then place nothing here any more."""

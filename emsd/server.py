@@ -57,6 +57,7 @@ from emsd.transport.unix import UnixControlServer
 
 if TYPE_CHECKING:
     from emsd.cluster import Cluster
+    from emsd.handoff import Handoff
 
 _SERVING = (MembershipState.STANDALONE, MembershipState.JOINED)  # ready to serve in these states
 
@@ -98,6 +99,7 @@ class Daemon:
         self.restored = 0
         self.disk: DiskTier | None = None
         self.disk_error = ""  # why the configured disk tier is not running ("" when it is)
+        self.handoff: Handoff | None = None  # in a cluster (``emsd.handoff``)
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
@@ -156,6 +158,7 @@ class Daemon:
         if cfg.cluster.enabled:
             service.cluster = await self._join(region, service)
             self.metrics.watch_peer_refusals(service.cluster.server.refusals)
+            self.handoff = self._handoff(service)
         self.cluster = service.cluster
         self.metrics.watch_cluster(self._membership)
         self.metrics.build.labels(__version__, self.cluster.transport_name).set(1)
@@ -174,6 +177,19 @@ class Daemon:
                  min(cfg.pool.page_size, region.size) >> 20, self.restart_outcome, self.restored,
                  membership, c.transport_summary(), cfg.socket_path,
                  cfg.metrics.listen or "off", os.getpid())
+
+    def _handoff(self, service: Service) -> Handoff:
+        """Hand the blocks the ring gives to others to their owners, now (a warm restart may
+        hold some) and after every ring change (``emsd.handoff``)."""
+        from emsd.handoff import Handoff
+        from emsd.remote import Remote
+
+        cluster = service.cluster
+        assert not isinstance(cluster, Solo)
+        handoff = Handoff(Remote(service))
+        cluster.on_ring = handoff.changed
+        handoff.changed()
+        return handoff
 
     async def _join(self, region: Region, service: Service) -> Cluster:
         """Serve peers and join the cluster; raises ``StartupError`` for a bad secret or a taken id.
@@ -464,6 +480,8 @@ class Daemon:
         if self.prefaulter is not None:  # before the pool is unmapped under it
             await asyncio.get_running_loop().run_in_executor(None, self.prefaulter.stop)
         await self.control.close()
+        if self.handoff is not None:
+            await self.handoff.close()
         if self.cluster is not None:
             await self.cluster.stop()  # leave the ring first: peers stop sending here
         await self.http.close()

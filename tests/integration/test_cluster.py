@@ -364,6 +364,35 @@ def test_a_joining_node_takes_new_saves_for_its_share(cluster: Any, emsd_factory
     assert cc.exists([k + 10_000 for k in KEYS]).success == BLOCKS  # all local again
 
 
+def test_a_joining_node_is_handed_its_share_of_the_blocks_saved_before(cluster: Any, emsd_factory: Any,
+                                                                      monkeypatch: Any) -> None:
+    """A node that joins gets the blocks of its share saved before it came (``emsd.handoff``):
+    with the node that held them killed with -9, that share loads through the newcomer, byte
+    for byte, and only that share misses. The old holder keeps them as read-cache copies."""
+    (a,) = cluster(1)
+    src = kv(12)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(src)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS  # a owns all
+    cfg = dict(a.sections["cluster"])
+    cfg["peer_listen"] = f"127.0.0.1:{zk.free_port()}"
+    b = emsd_factory(cluster=cfg)
+    wait_for(lambda: stats(a)["handoff"]["passes"] >= 1, timeout=60)
+    handed, share = stats(a)["handoff"], stats(b)["entries"]
+    assert 0 < share < BLOCKS and handed["moved"] == share and handed["kept"] == 0
+    assert stats(a)["entries"] == BLOCKS  # a still holds every block, b's share as copies
+    a.kill9()
+    wait_for(lambda: len(stats(b)["members"]) == 1)
+    cc = use(b, monkeypatch)
+    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
+    cc.register_kvcache(dst)
+    hits = [i for i, key in enumerate(KEYS)
+            if cc.load(list(range(i * BLOCK, (i + 1) * BLOCK)), hashes=[key], offsets=[BLOCK]).success]
+    assert len(hits) == share
+    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
+    assert all(torch.equal(x[i], y[i]) for i in hits for x, y in pairs)
+
+
 def test_with_two_replicas_a_killed_owner_costs_nothing(cluster: Any, monkeypatch: Any) -> None:
     a, b, c = cluster(3, replicas=2)
     src = kv(8)

@@ -23,8 +23,9 @@ calls have all returned, the invariants are checked:
 - no load returned a byte that differs from what was saved under its key
   (checked as each load returns: block bytes encode their key);
 - every call returned within its timeout, in virtual time;
-- no pin and no PENDING reservation is left on any live node, and the
-  allocator's accounting holds (``check_invariants`` of tests/unit/test_store.py);
+- every node's handoff pass (``emsd.handoff``) ends, and then no pin and no
+  PENDING reservation is left on any live node, and the allocator's
+  accounting holds (``check_invariants`` of tests/unit/test_store.py);
 - after a heal (and every ``settle_every`` steps, and at the end): once the
   network is whole, sessions restored and every membership notification
   delivered, every live node has the same view and the same ring, holding
@@ -55,10 +56,12 @@ from network import Network, Weather
 
 from emsd.cluster import BACKOFF, Cluster
 from emsd.config import ClusterConfig
+from emsd.handoff import Handoff
 from emsd.membership.base import MembershipState, NodeInfo
 from emsd.metrics import Metrics
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import BlockStore
+from emsd.remote import Remote
 from emsd.service import Service
 from emsd.transport.peer import PEER_PROTOCOL
 
@@ -73,6 +76,7 @@ SESSION_TIMEOUT = 2.0
 NOTIFY_DELAY = 0.3  # a membership change reaches each watcher within this
 STEP_WINDOW = 1.0  # events and calls of a step start within this many virtual seconds
 TIMEOUTS_MS = (50, 200, 1000, 3000)
+HANDOFF_LIMIT = 120.0  # virtual seconds for every handoff pass to end once a step's calls have
 
 
 @dataclass
@@ -97,7 +101,9 @@ class SimNode:
     """One daemon: store, service and cluster, over the simulated membership and network."""
 
     def __init__(self, node_id: str, addr: str, capacity: int, params: Params, coordinator: Coordinator,
-                 net: Network) -> None:
+                 net: Network, handoff: bool = False) -> None:
+        """``handoff``: hand stranded blocks to their owners after ring changes, as emsd.server
+        wires it (the simulation's nodes do; the link tests' do not, to see only their calls)."""
         self.node_id = node_id
         self.addr = addr
         self.alive = True
@@ -119,9 +125,15 @@ class SimNode:
         self.cluster = Cluster(cfg, node_id, capacity, self.service, self.pool, b"sim-secret",
                                dialer=lambda: net.dialer(self), membership=self.membership)
         self.service.cluster = self.cluster
+        self.handoff = Handoff(Remote(self.service))
+        if handoff:
+            self.cluster.on_ring = self.handoff.changed
+        else:
+            self.handoff.cancel()
 
     async def start(self) -> None:
         await self.cluster.join()
+        self.handoff.changed()
 
 
 class Simulation:
@@ -152,6 +164,9 @@ class Simulation:
             raise SimFailure(f"simulation seed={self.seed} step={self.step}: {what} "
                              f"(replay: EMS_SIM_SEED={self.seed})") from exc
         finally:
+            for node in getattr(self, "nodes", {}).values():  # a failed run stops mid-pass
+                node.handoff.cancel()
+            loop.run_until_complete(asyncio.sleep(0))
             loop.close()
         return self.digest()
 
@@ -169,11 +184,13 @@ class Simulation:
         for step in range(self.steps):
             self.step = step
             healed = await self._run_step()
-            self._check_quiescent()
+            await self._quiesce()
             if healed or (self.step + 1) % self.settle_every == 0:
                 await self._settle()
         self.step = self.steps
         await self._settle()
+        for node in self.nodes.values():
+            await node.handoff.close()
         self.counts.update(fetched=self.net.moved["get"], pushed=self.net.moved["put"])
 
     async def _run_step(self) -> bool:
@@ -283,7 +300,7 @@ class Simulation:
             self._next_id += 1
             node_id, addr = f"n{self._next_id}", f"10.0.0.{self._next_id}:11000"
         node = SimNode(node_id, addr, self.rng.choice(self.params.capacities), self.params,
-                       self.coordinator, self.net)
+                       self.coordinator, self.net, handoff=True)
         self.nodes[node_id] = node
         self.net.attach(addr, node)
         await node.start()
@@ -291,6 +308,7 @@ class Simulation:
 
     def _kill(self, node: SimNode) -> None:
         node.alive = False
+        node.handoff.cancel()
         self.net.detach(node.addr)
 
     # -- the workload -----------------------------------------------------------------------
@@ -335,6 +353,17 @@ class Simulation:
 
     # -- invariants ---------------------------------------------------------------------------
 
+    async def _quiesce(self) -> None:
+        """Let every live node's handoff pass end (background work that pins what it sends), in
+        virtual time, then ``_check_quiescent``. A pass that has not ended in ``HANDOFF_LIMIT``
+        is a failure: a handoff must end."""
+        deadline = self.loop.time() + HANDOFF_LIMIT
+        while busy := [n.node_id for n in self._live() if n.handoff.running]:
+            if self.loop.time() > deadline:
+                raise SimFailure(f"the handoffs of {busy} did not end in {HANDOFF_LIMIT:g} s")
+            await asyncio.sleep(NOTIFY_DELAY)
+        self._check_quiescent()
+
     def _check_quiescent(self) -> None:
         """No calls running: nothing pinned or reserved anywhere, the allocator consistent."""
         for node in self._live():
@@ -359,7 +388,7 @@ class Simulation:
         self._log("settled")
         self._check_agreement()
         await self._calm_round()
-        self._check_quiescent()
+        await self._quiesce()
 
     def _check_agreement(self) -> None:
         live = self._members()
@@ -413,8 +442,11 @@ class Simulation:
             owners = ring.owner_ids(NS, KeyBatch.from_ints(np.array(keys, dtype=np.uint64)))
             owner_of = dict(zip(keys, owners, strict=True))
             got: dict[int, set[str]] = {k: set() for k in keys}
-            for put in self.net.puts[since:]:
+            for put in self.net.puts[since:]:  # the save's, and handoffs' of earlier keys
                 for k in put.keys:
+                    if k not in owner_of:
+                        owner_of[k] = ring.owner_ids(NS, KeyBatch.from_ints(np.array([k], np.uint64)))[0]
+                        got[k] = set()
                     if put.receiver not in owner_of[k]:
                         raise SimFailure(f"{put.sender} pushed key {k} to {put.receiver}, not one of "
                                          f"its owners {owner_of[k]}")

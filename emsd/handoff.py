@@ -1,0 +1,158 @@
+"""Handoff: blocks this node holds as an owner's but no longer owns go to their new owners.
+
+A ring change (a node joins or comes back, a placement change) gives part of
+the hash space that was this node's to others. Loads through any other node
+ask the new owners, which lack those keys' blocks: without a handoff they
+miss until they are computed again, while this node keeps them as owned
+blocks that only its own clients find (and evicts them after every
+read-cache copy).
+
+``Handoff.changed`` is called on every new ring (``Cluster.on_ring``) and
+once after joining (a warm restart may bring back blocks the ring has given
+to others meanwhile). One pass runs at a time, on the event loop:
+
+1. it waits ``SETTLE`` seconds, so that a burst of changes (several nodes
+   starting) makes one pass over the last ring;
+2. it takes this node's owned READY blocks (``Service.owned_here``) and, per
+   namespace, those the ring now gives only to other nodes;
+3. it pushes them to their owners ``DRAIN_BATCH`` at a time
+   (``Remote.push_pinned``: pinned while sent, checksums verified), each step
+   within ``STEP_TIMEOUT``. A block that reached an owner stays here as a
+   read-cache copy; one that did not (its owner down or full) stays owned,
+   for the next ring change to try again.
+
+No pass runs while this node is alone, draining (the drain moves every
+owned block) or not in its own ring (a view without it decides nothing of
+its). A change during a pass ends the pass after its current step, and a
+new pass starts over the new ring. Blocks on the disk tier are not handed
+off, only those in DRAM (a drain moves both). Each pass that moved or kept
+blocks logs one line; ``Cluster.handed`` counts passes and blocks (STATS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import numpy as np
+
+from emsd.cluster import Cluster
+from emsd.pool.keys import KeyBatch
+from emsd.remote import Remote, now
+from emsd.service import DRAIN_BATCH
+
+log = logging.getLogger("emsd.cluster")
+
+SETTLE = 2.0  # seconds a ring must stand before a pass starts
+STEP_TIMEOUT = 10.0  # seconds a step of DRAIN_BATCH blocks may take
+
+
+class Handoff:
+    """Hands one node's stranded blocks to their owners after ring changes (see the module docstring)."""
+
+    def __init__(self, remote: Remote) -> None:
+        self.remote = remote
+        self.service = remote.service
+        self._again = False  # the ring changed since the running pass began
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.remote.cluster
+
+    @property
+    def running(self) -> bool:
+        """A pass is running or waiting for its ring to stand."""
+        return self._task is not None and not self._task.done()
+
+    def changed(self) -> None:
+        """A new ring: run a pass over it (after the running one, if any, ends its step)."""
+        if self._closed:
+            return
+        self._again = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def cancel(self) -> None:
+        """No pass from now on; the running one, if any, is cancelled (``close`` waits for it)."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+
+    async def close(self) -> None:
+        """``cancel``, and wait until the running pass has stopped (a push cut off is released
+        like any cancelled one)."""
+        self.cancel()
+        task, self._task = self._task, None
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while self._again:
+            self._again = False
+            await asyncio.sleep(SETTLE)
+            if self._again:  # changed again meanwhile: wait for that ring to stand
+                continue
+            try:
+                moved, kept = await self.run_pass()
+            except Exception:  # a bug must not end the daemon's handoffs for good; say so loudly
+                log.exception("handoff failed")
+                continue
+            if moved or kept:
+                log.info("handoff: %d blocks moved to their new owners, %d kept (not taken)", moved, kept)
+
+    async def run_pass(self) -> tuple[int, int]:
+        """One pass over the current ring: (blocks moved, blocks kept as owned because no owner
+        took them). Ends early, with what it did so far, when the ring changes."""
+        placement = self.cluster.placement
+        if placement.alone() or placement.draining or placement.my_index() < 0:
+            return 0, 0
+        moved = kept = 0
+        for ns, keys in self.stranded():
+            for at in range(0, len(keys), DRAIN_BATCH):
+                if self._again or placement.draining:
+                    return self._count(moved, kept)
+                got, missed = await self._step(ns, keys.take(slice(at, at + DRAIN_BATCH)))
+                moved, kept = moved + got, kept + missed
+        return self._count(moved, kept)
+
+    def stranded(self) -> list[tuple[int, KeyBatch]]:
+        """Per namespace, the keys of owned READY blocks here that the ring gives only to others."""
+        service, placement = self.service, self.cluster.placement
+        idx = service.store.index
+        owned = service.owned_here()
+        if owned.size == 0:
+            return []
+        nss = idx.ns_of(owned)
+        out = []
+        for ns in np.unique(nss).tolist():
+            keys = idx.keys_of(owned[nss == ns])
+            away = np.flatnonzero(~placement.owned_here(service.namespace_name(ns), keys))
+            if away.size:
+                out.append((ns, keys.take(away)))
+        return out
+
+    async def _step(self, ns: int, keys: KeyBatch) -> tuple[int, int]:
+        """Push the blocks of ``keys`` still here (and still owned: not dropped since the pass
+        began); mark those that reached an owner as copies. (moved, kept)."""
+        service, store = self.service, self.service.store
+        if service.retired(ns):
+            return 0, 0
+        keys = keys.take(np.flatnonzero(store.present(ns, keys)))  # evicted since: nothing to move
+        if len(keys) == 0:
+            return 0, 0
+        count, got = await self.remote.push_pinned(ns, service.namespace_name(ns), keys,
+                                                   now() + STEP_TIMEOUT)
+        reached = keys.take(np.flatnonzero(got[:count]))
+        store.mark_cached(ns, reached)
+        return len(reached), len(keys) - len(reached)
+
+    def _count(self, moved: int, kept: int) -> tuple[int, int]:
+        handed = self.cluster.handed
+        handed["passes"] += 1
+        handed["moved"] += moved
+        handed["kept"] += kept
+        return moved, kept
