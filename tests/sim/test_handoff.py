@@ -1,0 +1,99 @@
+"""The handoff (emsd.handoff) on two real nodes over the virtual loop and the simulated network.
+
+A node saves blocks while alone, then another joins and the ring gives it part of them. The
+tests follow each block: handed to its new owner and kept here as a read-cache copy, or kept
+as owned when the owner cannot be reached, until a later ring change hands it over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from client import Client  # noqa: E402
+from clock import VirtualLoop  # noqa: E402
+from membership import Coordinator  # noqa: E402
+from network import Network, Weather  # noqa: E402
+from world import NS, PAGE, Params, SimNode  # noqa: E402
+
+from emsd.handoff import SETTLE  # noqa: E402
+from emsd.pool.index import FIRST_ID  # noqa: E402
+from emsd.pool.keys import KeyBatch  # noqa: E402
+
+KEYS = list(range(1, 17))
+
+
+def _pair(loop: asyncio.AbstractEventLoop) -> tuple[SimNode, SimNode, Network]:
+    rng = random.Random(0)
+    params = Params(nodes=2, max_nodes=2, replicas=1, peer_connections=1, capacities=(32 * PAGE,))
+    coordinator, net = Coordinator(rng, loop, 0.0), Network(rng)
+    a, b = (SimNode(n, f"10.0.0.{i}:11000", 32 * PAGE, params, coordinator, net, handoff=True)
+            for i, n in ((1, "a"), (2, "b")))
+    net.attach(a.addr, a)
+    net.attach(b.addr, b)
+    return a, b, net
+
+
+def _held(node: SimNode) -> tuple[list[int], list[int]]:
+    """Of ``KEYS``: those ``node`` holds as owned blocks, and those it holds as copies."""
+    idx = node.store.index
+    ids = idx.find(node.service.namespace_id(NS), KeyBatch.from_user(KEYS)).tolist()
+    held = [(k, bool(idx.cached[i])) for k, i in zip(KEYS, ids, strict=True) if i >= FIRST_ID]
+    return [k for k, copy in held if not copy], [k for k, copy in held if copy]
+
+
+def test_a_joining_node_gets_its_share_and_the_old_holder_keeps_copies() -> None:
+    loop = VirtualLoop()
+
+    async def main() -> None:
+        a, b, _ = _pair(loop)
+        await a.start()
+        saver = Client(a.service, NS)
+        assert (await saver.save(KEYS, 1000)).count == len(KEYS)  # alone: a owns them all
+        saver.close()
+        await b.start()
+        await asyncio.sleep(2 * SETTLE + 1.0)  # a's join and b's make one burst
+        share = [k for k, o in zip(KEYS, a.cluster.placement.owner_ids(NS, KeyBatch.from_user(KEYS)),
+                                   strict=True) if o == ["b"]]
+        assert 0 < len(share) < len(KEYS)
+        assert _held(a) == ([k for k in KEYS if k not in share], share)
+        assert _held(b) == (share, [])
+        assert a.cluster.handed == {"passes": 1, "moved": len(share), "kept": 0}
+        assert not a.handoff.running and b.cluster.handed["moved"] == 0  # b had nothing of a's
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_blocks_no_owner_took_stay_owned_until_the_next_ring_change_hands_them_over() -> None:
+    loop = VirtualLoop()
+
+    async def main() -> None:
+        a, b, net = _pair(loop)
+        await a.start()
+        saver = Client(a.service, NS)
+        assert (await saver.save(KEYS, 1000)).count == len(KEYS)
+        saver.close()
+        net.weather = Weather(fail=1.0)  # every peer message to b is lost
+        await b.start()
+        await asyncio.sleep(2 * SETTLE + 1.0)  # a's join and b's make one burst
+        handed = dict(a.cluster.handed)
+        assert handed["passes"] == 1 and handed["moved"] == 0 and handed["kept"] > 0
+        assert _held(a) == (KEYS, []) and _held(b) == ([], [])  # nothing lost, nothing marked a copy
+        net.weather = Weather()
+        await asyncio.sleep(2.0)  # b's backoff is over
+        a.handoff.changed()  # the next ring change
+        await asyncio.sleep(SETTLE + 1.0)
+        assert a.cluster.handed["moved"] == handed["kept"]
+        _, copies = _held(a)
+        assert len(copies) == handed["kept"] and _held(b) == (copies, [])
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
