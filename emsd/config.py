@@ -95,6 +95,7 @@ class ClusterConfig:
     vnodes: int = 512  # every node of a cluster must use the same value
     peer_connections: int = 2
     peer_socket_buffer: int = 256 << 10  # kernel buffer a direction of a peer connection; 0 = autotuning
+    handoff: bool = True  # after a ring change, push the owned blocks others now own to them (emsd.handoff)
     secret_file: str = ""  # file holding the cluster secret; required with zookeeper
     transport: str = "auto"  # peer data path: "auto" (RDMA where both ends can), "rdma" or "tcp"
     rdma_device: str = ""  # RDMA device name ("mlx5_0"); "" = the first one found
@@ -389,6 +390,9 @@ def _cluster(t: dict[str, Any]) -> ClusterConfig:
     if buffer and not 4 << 10 <= buffer <= 1 << 30:
         raise ConfigError("cluster.peer_socket_buffer", f"must be 0 (the kernel's autotuning) or 4KiB..1GiB "
                           f"(got {buffer} bytes)")
+    handoff = t.get("handoff", d.handoff)
+    if not isinstance(handoff, bool):
+        raise ConfigError("cluster.handoff", f"must be true or false (got {handoff!r})")
     secret = t.get("secret_file", d.secret_file)
     if not isinstance(secret, str) or (secret and not secret.startswith("/")):
         raise ConfigError("cluster.secret_file", f"must be an absolute path (got {secret!r})")
@@ -411,7 +415,7 @@ def _cluster(t: dict[str, Any]) -> ClusterConfig:
     tls = _tls(t)
     return ClusterConfig(name=name, zookeeper=zk, peer_listen=t.get("peer_listen", d.peer_listen),
                          advertise=t.get("advertise", d.advertise), session_timeout=float(timeout),
-                         peer_socket_buffer=buffer, secret_file=secret, transport=transport,
+                         peer_socket_buffer=buffer, handoff=handoff, secret_file=secret, transport=transport,
                          rdma_device=device, rdma_port=port,
                          rdma_gid_index=None if gid == "auto" else gid, tls_cert=tls["tls_cert"],
                          tls_key=tls["tls_key"], tls_ca=tls["tls_ca"], **ints)

@@ -158,7 +158,8 @@ class Daemon:
         if cfg.cluster.enabled:
             service.cluster = await self._join(region, service)
             self.metrics.watch_peer_refusals(service.cluster.server.refusals)
-            self.handoff = self._handoff(service)
+            if cfg.cluster.handoff:
+                self.handoff = self._handoff(service)
         self.cluster = service.cluster
         self.metrics.watch_cluster(self._membership)
         self.metrics.build.labels(__version__, self.cluster.transport_name).set(1)

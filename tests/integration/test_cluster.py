@@ -393,6 +393,24 @@ def test_a_joining_node_is_handed_its_share_of_the_blocks_saved_before(cluster: 
     assert all(torch.equal(x[i], y[i]) for i in hits for x, y in pairs)
 
 
+def test_with_handoff_off_a_joining_node_gets_nothing_saved_before(cluster: Any, emsd_factory: Any,
+                                                                   monkeypatch: Any) -> None:
+    """``cluster.handoff = false``: the blocks stay where they were saved, as owned blocks."""
+    from emsd.handoff import SETTLE
+
+    (a,) = cluster(1, handoff=False)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(kv(13))
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS
+    cfg = dict(a.sections["cluster"])
+    cfg["peer_listen"] = f"127.0.0.1:{zk.free_port()}"
+    b = emsd_factory(cluster=cfg)
+    wait_for(lambda: len(stats(a)["members"]) == 2)
+    time.sleep(2 * SETTLE + 1.0)  # what a handoff would take to start and end here
+    assert stats(b)["entries"] == 0
+    assert stats(a)["handoff"]["passes"] == 0 and stats(a)["cached"] == 0
+
+
 def test_with_two_replicas_a_killed_owner_costs_nothing(cluster: Any, monkeypatch: Any) -> None:
     a, b, c = cluster(3, replicas=2)
     src = kv(8)
