@@ -107,7 +107,7 @@ class Cluster:
             self.transports, self._advert, self._report))
         self.peers = PeerPool(dial, self._address, cfg.peer_connections, metrics)
         self.on_ring: Callable[[], None] | None = None  # called after every new ring (``emsd.handoff``)
-        self.handed = {"passes": 0, "moved": 0, "kept": 0}  # the handoffs' counts (``emsd.handoff``)
+        self.handed: dict[str, float] = {"passes": 0, "moved": 0, "kept": 0, "seconds": 0.0}  # emsd.handoff
         # start() binds peer_listen before joining: a registration with our advertised endpoint
         # that is still alive can only be our own previous process.
         self.membership: Membership = membership or ZooKeeperMembership(

@@ -26,7 +26,8 @@ owned block) or not in its own ring (a view without it decides nothing of
 its). A change during a pass ends the pass after its current step, and a
 new pass starts over the new ring. Blocks on the disk tier are not handed
 off, only those in DRAM (a drain moves both). Each pass that moved or kept
-blocks logs one line; ``Cluster.handed`` counts passes and blocks (STATS).
+blocks logs one line; ``Cluster.handed`` counts passes, blocks and the
+seconds the passes took (STATS).
 """
 
 from __future__ import annotations
@@ -111,13 +112,14 @@ class Handoff:
         if placement.alone() or placement.draining or placement.my_index() < 0:
             return 0, 0
         moved = kept = 0
+        start = now()
         for ns, keys in self.stranded():
             for at in range(0, len(keys), DRAIN_BATCH):
                 if self._again or placement.draining:
-                    return self._count(moved, kept)
+                    return self._count(moved, kept, start)
                 got, missed = await self._step(ns, keys.take(slice(at, at + DRAIN_BATCH)))
                 moved, kept = moved + got, kept + missed
-        return self._count(moved, kept)
+        return self._count(moved, kept, start)
 
     def stranded(self) -> list[tuple[int, KeyBatch]]:
         """Per namespace, the keys of owned READY blocks here that the ring gives only to others."""
@@ -150,9 +152,10 @@ class Handoff:
         store.mark_cached(ns, reached)
         return len(reached), len(keys) - len(reached)
 
-    def _count(self, moved: int, kept: int) -> tuple[int, int]:
+    def _count(self, moved: int, kept: int, start: float) -> tuple[int, int]:
         handed = self.cluster.handed
         handed["passes"] += 1
         handed["moved"] += moved
         handed["kept"] += kept
+        handed["seconds"] += now() - start
         return moved, kept
