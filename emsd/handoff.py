@@ -14,18 +14,20 @@ to others meanwhile). One pass runs at a time, on the event loop:
 1. it waits ``SETTLE`` seconds, so that a burst of changes (several nodes
    starting) makes one pass over the last ring;
 2. it takes this node's owned READY blocks (``Service.owned_here``) and, per
-   namespace, those the ring now gives only to other nodes;
+   namespace, those the ring now gives only to other nodes, then the blocks
+   on its disk tier that the ring gives to others;
 3. it pushes them to their owners ``DRAIN_BATCH`` at a time
    (``Remote.push_pinned``: pinned while sent, checksums verified), each step
-   within ``STEP_TIMEOUT``. A block that reached an owner stays here as a
-   read-cache copy; one that did not (its owner down or full) stays owned,
-   for the next ring change to try again.
+   within ``STEP_TIMEOUT``; blocks on disk are read back into the pool first
+   (``TierStack.promote``, as a drain reads them). A block that reached an
+   owner stays here as a read-cache copy in DRAM (and leaves the disk); one
+   that did not (its owner down or full, or its read failed) stays where it
+   was, owned, for the next ring change to try again.
 
 No pass runs while this node is alone, draining (the drain moves every
 owned block) or not in its own ring (a view without it decides nothing of
 its). A change during a pass ends the pass after its current step, and a
-new pass starts over the new ring. Blocks on the disk tier are not handed
-off, only those in DRAM (a drain moves both). Each pass that moved or kept
+new pass starts over the new ring. Each pass that moved or kept
 blocks logs one line; ``Cluster.handed`` counts passes, blocks and the
 seconds the passes took (STATS).
 """
@@ -106,18 +108,23 @@ class Handoff:
                 log.info("handoff: %d blocks moved to their new owners, %d kept (not taken)", moved, kept)
 
     async def run_pass(self) -> tuple[int, int]:
-        """One pass over the current ring: (blocks moved, blocks kept as owned because no owner
-        took them). Ends early, with what it did so far, when the ring changes."""
+        """One pass over the current ring: (blocks moved, blocks kept because no owner took them
+        or they could not be read back from disk). Ends early, with what it did so far, when
+        the ring changes."""
         placement = self.cluster.placement
         if placement.alone() or placement.draining or placement.my_index() < 0:
             return 0, 0
+        tiers = self.service.tiers
+        on_disk = [] if tiers is None else tiers.away_on_disk(placement.owned_here)
         moved = kept = 0
         start = now()
-        for ns, keys in self.stranded():
+        for ns, keys, step in [*((ns, keys, self._step) for ns, keys in self.stranded()),
+                               *((self.service.namespace_id(name), keys, self._disk_step)
+                                 for name, keys in on_disk)]:
             for at in range(0, len(keys), DRAIN_BATCH):
                 if self._again or placement.draining:
                     return self._count(moved, kept, start)
-                got, missed = await self._step(ns, keys.take(slice(at, at + DRAIN_BATCH)))
+                got, missed = await step(ns, keys.take(slice(at, at + DRAIN_BATCH)))
                 moved, kept = moved + got, kept + missed
         return self._count(moved, kept, start)
 
@@ -138,19 +145,41 @@ class Handoff:
         return out
 
     async def _step(self, ns: int, keys: KeyBatch) -> tuple[int, int]:
-        """Push the blocks of ``keys`` still here (and still owned: not dropped since the pass
-        began); mark those that reached an owner as copies. (moved, kept)."""
+        """Hand over the DRAM blocks of ``keys`` (and forget their copies on disk): (moved, kept)."""
+        reached, tried = await self._push(ns, keys, now() + STEP_TIMEOUT)
+        if self.service.tiers is not None and len(reached):
+            self.service.tiers.disk.discard(self.service.namespace_name(ns), reached)
+        return len(reached), tried - len(reached)
+
+    async def _disk_step(self, ns: int, keys: KeyBatch) -> tuple[int, int]:
+        """Hand over the blocks of ``keys`` still on the disk tier: those not in DRAM are read
+        back into the pool first (``TierStack.promote``, as a drain reads them); each that
+        reached an owner leaves the disk (it stays a read-cache copy in DRAM). (moved, kept)."""
+        service, tiers = self.service, self.service.tiers
+        assert tiers is not None
+        deadline = now() + STEP_TIMEOUT
+        name = service.namespace_name(ns)
+        keys = keys.take(np.flatnonzero(tiers.disk.present(name, keys)))  # handed over or evicted since
+        back = ~service.store.present(ns, keys)
+        if back.any() and not service.retired(ns):
+            await tiers.promote(ns, keys.take(np.flatnonzero(back)), 0, deadline)
+        reached, _ = await self._push(ns, keys, deadline)
+        tiers.disk.discard(name, reached)
+        return len(reached), len(keys) - len(reached)
+
+    async def _push(self, ns: int, keys: KeyBatch, deadline: float) -> tuple[KeyBatch, int]:
+        """Push the blocks of ``keys`` still in DRAM (not dropped since the pass began) to their
+        owners; mark those that reached one as copies. (those keys, how many were pushed)."""
         service, store = self.service, self.service.store
         if service.retired(ns):
-            return 0, 0
+            return keys.take(slice(0, 0)), 0
         keys = keys.take(np.flatnonzero(store.present(ns, keys)))  # evicted since: nothing to move
         if len(keys) == 0:
-            return 0, 0
-        count, got = await self.remote.push_pinned(ns, service.namespace_name(ns), keys,
-                                                   now() + STEP_TIMEOUT)
+            return keys, 0
+        count, got = await self.remote.push_pinned(ns, service.namespace_name(ns), keys, deadline)
         reached = keys.take(np.flatnonzero(got[:count]))
         store.mark_cached(ns, reached)
-        return len(reached), len(keys) - len(reached)
+        return reached, len(keys)
 
     def _count(self, moved: int, kept: int, start: float) -> tuple[int, int]:
         handed = self.cluster.handed

@@ -325,6 +325,22 @@ class DiskTier:
                 del self._staged[k]
             return len(gone) + len(staged)
 
+    def discard(self, name: str, keys: KeyBatch) -> int:
+        """Remove these blocks of namespace ``name`` (on disk or queued for it: the write is
+        skipped); returns how many were here. For blocks that now live on another node."""
+        with self._lock:
+            ns = self._ns.get(name)
+            if ns is None:
+                return 0
+            gone = 0
+            for kb in key_bytes(keys):
+                held = (ns, kb) in self._index
+                if held:
+                    self._remove((ns, kb))
+                queued = self._staged.pop((ns, kb), None) is not None
+                gone += held or queued
+            return gone
+
     def keys_on_disk(self) -> dict[str, KeyBatch]:
         """Every namespace's keys whose blocks are whole on disk or queued for writing there now
         (a snapshot): what a drain moves. Touches nothing."""

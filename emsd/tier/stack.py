@@ -268,6 +268,16 @@ class TierStack:
         """Every client namespace's keys whose blocks are on disk or queued for it now."""
         return [(name, keys) for name, keys in self.disk.keys_on_disk().items() if not name.startswith("\0")]
 
+    def away_on_disk(self, mine: Callable[[str, KeyBatch], np.ndarray]) -> list[tuple[str, KeyBatch]]:
+        """Per client namespace, the keys of the blocks on disk (or queued for it) that are
+        not this node's: ``mine(name, keys)`` is False for them (a handoff's, ``emsd.handoff``)."""
+        out = []
+        for name, keys in self._on_disk():
+            away = np.flatnonzero(~mine(name, keys))
+            if away.size:
+                out.append((name, keys.take(away)))
+        return out
+
     def drain_next(self, limit: int) -> tuple[str, KeyBatch] | None:
         """The next part (namespace name, at most ``limit`` keys) of the blocks a drain moves
         from disk; None once every part has been handed out.

@@ -11,6 +11,8 @@
 - With two replicas, a node loads the copies on its own disk, also those it holds as a
   replica, with the primary up or killed with -9.
 - A drain moves the node's blocks on disk as well as those in DRAM.
+- A node that joins is handed its share of the blocks saved before, from the other node's
+  disk as well as its DRAM.
 
 The tiers' directories are under /var/tmp (a real file system: /dev/shm is DRAM).
 """
@@ -49,7 +51,8 @@ def nodes(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path,
           request: pytest.FixtureRequest) -> Iterator[list[Any]]:
     """Two joined daemons of 16 MiB, each with a disk tier of its own (indirect parameter: a
     dict of ``checksum``, ``pool.checksum``, default off; ``replicas``, default 1; ``tenants``,
-    default off: then the tenant ``TENANT`` alone, which ``connect`` connects as)."""
+    default off: then the tenant ``TENANT`` alone, which ``connect`` connects as; ``later``:
+    only the first is started, the test starts the second)."""
     param = getattr(request, "param", {})
     pool = {**POOL, "checksum": param.get("checksum", False)}
     secret = tmp_path / "secret"
@@ -69,9 +72,10 @@ def nodes(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path,
                                 "secret_file": str(secret), "session_timeout": 4,
                                 "replicas": param.get("replicas", 1)}, **more) for d in dirs]
     try:
-        for d in ds:
+        for d in ds[:1] if param.get("later") else ds:
             d.start()
-        joined(ds)
+        if not param.get("later"):
+            joined(ds)
         yield ds
     finally:
         for d in dirs:
@@ -216,4 +220,49 @@ def test_a_drain_moves_the_blocks_on_the_nodes_disk_too(nodes: list[Any],
     cc = connect(b, monkeypatch)
     loaded = sum(load_first_three(cc, first) for first in range(1, 40, 3))  # batches 1-39
     assert loaded == 13 * LOADED, (out.stderr, b.log())
+    assert b.alive()
+
+
+def _stats(node: Any) -> dict[str, Any]:
+    from ems.client import DaemonClient
+    from emsd.transport.frames import Op
+
+    client = DaemonClient(node.socket_dir / "emsd.sock")
+    client.connect({})
+    try:
+        return client.call(Op.STATS, {}, timeout=10)[0]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("nodes", [{"later": True}], indirect=True, ids=["join"])
+def test_a_joining_node_is_handed_its_share_from_the_other_nodes_disk_too(
+        nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 MiB saved while the first node was alone, most of it on its disk by then: the node
+    that joins is handed its share of both (``emsd.handoff``), and with the first killed
+    with -9 every block of that share loads through the newcomer, byte for byte."""
+    a, b = nodes
+    fill(connect(a, monkeypatch), [a])
+    b.start()
+    joined(nodes)
+    deadline = time.monotonic() + 120
+    while _stats(a)["handoff"]["passes"] < 1:
+        assert time.monotonic() < deadline, a.log()
+        time.sleep(0.1)
+    handed = _stats(a)["handoff"]
+    assert handed["kept"] == 0 and handed["moved"] > 16 << 5, handed  # more than a's pool holds
+    a.kill9()
+    while b.metric("emsd_cluster_members") != 1:
+        time.sleep(0.05)
+    cc = connect(b, monkeypatch)
+    dst = [[torch.zeros(1, TOKENS, 16, 32) for _ in range(2)] for _ in range(2)]
+    cc.register_kvcache(dst)
+    found = 0
+    for batch in range(1, 41):
+        want = batch_kv(batch)
+        for i, key in enumerate(keys(batch)):
+            if cc.load(list(range(TOKENS)), hashes=[key], offsets=[TOKENS]).success:
+                found += 1
+                assert all(torch.equal(dst[la][kv][0], want[la][kv][i]) for la in range(2) for kv in range(2))
+    assert found == handed["moved"], (found, handed, b.log())
     assert b.alive()

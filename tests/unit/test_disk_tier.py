@@ -290,3 +290,28 @@ def test_a_block_queued_for_writing_is_found_copied_and_dropped_with_its_namespa
     assert tier.wait_idle(30)
     assert tier.staged_lengths("ns", keys) == [None] * 3 and _read(tier, "ns", keys) == blocks
     tier.close()
+
+
+def test_discard_removes_those_blocks_only_queued_or_written_and_across_a_restart(disk_dir: Path) -> None:
+    """A handoff's forgetting of blocks that now live on another node: written blocks go (also
+    after a restart), a queued one's write is skipped, other keys and namespaces stay."""
+    tier = DiskTier(disk_dir, 8 * EXTENT, extent=EXTENT)
+    blocks = [_bytes(i) for i in range(4)]
+    pool, offs, lens = _pool(blocks)
+    keys = KeyBatch.from_user([1, 2, 3, 4])
+    tier.demote("ns", keys.take(slice(0, 3)), memoryview(pool), offs[:3], lens[:3])
+    tier.demote("other", keys, memoryview(pool), offs, lens)
+    assert tier.wait_idle(30)
+    go = _held_writes(tier)
+    assert tier.demote("ns", keys.take(slice(3, 4)), memoryview(pool), offs[3:], lens[3:]) == 1  # queued
+    assert tier.discard("ns", KeyBatch.from_user([2, 4, 99])) == 2
+    assert tier.discard("nobody", keys) == 0
+    assert tier.present("ns", keys).tolist() == [True, False, True, False]
+    go.set()
+    assert tier.wait_idle(30)
+    assert tier.present("ns", keys).tolist() == [True, False, True, False]  # 4's write was skipped
+    tier.close()
+    tier = DiskTier(disk_dir, 8 * EXTENT, extent=EXTENT)
+    assert tier.present("ns", keys).tolist() == [True, False, True, False]
+    assert tier.present("other", keys).all() and _read(tier, "ns", keys.take(slice(0, 1))) == blocks[:1]
+    tier.close()
