@@ -16,7 +16,7 @@ to others meanwhile). One pass runs at a time, on the event loop:
 2. it takes this node's owned READY blocks (``Service.owned_here``) and, per
    namespace, those the ring now gives only to other nodes, then the blocks
    on its disk tier that the ring gives to others;
-3. it pushes them to their owners ``DRAIN_BATCH`` at a time
+3. it pushes them to their owners ``STEP`` at a time
    (``Remote.push_pinned``: pinned while sent, checksums verified), each step
    within ``STEP_TIMEOUT``; blocks on disk are read back into the pool first
    (``TierStack.promote``, as a drain reads them). A block that reached an
@@ -43,12 +43,12 @@ import numpy as np
 from emsd.cluster import Cluster
 from emsd.pool.keys import KeyBatch
 from emsd.remote import Remote, now
-from emsd.service import DRAIN_BATCH
 
 log = logging.getLogger("emsd.cluster")
 
 SETTLE = 2.0  # seconds a ring must stand before a pass starts
-STEP_TIMEOUT = 10.0  # seconds a step of DRAIN_BATCH blocks may take
+STEP = 32  # blocks a step: what a step pins (and, from disk, reads into the pool) while it runs
+STEP_TIMEOUT = 10.0  # seconds a step may take
 
 
 class Handoff:
@@ -121,10 +121,10 @@ class Handoff:
         for ns, keys, step in [*((ns, keys, self._step) for ns, keys in self.stranded()),
                                *((self.service.namespace_id(name), keys, self._disk_step)
                                  for name, keys in on_disk)]:
-            for at in range(0, len(keys), DRAIN_BATCH):
+            for at in range(0, len(keys), STEP):
                 if self._again or placement.draining:
                     return self._count(moved, kept, start)
-                got, missed = await step(ns, keys.take(slice(at, at + DRAIN_BATCH)))
+                got, missed = await step(ns, keys.take(slice(at, at + STEP)))
                 moved, kept = moved + got, kept + missed
         return self._count(moved, kept, start)
 
