@@ -148,6 +148,7 @@ def show_status(st: dict[str, Any]) -> str:
         *_prefault(st.get("prefault")),
         f"membership  {st['membership']}{'  (draining)' if st.get('draining') else ''}"
         f"   transport {st.get('transport', '?')}",
+        *_handoff(st.get("handoff")),
         *_placement_differs(st),
         "",
         table(["member", "capacity GiB", "share", "peer", "via"],
@@ -156,6 +157,14 @@ def show_status(st: dict[str, Any]) -> str:
                for m in st.get("view", [])]),
     ]
     return "\n".join(lines)
+
+
+def _handoff(h: dict[str, Any] | None) -> list[str]:
+    """The handoff's line (none standalone, and none before its first pass)."""
+    if not h or not h.get("passes"):
+        return []
+    return [f"handoff     {h['moved']} blocks moved to new owners, {h['kept']} kept, in {h['passes']} passes"
+            f" ({h['seconds']:.1f} s)"]
 
 
 def _prefault(p: dict[str, Any] | None) -> list[str]:

@@ -157,6 +157,11 @@ class Metrics:
         each scrape (``PeerServer.refusals``)."""
         self.registry.register(RefusalCollector(counts))
 
+    def watch_handoff(self, handed: Callable[[], dict[str, float]]) -> None:
+        """Publish ``emsd_handoff_blocks_total`` by result and ``emsd_handoff_passes_total``,
+        read from ``handed()`` at each scrape (``Cluster.handed``, ``emsd.handoff``)."""
+        self.registry.register(HandoffCollector(handed))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -382,6 +387,27 @@ class RefusalCollector(Collector):
         for reason, n in sorted(self._counts().items()):
             fam.add_metric([reason], n)
         yield fam
+
+
+class HandoffCollector(Collector):
+    """The handoff's counts (blocks moved to their new owners, kept; passes), at scrape time."""
+
+    def __init__(self, handed: Callable[[], dict[str, float]]) -> None:
+        self._handed = handed
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        h = self._handed()
+        blocks = CounterMetricFamily("emsd_handoff_blocks", "Blocks handed to their new owners after "
+                                     "ring changes (moved), or kept here because no owner took them "
+                                     "(kept)", labels=["result"])
+        blocks.add_metric(["moved"], h["moved"])
+        blocks.add_metric(["kept"], h["kept"])
+        yield blocks
+        yield CounterMetricFamily("emsd_handoff_passes", "Handoff passes run after ring changes",
+                                  value=h["passes"])
 
 
 def _page_bytes(st: Any, c: Any) -> int:

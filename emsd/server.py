@@ -190,6 +190,7 @@ class Daemon:
         handoff = Handoff(Remote(service))
         cluster.on_ring = handoff.changed
         handoff.changed()
+        self.metrics.watch_handoff(lambda: cluster.handed)
         return handoff
 
     async def _join(self, region: Region, service: Service) -> Cluster:

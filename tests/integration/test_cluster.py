@@ -380,6 +380,11 @@ def test_a_joining_node_is_handed_its_share_of_the_blocks_saved_before(cluster: 
     wait_for(lambda: stats(a)["handoff"]["passes"] >= 1, timeout=60)
     handed, share = stats(a)["handoff"], stats(b)["entries"]
     assert 0 < share < BLOCKS and handed["moved"] == share and handed["kept"] == 0
+    assert a.metric("emsd_handoff_blocks_total", 'result="moved"') == share
+    assert a.metric("emsd_handoff_passes_total") == handed["passes"]
+    status = subprocess.run([sys.executable, "-m", "emsd.ctl", "--socket-dir", str(a.socket_dir), "status"],
+                            capture_output=True, text=True, timeout=30)
+    assert f"handoff     {share} blocks moved to new owners, 0 kept" in status.stdout, status
     assert stats(a)["entries"] == BLOCKS  # a still holds every block, b's share as copies
     a.kill9()
     wait_for(lambda: len(stats(b)["members"]) == 1)
