@@ -398,6 +398,33 @@ def test_a_joining_node_is_handed_its_share_of_the_blocks_saved_before(cluster: 
     assert all(torch.equal(x[i], y[i]) for i in hits for x, y in pairs)
 
 
+def test_saves_of_a_restarting_nodes_share_are_handed_back_when_it_returns(cluster: Any,
+                                                                          monkeypatch: Any) -> None:
+    """A rolling update: b restarts (warm); what a saved of b's share meanwhile goes to b once
+    b is back, so that with a killed with -9 it all loads through b, byte for byte."""
+    a, b = cluster(2)
+    b.terminate()
+    wait_for(lambda: len(stats(a)["members"]) == 1)
+    src = kv(14)
+    cc = use(a, monkeypatch)
+    cc.register_kvcache(src)
+    assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS).success == BLOCKS  # a owns all now
+    b.start()
+    wait_for(lambda: stats(a)["handoff"]["moved"] > 0, timeout=60)  # counted as a pass ends
+    share = stats(b)["entries"]
+    assert 0 < share < BLOCKS and stats(a)["handoff"]["moved"] == share
+    a.kill9()
+    wait_for(lambda: len(stats(b)["members"]) == 1)
+    cc = use(b, monkeypatch)
+    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
+    cc.register_kvcache(dst)
+    hits = [i for i, key in enumerate(KEYS)
+            if cc.load(list(range(i * BLOCK, (i + 1) * BLOCK)), hashes=[key], offsets=[BLOCK]).success]
+    assert len(hits) == share
+    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
+    assert all(torch.equal(x[i], y[i]) for i in hits for x, y in pairs)
+
+
 def test_with_handoff_off_a_joining_node_gets_nothing_saved_before(cluster: Any, emsd_factory: Any,
                                                                    monkeypatch: Any) -> None:
     """``cluster.handoff = false``: the blocks stay where they were saved, as owned blocks."""
