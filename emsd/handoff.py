@@ -42,7 +42,7 @@ import numpy as np
 
 from emsd.cluster import Cluster
 from emsd.pool.keys import KeyBatch
-from emsd.remote import Remote, now
+from emsd.remote import Remote, now, remote_only
 
 log = logging.getLogger("emsd.cluster")
 
@@ -169,15 +169,19 @@ class Handoff:
 
     async def _push(self, ns: int, keys: KeyBatch, deadline: float) -> tuple[KeyBatch, int]:
         """Push the blocks of ``keys`` still in DRAM (not dropped since the pass began) to their
-        owners; mark those that reached one as copies. (those keys, how many were pushed)."""
+        owners; mark those that reached one, and that the ring still gives to others, as copies.
+        (those keys, how many were pushed)."""
         service, store = self.service, self.service.store
         if service.retired(ns):
             return keys.take(slice(0, 0)), 0
         keys = keys.take(np.flatnonzero(store.present(ns, keys)))  # evicted since: nothing to move
         if len(keys) == 0:
             return keys, 0
-        count, got = await self.remote.push_pinned(ns, service.namespace_name(ns), keys, deadline)
+        name = service.namespace_name(ns)
+        count, got = await self.remote.push_pinned(ns, name, keys, deadline)
         reached = keys.take(np.flatnonzero(got[:count]))
+        # by the ring now: one that changed during the push may give a block back to this node
+        reached = reached.take(np.flatnonzero(remote_only(self.cluster, name, reached)))
         store.mark_cached(ns, reached)
         return reached, len(keys)
 
