@@ -364,6 +364,21 @@ def test_a_joining_node_takes_new_saves_for_its_share(cluster: Any, emsd_factory
     assert cc.exists([k + 10_000 for k in KEYS]).success == BLOCKS  # all local again
 
 
+def serves_its_share_alone(a: Any, b: Any, src: list[list[torch.Tensor]], monkeypatch: Any) -> int:
+    """Kill ``a`` with -9, then load each of ``KEYS`` (one block of ``src`` each) through ``b``
+    alone: how many hit, each hit checked byte for byte."""
+    a.kill9()
+    wait_for(lambda: len(stats(b)["members"]) == 1)
+    cc = use(b, monkeypatch)
+    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
+    cc.register_kvcache(dst)
+    hits = [i for i, key in enumerate(KEYS)
+            if cc.load(list(range(i * BLOCK, (i + 1) * BLOCK)), hashes=[key], offsets=[BLOCK]).success]
+    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
+    assert all(torch.equal(x[i], y[i]) for i in hits for x, y in pairs)
+    return len(hits)
+
+
 def test_a_joining_node_is_handed_its_share_of_the_blocks_saved_before(cluster: Any, emsd_factory: Any,
                                                                       monkeypatch: Any) -> None:
     """A node that joins gets the blocks of its share saved before it came (``emsd.handoff``):
@@ -386,16 +401,7 @@ def test_a_joining_node_is_handed_its_share_of_the_blocks_saved_before(cluster: 
                             capture_output=True, text=True, timeout=30)
     assert f"handoff     {share} blocks moved to new owners, 0 kept" in status.stdout, status
     assert stats(a)["entries"] == BLOCKS  # a still holds every block, b's share as copies
-    a.kill9()
-    wait_for(lambda: len(stats(b)["members"]) == 1)
-    cc = use(b, monkeypatch)
-    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
-    cc.register_kvcache(dst)
-    hits = [i for i, key in enumerate(KEYS)
-            if cc.load(list(range(i * BLOCK, (i + 1) * BLOCK)), hashes=[key], offsets=[BLOCK]).success]
-    assert len(hits) == share
-    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
-    assert all(torch.equal(x[i], y[i]) for i in hits for x, y in pairs)
+    assert serves_its_share_alone(a, b, src, monkeypatch) == share
 
 
 def test_saves_of_a_restarting_nodes_share_are_handed_back_when_it_returns(cluster: Any,
@@ -413,16 +419,7 @@ def test_saves_of_a_restarting_nodes_share_are_handed_back_when_it_returns(clust
     wait_for(lambda: stats(a)["handoff"]["moved"] > 0, timeout=60)  # counted as a pass ends
     share = stats(b)["entries"]
     assert 0 < share < BLOCKS and stats(a)["handoff"]["moved"] == share
-    a.kill9()
-    wait_for(lambda: len(stats(b)["members"]) == 1)
-    cc = use(b, monkeypatch)
-    dst = [[torch.zeros_like(t) for t in layer] for layer in src]
-    cc.register_kvcache(dst)
-    hits = [i for i, key in enumerate(KEYS)
-            if cc.load(list(range(i * BLOCK, (i + 1) * BLOCK)), hashes=[key], offsets=[BLOCK]).success]
-    assert len(hits) == share
-    pairs = [(x, y) for la, lb in zip(src, dst, strict=True) for x, y in zip(la, lb, strict=True)]
-    assert all(torch.equal(x[i], y[i]) for i in hits for x, y in pairs)
+    assert serves_its_share_alone(a, b, src, monkeypatch) == share
 
 
 def test_with_handoff_off_a_joining_node_gets_nothing_saved_before(cluster: Any, emsd_factory: Any,
