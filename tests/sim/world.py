@@ -76,7 +76,7 @@ SESSION_TIMEOUT = 2.0
 NOTIFY_DELAY = 0.3  # a membership change reaches each watcher within this
 STEP_WINDOW = 1.0  # events and calls of a step start within this many virtual seconds
 TIMEOUTS_MS = (50, 200, 1000, 3000)
-HANDOFF_LIMIT = 120.0  # virtual seconds for every handoff pass to end once a step's calls have
+HANDOFF_LIMIT = 120.0  # virtual seconds for every handoff pass to end once a step's calls returned
 
 
 @dataclass
