@@ -26,7 +26,9 @@ to others meanwhile). One pass runs at a time, on the event loop:
 
 No pass runs while this node is alone, draining (the drain moves every
 owned block) or not in its own ring (a view without it decides nothing of
-its). A change during a pass ends the pass after its current step, and a
+its), nor over a ring the last whole pass was over (a view that changed
+nothing that places keys; a block no owner took then waits for a real
+change). A change during a pass ends the pass after its current step, and a
 new pass starts over the new ring. Each pass that moved or kept
 blocks logs one line; ``Cluster.handed`` counts passes, blocks and the
 seconds the passes took (STATS).
@@ -60,6 +62,7 @@ class Handoff:
         self._again = False  # the ring changed since the running pass began
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._done: object = None  # the ring the last whole pass was over (``_ring``)
 
     @property
     def cluster(self) -> Cluster:
@@ -99,13 +102,24 @@ class Handoff:
             await asyncio.sleep(SETTLE)
             if self._again:  # changed again meanwhile: wait for that ring to stand
                 continue
+            ring = self._ring()
+            if ring == self._done:  # a view that placed every key as before: nothing moved
+                continue
             try:
                 moved, kept = await self.run_pass()
             except Exception:  # a bug must not end the daemon's handoffs for good; say so loudly
                 log.exception("handoff failed")
                 continue
+            if not self._again:
+                self._done = ring
             if moved or kept:
                 log.info("handoff: %d blocks moved to their new owners, %d kept (not taken)", moved, kept)
+
+    def _ring(self) -> object:
+        """What the ring is built from (members, their capacities, vnodes and replicas): equal
+        values, equal rings."""
+        p = self.cluster.placement
+        return tuple((m.node_id, m.capacity) for m in p.members), p.params, p.draining
 
     async def run_pass(self) -> tuple[int, int]:
         """One pass over the current ring: (blocks moved, blocks kept because no owner took them

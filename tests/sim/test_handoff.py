@@ -26,14 +26,20 @@ from emsd.pool.keys import KeyBatch  # noqa: E402
 KEYS = list(range(1, 17))
 
 
-def _pair(loop: asyncio.AbstractEventLoop) -> tuple[SimNode, SimNode, Network]:
+def _nodes(loop: asyncio.AbstractEventLoop, n: int = 2) -> tuple[list[SimNode], Network]:
+    """Nodes a, b, ... on one simulated network, none started."""
     rng = random.Random(0)
-    params = Params(nodes=2, max_nodes=2, replicas=1, peer_connections=1, capacities=(32 * PAGE,))
+    params = Params(nodes=n, max_nodes=n, replicas=1, peer_connections=1, capacities=(32 * PAGE,))
     coordinator, net = Coordinator(rng, loop, 0.0), Network(rng)
-    a, b = (SimNode(n, f"10.0.0.{i}:11000", 32 * PAGE, params, coordinator, net, handoff=True)
-            for i, n in ((1, "a"), (2, "b")))
-    net.attach(a.addr, a)
-    net.attach(b.addr, b)
+    nodes = [SimNode(name, f"10.0.0.{i + 1}:11000", 32 * PAGE, params, coordinator, net, handoff=True)
+             for i, name in enumerate("abc"[:n])]
+    for node in nodes:
+        net.attach(node.addr, node)
+    return nodes, net
+
+
+def _pair(loop: asyncio.AbstractEventLoop) -> tuple[SimNode, SimNode, Network]:
+    (a, b), net = _nodes(loop)
     return a, b, net
 
 
@@ -76,24 +82,29 @@ def test_blocks_no_owner_took_stay_owned_until_the_next_ring_change_hands_them_o
     loop = VirtualLoop()
 
     async def main() -> None:
-        a, b, net = _pair(loop)
+        (a, b, c), net = _nodes(loop, 3)
         await a.start()
         saver = Client(a.service, NS)
         assert (await saver.save(KEYS, 1000)).count == len(KEYS)
         saver.close()
-        net.weather = Weather(fail=1.0)  # every peer message to b is lost
+        net.weather = Weather(fail=1.0)  # every peer message is lost
         await b.start()
         await asyncio.sleep(2 * SETTLE + 1.0)  # a's join and b's make one burst
         handed = dict(a.cluster.handed)
         assert handed["passes"] == 1 and handed["moved"] == 0 and handed["kept"] > 0
         assert _held(a) == (KEYS, []) and _held(b) == ([], [])  # nothing lost, nothing marked a copy
         net.weather = Weather()
-        await asyncio.sleep(2.0)  # b's backoff is over
-        a.handoff.changed()  # the next ring change
+        await asyncio.sleep(2.0)  # the backoffs are over
+        a.handoff.changed()  # a view that places every key as before: no pass
         await asyncio.sleep(SETTLE + 1.0)
-        assert a.cluster.handed["moved"] == handed["kept"]
-        _, copies = _held(a)
-        assert len(copies) == handed["kept"] and _held(b) == (copies, [])
+        assert a.cluster.handed == handed
+        await c.start()  # the next ring change
+        await asyncio.sleep(SETTLE + 1.0)
+        away = [k for k, o in zip(KEYS, a.cluster.placement.owner_ids(NS, KeyBatch.from_user(KEYS)),
+                                  strict=True) if o != ["a"]]
+        assert a.cluster.handed["moved"] == len(away) and a.cluster.handed["passes"] == 2
+        assert _held(a) == ([k for k in KEYS if k not in away], away)
+        assert sorted(_held(b)[0] + _held(c)[0]) == away and not _held(b)[1] and not _held(c)[1]
 
     try:
         loop.run_until_complete(main())
