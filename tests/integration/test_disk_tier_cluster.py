@@ -228,19 +228,21 @@ def _stats(node: Any) -> dict[str, Any]:
     from emsd.transport.frames import Op
 
     client = DaemonClient(node.socket_dir / "emsd.sock")
-    client.connect({})
+    client.connect({"access_id": TENANT[0], "access_key": TENANT[1]} if "tenants" in node.sections else {})
     try:
         return client.call(Op.STATS, {}, timeout=10)[0]
     finally:
         client.close()
 
 
-@pytest.mark.parametrize("nodes", [{"later": True}], indirect=True, ids=["join"])
+@pytest.mark.parametrize("nodes", [{"later": True}, {"later": True, "tenants": True}], indirect=True,
+                         ids=["plain", "tenants"])
 def test_a_joining_node_is_handed_its_share_from_the_other_nodes_disk_too(
         nodes: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """40 MiB saved while the first node was alone, most of it on its disk by then: the node
     that joins is handed its share of both (``emsd.handoff``), and with the first killed
-    with -9 every block of that share loads through the newcomer, byte for byte."""
+    with -9 every block of that share loads through the newcomer, byte for byte (a tenant's
+    too: read back into its own pages, stored in its own pages on the newcomer)."""
     a, b = nodes
     fill(connect(a, monkeypatch), [a])
     b.start()
