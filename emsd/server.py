@@ -160,8 +160,9 @@ class Daemon:
             self.metrics.watch_peer_refusals(service.cluster.server.refusals)
             if cfg.cluster.handoff:
                 self.handoff = self._handoff(service)
-        self.cluster = service.cluster
+        self.cluster = cluster = service.cluster
         self.metrics.watch_cluster(self._membership)
+        self.metrics.watch_handoff(lambda: cluster.handed)  # zeros standalone or with it off
         self.metrics.build.labels(__version__, self.cluster.transport_name).set(1)
         self.service = service
         if cfg.pool.prefault and prefault.supported(region.mm):
@@ -190,7 +191,6 @@ class Daemon:
         handoff = Handoff(Remote(service))
         cluster.on_ring = handoff.changed
         handoff.changed()
-        self.metrics.watch_handoff(lambda: cluster.handed)
         return handoff
 
     async def _join(self, region: Region, service: Service) -> Cluster:

@@ -4,8 +4,9 @@ A daemon without ``[cluster]`` is a cluster of one (the embedded default). ``Sol
 answers what the request path asks of a cluster (``emsd.cluster.Cluster``) the way a
 cluster whose only member is this node would: the placement view has one member
 (``PlacementView.alone``), so every key is owned here and the service plans no work
-with other nodes; STATS and the metrics show the one-member view; there is no
-membership to join, no peer to serve and no ring to leave (``state`` STANDALONE).
+with other nodes; STATS and the metrics show the one-member view (and a handoff that
+never runs); there is no membership to join, no peer to serve and no ring to leave
+(``state`` STANDALONE).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Solo:
     def __init__(self, node_id: str, capacity: int) -> None:
         self.node_id = node_id
         self.placement = PlacementView(NodeInfo(node_id, "", capacity, 0, {}), (DEFAULT_VNODES, 1))
+        self.handed: dict[str, float] = {"passes": 0, "moved": 0, "kept": 0, "seconds": 0.0}  # none, ever
 
     def stats(self) -> dict[str, Any]:
         """STATS' cluster fields: the one-member view, which owns the whole hash space."""
