@@ -26,10 +26,10 @@ to others meanwhile). One pass runs at a time, on the event loop:
 
 No pass runs while this node is alone, draining (the drain moves every
 owned block) or not in its own ring (a view without it decides nothing of
-its), nor over a ring the last whole pass was over (a view that changed
-nothing that places keys; a block no owner took then waits for a real
-change). A change during a pass ends the pass after its current step, and a
-new pass starts over the new ring. Each pass that moved or kept
+its). A view that places every key as the ring before it is no change (no
+pass, no scan; a block no owner took waits for a real change). A change
+during a pass ends the pass after its current step, and a new pass starts
+over the new ring. Each pass that moved or kept
 blocks logs one line; ``Cluster.handed`` counts passes, blocks and the
 seconds the passes took (STATS).
 """
@@ -62,7 +62,7 @@ class Handoff:
         self._again = False  # the ring changed since the running pass began
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self._done: object = None  # the ring the last whole pass was over (``_ring``)
+        self._seen: object = None  # what the last ring ``changed`` took was built from (``_ring``)
 
     @property
     def cluster(self) -> Cluster:
@@ -74,9 +74,15 @@ class Handoff:
         return self._task is not None and not self._task.done()
 
     def changed(self) -> None:
-        """A new ring: run a pass over it (after the running one, if any, ends its step)."""
+        """A new ring: run a pass over it (after the running one, if any, ends its step). A view
+        that places every key as the ring before it (the same members, capacities and
+        parameters) is no change."""
         if self._closed:
             return
+        ring = self._ring()
+        if ring == self._seen:
+            return
+        self._seen = ring
         self._again = True
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -102,16 +108,11 @@ class Handoff:
             await asyncio.sleep(SETTLE)
             if self._again:  # changed again meanwhile: wait for that ring to stand
                 continue
-            ring = self._ring()
-            if ring == self._done:  # a view that placed every key as before: nothing moved
-                continue
             try:
                 moved, kept = await self.run_pass()
             except Exception:  # a bug must not end the daemon's handoffs for good; say so loudly
                 log.exception("handoff failed")
                 continue
-            if not self._again:
-                self._done = ring
             if moved or kept:
                 log.info("handoff: %d blocks moved to their new owners, %d kept (not taken)", moved, kept)
 

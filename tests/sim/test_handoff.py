@@ -110,3 +110,39 @@ def test_blocks_no_owner_took_stay_owned_until_the_next_ring_change_hands_them_o
         loop.run_until_complete(main())
     finally:
         loop.close()
+
+
+def test_a_ring_that_changes_and_changes_back_before_it_settles_still_hands_over() -> None:
+    """b leaves, a saves alone (every block a's), and b is back before a's ring has stood
+    ``SETTLE`` seconds: the ring is the one a's last pass was over, but b's share of what a
+    saved meanwhile must still go to b."""
+    loop = VirtualLoop()
+
+    async def main() -> None:
+        (a, b), net = _nodes(loop)
+        await a.start()
+        await b.start()
+        await asyncio.sleep(2 * SETTLE + 1.0)  # a pass over the ring of a and b: nothing to move
+        passes = a.cluster.handed["passes"]
+        b.alive = False
+        b.handoff.cancel()
+        await b.cluster.stop()  # deregisters at once, as a clean shutdown does
+        await asyncio.sleep(0.1)
+        assert a.cluster.placement.alone()
+        saver = Client(a.service, NS)
+        assert (await saver.save(KEYS, 1000)).count == len(KEYS)
+        saver.close()
+        back = SimNode("b", b.addr, 32 * PAGE, Params(2, 2, 1, 1, (32 * PAGE,)), b.membership.coordinator,
+                       net, handoff=True)
+        net.attach(back.addr, back)
+        await back.start()  # within SETTLE of b's leaving
+        await asyncio.sleep(2 * SETTLE + 1.0)
+        share = [k for k, o in zip(KEYS, a.cluster.placement.owner_ids(NS, KeyBatch.from_user(KEYS)),
+                                   strict=True) if o == ["b"]]
+        assert 0 < len(share) < len(KEYS) and a.cluster.handed["passes"] > passes
+        assert _held(back) == (share, []) and _held(a) == ([k for k in KEYS if k not in share], share)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
