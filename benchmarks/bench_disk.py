@@ -25,7 +25,8 @@ and off, and what a reboot keeps.
    was written lately), so only rounds side by side compare.
 2. **DRAM hits, tier on and off**: two daemons, the same pool, one with a disk
    tier; the same blocks saved in each (all fit in DRAM); loads of them
-   timed in alternating rounds; the ratio of the medians (on / off).
+   timed in alternating rounds, each daemon first in every other round; the
+   ratio of the medians (on / off).
 3. **Reboot**: the first daemon of step 1 is killed with -9, the page cache
    dropped (``/proc/sys/vm/drop_caches``, root only), the pool's state (its
    shared memory, keeper and ledger) removed, and the daemon started again on
@@ -336,8 +337,9 @@ def dram_hits(work: Path, disk_root: Path, block: int, rounds: int) -> dict[str,
         for d in (on, off):
             with sdk(d, "hits") as cc:
                 save_all(cc, tensors, blocks)
-        for _ in range(rounds):
-            for name, d in (("on", on), ("off", off)):
+        pair = (("on", on), ("off", off))
+        for r in range(rounds):
+            for name, d in pair if r % 2 == 0 else pair[::-1]:  # either first in turn
                 with sdk(d, "hits") as cc:
                     took, loaded, _ = read_pass(cc, tensors, 0, blocks)
                     if loaded != blocks:
