@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable, Iterator
 
 import numpy as np
 
@@ -51,6 +52,8 @@ log = logging.getLogger("emsd.cluster")
 SETTLE = 2.0  # seconds a ring must stand before a pass starts
 STEP = 32  # blocks a step: what a step pins (and, from disk, reads into the pool) while it runs
 STEP_TIMEOUT = 10.0  # seconds a step may take
+
+Step = Callable[[int, KeyBatch], Awaitable[tuple[int, int]]]  # (ns, keys) -> (moved, kept)
 
 
 class Handoff:
@@ -129,13 +132,9 @@ class Handoff:
         placement = self.cluster.placement
         if placement.alone() or placement.draining or placement.my_index() < 0:
             return 0, 0
-        tiers = self.service.tiers
-        on_disk = [] if tiers is None else tiers.away_on_disk(placement.owned_here)
         moved = kept = 0
         start = now()
-        for ns, keys, step in [*((ns, keys, self._step) for ns, keys in self.stranded()),
-                               *((self.service.namespace_id(name), keys, self._disk_step)
-                                 for name, keys in on_disk)]:
+        for ns, keys, step in self._work():
             for at in range(0, len(keys), STEP):
                 if self._again or placement.draining:
                     return self._count(moved, kept, start)
@@ -143,9 +142,20 @@ class Handoff:
                 moved, kept = moved + got, kept + missed
         return self._count(moved, kept, start)
 
+    def _work(self) -> Iterator[tuple[int, KeyBatch, Step]]:
+        """A pass's work in order, each part with the step that hands it over: the stranded
+        DRAM blocks, then, looked up only once those are done (a pass the ring cuts short
+        scans no disk), the disk tier's blocks the ring gives to others."""
+        for ns, keys in self.stranded():
+            yield ns, keys, self._step
+        tiers = self.service.tiers
+        if tiers is not None:
+            for name, keys in tiers.away_on_disk(self.cluster.placement.owned_here):
+                yield self.service.namespace_id(name), keys, self._disk_step
+
     def stranded(self) -> list[tuple[int, KeyBatch]]:
         """Per namespace, the keys of owned READY blocks here that the ring gives only to others."""
-        service, placement = self.service, self.cluster.placement
+        service = self.service
         idx = service.store.index
         owned = service.owned_here()
         if owned.size == 0:
@@ -154,7 +164,7 @@ class Handoff:
         out = []
         for ns in np.unique(nss).tolist():
             keys = idx.keys_of(owned[nss == ns])
-            away = np.flatnonzero(~placement.owned_here(service.namespace_name(ns), keys))
+            away = np.flatnonzero(remote_only(self.cluster, service.namespace_name(ns), keys))
             if away.size:
                 out.append((ns, keys.take(away)))
         return out
