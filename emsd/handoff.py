@@ -135,6 +135,9 @@ class Handoff:
         moved = kept = 0
         start = now()
         for ns, keys, step in self._work():
+            if len(keys) == 0:  # a part of the disk tier's blocks that is all this node's
+                await asyncio.sleep(0)  # the loop serves clients between two lookups
+                continue
             for at in range(0, len(keys), STEP):
                 if self._again or placement.draining:
                     return self._count(moved, kept, start)
@@ -145,7 +148,8 @@ class Handoff:
     def _work(self) -> Iterator[tuple[int, KeyBatch, Step]]:
         """A pass's work in order, each part with the step that hands it over: the stranded
         DRAM blocks, then, looked up only once those are done (a pass the ring cuts short
-        scans no disk), the disk tier's blocks the ring gives to others."""
+        scans no disk), the disk tier's blocks the ring gives to others, looked up a chunk at
+        a time (an empty part: a chunk that is all this node's)."""
         for ns, keys in self.stranded():
             yield ns, keys, self._step
         tiers = self.service.tiers

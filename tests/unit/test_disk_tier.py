@@ -315,3 +315,89 @@ def test_discard_removes_those_blocks_only_queued_or_written_and_across_a_restar
     assert tier.present("ns", keys).tolist() == [True, False, True, False]
     assert tier.present("other", keys).all() and _read(tier, "ns", keys.take(slice(0, 1))) == blocks[:1]
     tier.close()
+
+
+def test_a_tenant_at_its_quota_evicts_its_own_least_recent_block(disk_dir: Path) -> None:
+    """The quota's eviction takes the tenant's oldest unused block, never another tenant's
+    older ones, and only as many as the new block needs."""
+    tier = DiskTier(disk_dir, 4 * EXTENT, extent=EXTENT,
+                    quota=lambda name: 4 * BLOCK if name.startswith("a/") else None,
+                    tenant=lambda name: name.split("/")[0])
+    keys = KeyBatch.from_user(list(range(5)))
+    pool, offs, lens = _pool([_bytes(i) for i in range(5)])
+    assert tier.demote("b/x", keys, memoryview(pool), offs, lens) == 5  # older than all of a's
+    assert tier.wait_idle(30)
+    for i in range(4):
+        one = slice(i, i + 1)
+        assert tier.demote("a/x", keys.take(one), memoryview(pool), offs[one], lens[one]) == 1
+        assert tier.wait_idle(30)
+    assert _read(tier, "a/x", keys.take(slice(0, 1))) == [_bytes(0)]  # 0 is used: 1 is a's oldest now
+    assert tier.demote("a/x", keys.take(slice(4, 5)), memoryview(pool), offs[4:], lens[4:]) == 1
+    assert tier.wait_idle(30)
+    assert tier.present("a/x", keys).tolist() == [True, False, True, True, True]
+    assert tier.present("b/x", keys).all() and tier.tenant_bytes("a") == 4 * BLOCK
+    assert tier.stats().evicted == 1
+    tier.close()
+
+
+def _held_disk_writes(tier: DiskTier) -> threading.Event:
+    """Hold the data file's writes until the returned event is set: the blocks taken by a
+    writer are then indexed, not yet READY, and still queued (being written)."""
+    go = threading.Event()
+    write = tier.data.write
+
+    def held(offset: int, buf: memoryview) -> None:
+        go.wait(30)
+        write(offset, buf)
+
+    tier.data.write = held  # type: ignore[method-assign]
+    return go
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["demote", "discard", "drop", "read", "hold"]),
+                          st.sampled_from(["a/x", "a/y", "b/x"]), st.lists(st.integers(0, 11), max_size=6)),
+                min_size=1, max_size=12))
+def test_keys_on_disk_are_the_keys_present_in_every_state(steps: list[tuple[str, str, list[int]]]) -> None:
+    """Whatever was demoted, discarded, dropped, read, evicted for a tenant's quota, or held
+    mid-write: ``keys_on_disk`` names each key ``present`` finds, once, and no other; and each
+    tenant's LRU order is the index's."""
+    base = os.environ.get("EMSD_TEST_DISK_DIR", "/var/tmp")
+    path = Path(tempfile.mkdtemp(prefix="emsd-disk-test-", dir=base))
+    tier = DiskTier(path, 8 * EXTENT, extent=EXTENT,
+                    quota=lambda name: 6 * 4096 if name.startswith("a/") else None,
+                    tenant=lambda name: name.split("/")[0])
+    go: threading.Event | None = None
+    pool, offs, lens = _pool([_bytes(i, 4096) for i in range(12)])
+    try:
+        for op, name, picks in steps:
+            keys = KeyBatch.from_user(sorted(set(picks)))
+            sel = np.array(sorted(set(picks)), dtype=np.int64)
+            if op == "demote":
+                tier.demote(name, keys, memoryview(pool), offs[sel], lens[sel])
+            elif op == "discard":
+                tier.discard(name, keys)
+            elif op == "drop":
+                tier.drop(name)
+            elif op == "read" and go is None:
+                _read(tier, name, keys)
+            elif op == "hold" and go is None:
+                go = _held_disk_writes(tier)
+            if go is None:
+                assert tier.wait_idle(30)
+            everything = KeyBatch.from_user(list(range(12)))
+            listed = tier.keys_on_disk()
+            for ns in ("a/x", "a/y", "b/x"):
+                got = listed.get(ns, KeyBatch.from_user([]))
+                named = sorted(got.words[:, 0].tolist())
+                assert len(named) == len(set(named))
+                assert named == np.flatnonzero(tier.present(ns, everything)).tolist()
+            by_tenant = {t: list(keys) for t, keys in tier._by_tenant.items()}
+            assert by_tenant == {t: [k for k, e in tier._index.items() if e.tenant == t] for t in by_tenant}
+            assert sum(map(len, by_tenant.values())) == len(tier._index)
+    finally:
+        if go is not None:
+            go.set()
+        tier.wait_idle(30)
+        tier.close()
+        shutil.rmtree(path, ignore_errors=True)

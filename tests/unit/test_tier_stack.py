@@ -277,3 +277,24 @@ def test_a_drain_moves_what_was_demoted_before_it_reached_the_disk() -> None:
         moved = [int(first[1].key(i)) for i in range(2)] + _drained(stack, 2)
         assert sorted(moved) == [1, 2, 3, 4, 5]
         assert stack.drain_left() == 0 and stack.drain_next(2) is None
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=20), st.integers(1, 8))
+def test_away_on_disk_names_the_blocks_of_others_a_chunk_at_a_time(mine: list[bool], chunk: int) -> None:
+    """A handoff's look at the disk: every block on disk the ring does not give to this node,
+    once, in one part per chunk of keys looked up (empty when the chunk is all this node's)."""
+    keys = list(range(1, len(mine) + 1))
+    looked: list[int] = []
+
+    def owned(name: str, batch: KeyBatch) -> np.ndarray:
+        assert name == NAME and 0 < len(batch) <= chunk
+        looked.append(len(batch))
+        return np.array([mine[int(batch.key(i)) - 1] for i in range(len(batch))])
+
+    with _stack() as stack:
+        _on_disk(stack, keys)
+        parts = list(stack.away_on_disk(owned, chunk))
+    assert len(parts) == -(-len(keys) // chunk) and sum(looked) == len(keys)
+    away = sorted(int(b.key(i)) for _, b in parts for i in range(len(b)))
+    assert away == [k for k, m in zip(keys, mine, strict=True) if not m]

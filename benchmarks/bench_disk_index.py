@@ -1,0 +1,138 @@
+"""What a large disk tier's bookkeeping costs: the index scans that run while clients wait.
+
+    python benchmarks/bench_disk_index.py [--blocks N] [--dir DIR] [--json]
+
+A real disk tier (``emsd.tier.disk.DiskTier``, O_DIRECT where ``--dir`` allows it,
+default /var/tmp) filled with ``--blocks`` real 4 KiB blocks (default 200,000),
+three quarters of them tenant b's and the newest quarter tenant a's, with a's quota
+at exactly what it holds. Then, each the median of ``--repeat`` runs:
+
+- ``keys_on_disk``: the snapshot of every key on disk that a drain and a handoff
+  take. It holds the tier's lock, which the writers and every load's look at the
+  tier take too, and runs on the event loop;
+- a demotion of one block at tenant a's quota (it must evict a's oldest block)
+  against one of tenant c, which has no quota, from demote to written: the ratio
+  is what the quota's eviction adds to a write;
+- a handoff's lookup of the keys on disk on a three-node ring
+  (``TierStack.away_on_disk``): the whole, and its longest part, the longest the
+  event loop goes without serving a client during it.
+
+Prints one line each (``--json``: the figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from emsd.placement import ClusterView, Member, Ring  # noqa: E402
+from emsd.pool.keys import KeyBatch  # noqa: E402
+from emsd.pool.store import BlockStore  # noqa: E402
+from emsd.tier.disk import DiskTier  # noqa: E402
+from emsd.tier.engine import aligned  # noqa: E402
+from emsd.tier.stack import TierStack  # noqa: E402
+
+BLOCK = 4096
+BATCH = 4096  # blocks demoted at a time while filling (the write queue's bound is 256 MiB)
+
+
+def _fill(tier: DiskTier, name: str, first: int, count: int, pool: memoryview) -> None:
+    """Demote ``count`` blocks of keys ``first..`` into namespace ``name`` and wait for them."""
+    for at in range(first, first + count, BATCH):
+        n = min(BATCH, first + count - at)
+        keys = KeyBatch.from_ints(np.arange(at, at + n, dtype=np.uint64))
+        offsets = np.arange(n, dtype=np.uint64) * np.uint64(BLOCK)
+        if tier.demote(name, keys, pool, offsets, np.full(n, BLOCK, dtype=np.uint64)) != n:
+            raise RuntimeError(f"the tier queued fewer than {n} blocks")
+        if not tier.wait_idle(120):
+            raise RuntimeError("the tier's writes did not end in 120 s")
+
+
+def _demote_one(tier: DiskTier, name: str, key: int, pool: memoryview) -> float:
+    """Seconds from demoting one block to its write's end."""
+    keys = KeyBatch.from_ints(np.array([key], dtype=np.uint64))
+    t0 = time.perf_counter()
+    tier.demote(name, keys, pool, np.zeros(1, dtype=np.uint64), np.full(1, BLOCK, dtype=np.uint64))
+    if not tier.wait_idle(30):
+        raise RuntimeError("a demotion did not end in 30 s")
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--blocks", type=int, default=200_000)
+    ap.add_argument("--repeat", type=int, default=21)
+    ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    n, quarter = args.blocks, args.blocks // 4
+    work = Path(tempfile.mkdtemp(prefix="emsd-bench-disk-index-", dir=args.dir))
+    staging = aligned(BATCH * BLOCK)
+    pool = memoryview(staging)
+    tier = DiskTier(work / "tier", (n + 2 * args.repeat) * BLOCK + (64 << 20),
+                    quota=lambda name: quarter * BLOCK if name.startswith("a/") else None,
+                    tenant=lambda name: name.split("/")[0])
+    try:
+        t0 = time.perf_counter()
+        _fill(tier, "b/x", 0, n - quarter, pool)
+        _fill(tier, "a/x", n, quarter, pool)
+        print(f"[disk-index] {n} blocks written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        scans = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            got = tier.keys_on_disk()
+            scans.append(time.perf_counter() - t0)
+        if sum(map(len, got.values())) != n:
+            raise RuntimeError(f"keys_on_disk named {sum(map(len, got.values()))} of {n} blocks")
+        at_quota = [_demote_one(tier, "a/x", 2 * n + i, pool) for i in range(args.repeat)]
+        free = [_demote_one(tier, "c/x", 3 * n + i, pool) for i in range(args.repeat)]
+        if tier.stats().evicted != args.repeat:
+            raise RuntimeError(f"{tier.stats().evicted} blocks evicted for {args.repeat} at the quota")
+        ring = Ring.build(ClusterView.of([Member(m, 1 << 40) for m in ("a", "b", "c")]))
+        stack = TierStack(BlockStore(64 << 20, 2 << 20), tier, pool, lambda ns: "")
+
+        def mine(name: str, keys: KeyBatch) -> np.ndarray:
+            return ring.owners(name, keys)[:, 0] == 0
+
+        parts, t0 = [], time.perf_counter()
+        last, away = t0, 0
+        for _, keys in stack.away_on_disk(mine):
+            now = time.perf_counter()
+            parts.append(now - last)
+            last, away = now, away + len(keys)
+        whole = time.perf_counter() - t0
+    finally:
+        tier.close()
+        shutil.rmtree(work, ignore_errors=True)
+    out = {
+        "blocks": n,
+        "keys_on_disk_ms": statistics.median(scans) * 1e3,
+        "demote_at_quota_us": statistics.median(at_quota) * 1e6,
+        "demote_no_quota_us": statistics.median(free) * 1e6,
+        "away_whole_ms": whole * 1e3,
+        "away_longest_part_ms": max(parts) * 1e3,
+        "away_blocks": away,
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"{n} blocks on disk: keys_on_disk {out['keys_on_disk_ms']:.1f} ms; a demotion at the quota "
+          f"{out['demote_at_quota_us']:.0f} us against {out['demote_no_quota_us']:.0f} us without one "
+          f"({out['demote_at_quota_us'] / out['demote_no_quota_us']:.2f}x); a handoff's lookup "
+          f"{out['away_whole_ms']:.0f} ms in all ({away} blocks away), its longest part "
+          f"{out['away_longest_part_ms']:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
