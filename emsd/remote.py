@@ -34,7 +34,7 @@ from emsd.effects import (
     SetPlacement,
 )
 from emsd.placement import record as placement_record
-from emsd.pool.index import FIRST_ID
+from emsd.pool.index import FIRST_ID, READY, BlockIndex
 from emsd.pool.keys import KeyBatch
 from emsd.service import DRAIN_BATCH, Service
 from emsd.solo import Solo
@@ -177,16 +177,19 @@ class Remote:
         await cluster.leave()
         moved = failed = 0
         idx = store.index
+        queue, nss = drain_queue(idx, service.owned_here())  # owned blocks to push, and their namespaces
         while now() < deadline:
-            owned = service.owned_here()
-            if owned.size == 0:
+            if queue.size == 0:
+                queue, nss = drain_queue(idx, service.owned_here())
+            if queue.size == 0:
                 unread = await self._read_back(deadline)
                 if unread is None:
                     break
                 failed += unread
                 continue
-            ns = int(idx.nstag[owned[0]] >> 8)
-            batch = owned[(idx.nstag[owned] >> 8) == ns][:DRAIN_BATCH]
+            ns, batch, queue, nss = drain_step(idx, queue, nss, service.retired)
+            if batch.size == 0:
+                continue
             keys = idx.keys_of(batch)
             _, got = await self.push_pinned(ns, service.namespace_name(ns), keys, deadline)
             store.mark_cached(ns, keys)  # moved or not: this node owns nothing now
@@ -216,6 +219,32 @@ class Remote:
         if len(keys) == 0:
             return 0
         return len(keys) - await tiers.promote(ns, keys, 0, deadline)
+
+
+def drain_queue(idx: BlockIndex, owned: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Block ids ``owned`` grouped by namespace, lowest namespace id (the oldest) first, in
+    id order within one: the order a drain pushes them in; and each one's namespace id."""
+    nss = idx.nstag[owned] >> 8
+    order = np.argsort(nss, kind="stable")
+    return owned[order], nss[order]
+
+
+def drain_step(idx: BlockIndex, queue: np.ndarray, nss: np.ndarray, retired: Callable[[int], bool],
+              limit: int = DRAIN_BATCH) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """A drain's next step from its non-empty queue (``drain_queue``): the namespace of its
+    head, the ids of the head's run in that namespace (at most ``limit``) that are still
+    READY owned blocks of it (none in a namespace ``retired`` since), and the rest of the
+    queue and of its namespaces. The queue is taken once and checked a step at a time, not
+    scanned anew for every step (which cost a step about 2 ms for 400,000 blocks: a
+    quadratic drain)."""
+    ns = int(nss[0])
+    n = int(np.searchsorted(nss[:limit], ns, side="right"))  # sorted: the leading run of ns
+    ids = queue[:n]
+    if retired(ns):
+        ids = ids[:0]
+    else:
+        ids = ids[(idx.state[ids] == READY) & (idx.cached[ids] == 0) & ((idx.nstag[ids] >> 8) == ns)]
+    return ns, ids, queue[n:], nss[n:]
 
 
 # The step that carries out each kind of effect after a handler (a dict: no isinstance chain).
