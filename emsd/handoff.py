@@ -45,13 +45,14 @@ import numpy as np
 
 from emsd.cluster import Cluster
 from emsd.pool.keys import KeyBatch
-from emsd.remote import Remote, now, remote_only
+from emsd.remote import Remote, now, owned_now, remote_only
 
 log = logging.getLogger("emsd.cluster")
 
 SETTLE = 2.0  # seconds a ring must stand before a pass starts
 STEP = 32  # blocks a step: what a step pins (and, from disk, reads into the pool) while it runs
 STEP_TIMEOUT = 10.0  # seconds a step may take
+CHUNK = 1 << 16  # owned blocks looked up on the ring at a time (about 7 ms: the loop serves between two)
 
 Step = Callable[[int, KeyBatch], Awaitable[tuple[int, int]]]  # (ns, keys) -> (moved, kept)
 
@@ -66,6 +67,7 @@ class Handoff:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._seen: object = None  # what the last ring ``changed`` took was built from (``_ring``)
+        self.chunk = CHUNK  # owned blocks ``stranded`` looks up on the ring at a time
 
     @property
     def cluster(self) -> Cluster:
@@ -135,7 +137,7 @@ class Handoff:
         moved = kept = 0
         start = now()
         for ns, keys, step in self._work():
-            if len(keys) == 0:  # a part of the disk tier's blocks that is all this node's
+            if len(keys) == 0:  # a chunk that is all this node's
                 await asyncio.sleep(0)  # the loop serves clients between two lookups
                 continue
             for at in range(0, len(keys), STEP):
@@ -148,8 +150,8 @@ class Handoff:
     def _work(self) -> Iterator[tuple[int, KeyBatch, Step]]:
         """A pass's work in order, each part with the step that hands it over: the stranded
         DRAM blocks, then, looked up only once those are done (a pass the ring cuts short
-        scans no disk), the disk tier's blocks the ring gives to others, looked up a chunk at
-        a time (an empty part: a chunk that is all this node's)."""
+        scans no disk), the disk tier's blocks the ring gives to others. Both are looked up
+        a chunk at a time; an empty part is a chunk that is all this node's."""
         for ns, keys in self.stranded():
             yield ns, keys, self._step
         tiers = self.service.tiers
@@ -157,21 +159,28 @@ class Handoff:
             for name, keys in tiers.away_on_disk(self.cluster.placement.owned_here):
                 yield self.service.namespace_id(name), keys, self._disk_step
 
-    def stranded(self) -> list[tuple[int, KeyBatch]]:
-        """Per namespace, the keys of owned READY blocks here that the ring gives only to others."""
+    def stranded(self) -> Iterator[tuple[int, KeyBatch]]:
+        """The keys of owned READY blocks here that the ring gives only to others: per
+        ``chunk`` of the owned blocks at the pass's start, one part per namespace in it (one
+        empty part when none is stranded), each chunk looked at when its turn comes (a block
+        gone or become a copy meanwhile is not in it)."""
         service = self.service
         idx = service.store.index
         owned = service.owned_here()
-        if owned.size == 0:
-            return []
-        nss = idx.ns_of(owned)
-        out = []
-        for ns in np.unique(nss).tolist():
-            keys = idx.keys_of(owned[nss == ns])
-            away = np.flatnonzero(remote_only(self.cluster, service.namespace_name(ns), keys))
-            if away.size:
-                out.append((ns, keys.take(away)))
-        return out
+        for at in range(0, owned.size, self.chunk):
+            ids = owned_now(idx, owned[at : at + self.chunk])
+            nss = idx.ns_of(ids)
+            found = False
+            for ns in np.unique(nss).tolist():
+                if service.retired(ns):
+                    continue
+                keys = idx.keys_of(ids[nss == ns])
+                away = np.flatnonzero(remote_only(self.cluster, service.namespace_name(ns), keys))
+                if away.size:
+                    found = True
+                    yield ns, keys.take(away)
+            if not found:
+                yield 0, KeyBatch.from_ints(np.empty(0, dtype=np.uint64))  # the loop's turn
 
     async def _step(self, ns: int, keys: KeyBatch) -> tuple[int, int]:
         """Hand over the DRAM blocks of ``keys`` (and forget their copies on disk): (moved, kept)."""

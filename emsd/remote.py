@@ -243,8 +243,15 @@ def drain_step(idx: BlockIndex, queue: np.ndarray, nss: np.ndarray, retired: Cal
     if retired(ns):
         ids = ids[:0]
     else:
-        ids = ids[(idx.state[ids] == READY) & (idx.cached[ids] == 0) & ((idx.nstag[ids] >> 8) == ns)]
+        ids = owned_now(idx, ids)
+        ids = ids[(idx.nstag[ids] >> 8) == ns]
     return ns, ids, queue[n:], nss[n:]
+
+
+def owned_now(idx: BlockIndex, ids: np.ndarray) -> np.ndarray:
+    """Those of ``ids`` (from an earlier look at the index) that are READY blocks this node
+    owns now, not read-cache copies: an id freed since may hold another block, or none."""
+    return ids[(idx.state[ids] == READY) & (idx.cached[ids] == 0)]
 
 
 # The step that carries out each kind of effect after a handler (a dict: no isinstance chain).

@@ -12,6 +12,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from client import Client  # noqa: E402
 from clock import VirtualLoop  # noqa: E402
@@ -51,11 +53,14 @@ def _held(node: SimNode) -> tuple[list[int], list[int]]:
     return [k for k, copy in held if not copy], [k for k, copy in held if copy]
 
 
-def test_a_joining_node_gets_its_share_and_the_old_holder_keeps_copies() -> None:
+@pytest.mark.parametrize("chunk", [1 << 16, 3, 1])
+def test_a_joining_node_gets_its_share_and_the_old_holder_keeps_copies(chunk: int) -> None:
+    """Also with the owned blocks looked up a few at a time (``Handoff.chunk``)."""
     loop = VirtualLoop()
 
     async def main() -> None:
         a, b, _ = _pair(loop)
+        a.handoff.chunk = chunk
         await a.start()
         saver = Client(a.service, NS)
         assert (await saver.save(KEYS, 1000)).count == len(KEYS)  # alone: a owns them all
