@@ -13,6 +13,8 @@ at exactly what it holds. Then, each the median of ``--repeat`` runs:
 - a demotion of one block at tenant a's quota (it must evict a's oldest block)
   against one of tenant c, which has no quota, from demote to written: the ratio
   is what the quota's eviction adds to a write;
+- a drop of tenant c's namespace (the ``--repeat`` blocks it demoted), which the
+  others' blocks should not slow (``emsctl drop``, the SDK's ``clear()``);
 - a handoff's lookup of the keys on disk on a three-node ring
   (``TierStack.away_on_disk``): the whole, and its longest part, the longest the
   event loop goes without serving a client during it.
@@ -99,6 +101,11 @@ def main() -> None:
         free = [_demote_one(tier, "c/x", 3 * n + i, pool) for i in range(args.repeat)]
         if tier.stats().evicted != args.repeat:
             raise RuntimeError(f"{tier.stats().evicted} blocks evicted for {args.repeat} at the quota")
+        t0 = time.perf_counter()
+        dropped = tier.drop("c/x")
+        drop = time.perf_counter() - t0
+        if dropped != args.repeat:
+            raise RuntimeError(f"the drop removed {dropped} of {args.repeat} blocks")
         ring = Ring.build(ClusterView.of([Member(m, 1 << 40) for m in ("a", "b", "c")]))
         stack = TierStack(BlockStore(64 << 20, 2 << 20), tier, pool, lambda ns: "")
 
@@ -120,6 +127,7 @@ def main() -> None:
         "keys_on_disk_ms": statistics.median(scans) * 1e3,
         "demote_at_quota_us": statistics.median(at_quota) * 1e6,
         "demote_no_quota_us": statistics.median(free) * 1e6,
+        "drop_ms": drop * 1e3,
         "away_whole_ms": whole * 1e3,
         "away_longest_part_ms": max(parts) * 1e3,
         "away_blocks": away,
@@ -129,7 +137,8 @@ def main() -> None:
         return
     print(f"{n} blocks on disk: keys_on_disk {out['keys_on_disk_ms']:.1f} ms; a demotion at the quota "
           f"{out['demote_at_quota_us']:.0f} us against {out['demote_no_quota_us']:.0f} us without one "
-          f"({out['demote_at_quota_us'] / out['demote_no_quota_us']:.2f}x); a handoff's lookup "
+          f"({out['demote_at_quota_us'] / out['demote_no_quota_us']:.2f}x); a drop of {args.repeat} blocks "
+          f"{out['drop_ms']:.1f} ms; a handoff's lookup "
           f"{out['away_whole_ms']:.0f} ms in all ({away} blocks away), its longest part "
           f"{out['away_longest_part_ms']:.1f} ms")
 

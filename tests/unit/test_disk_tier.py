@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -360,7 +361,8 @@ def _held_disk_writes(tier: DiskTier) -> threading.Event:
                 min_size=1, max_size=12))
 def test_keys_on_disk_are_the_keys_present_in_every_state(steps: list[tuple[str, str, list[int]]]) -> None:
     """Whatever was demoted, discarded, dropped, read, evicted for a tenant's quota, or held
-    mid-write: ``keys_on_disk`` names each key ``present`` finds, once, and no other; and each
+    mid-write: ``keys_on_disk`` names each key ``present`` finds, once, and no other; a drop
+    removes every block ``present`` found of its namespace, and says how many; and each
     tenant's LRU order is the index's."""
     base = os.environ.get("EMSD_TEST_DISK_DIR", "/var/tmp")
     path = Path(tempfile.mkdtemp(prefix="emsd-disk-test-", dir=base))
@@ -378,7 +380,9 @@ def test_keys_on_disk_are_the_keys_present_in_every_state(steps: list[tuple[str,
             elif op == "discard":
                 tier.discard(name, keys)
             elif op == "drop":
-                tier.drop(name)
+                held = int(tier.present(name, KeyBatch.from_user(list(range(12)))).sum())
+                assert tier.drop(name) == held
+                assert not tier.present(name, KeyBatch.from_user(list(range(12)))).any()
             elif op == "read" and go is None:
                 _read(tier, name, keys)
             elif op == "hold" and go is None:
@@ -401,3 +405,27 @@ def test_keys_on_disk_are_the_keys_present_in_every_state(steps: list[tuple[str,
         tier.wait_idle(30)
         tier.close()
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_drop_counts_and_removes_blocks_being_written_once(disk_dir: Path) -> None:
+    """Blocks a writer has taken (indexed, not READY, still queued) go with their namespace,
+    counted once each; their writes end without putting them back. Other namespaces stay."""
+    tier = DiskTier(disk_dir, 8 * EXTENT, extent=EXTENT, writers=4)
+    blocks = [_bytes(i) for i in range(3)]
+    pool, offs, lens = _pool(blocks)
+    keys = KeyBatch.from_user([1, 2, 3])
+    assert tier.demote("other", keys, memoryview(pool), offs, lens) == 3
+    assert tier.wait_idle(30)
+    go = _held_disk_writes(tier)
+    assert tier.demote("ns", keys, memoryview(pool), offs, lens) == 3
+    deadline = time.monotonic() + 30
+    while len(tier._index) < 6 and time.monotonic() < deadline:  # the writers took all three
+        time.sleep(0.01)
+    assert len(tier._index) == 6 and tier.present("ns", keys).all()
+    assert tier.drop("ns") == 3
+    assert not tier.present("ns", keys).any()
+    go.set()
+    assert tier.wait_idle(30)
+    assert not tier.present("ns", keys).any() and "ns" not in tier.keys_on_disk()
+    assert tier.stats().blocks == 3 and _read(tier, "other", keys) == blocks
+    tier.close()
