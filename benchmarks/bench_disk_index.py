@@ -38,6 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from emsd.handoff import CHUNK  # noqa: E402
 from emsd.placement import ClusterView, Member, Ring  # noqa: E402
 from emsd.pool.keys import KeyBatch  # noqa: E402
 from emsd.pool.store import BlockStore  # noqa: E402
@@ -114,7 +115,7 @@ def main() -> None:
 
         parts, t0 = [], time.perf_counter()
         last, away = t0, 0
-        for _, keys in stack.away_on_disk(mine):
+        for _, keys in stack.away_on_disk(mine, CHUNK):
             now = time.perf_counter()
             parts.append(now - last)
             last, away = now, away + len(keys)

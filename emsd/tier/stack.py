@@ -43,7 +43,6 @@ from emsd.tier.engine import runs
 
 log = logging.getLogger("emsd.tier")
 
-AWAY_CHUNK = 1 << 16  # keys a handoff looks up on the ring at a time (``away_on_disk``)
 _NEW = np.uint8(SlotStatus.NEW)
 _FAILED = np.uint8(SlotStatus.FAILED)
 
@@ -270,7 +269,7 @@ class TierStack:
         return [(name, keys) for name, keys in self.disk.keys_on_disk().items() if not name.startswith("\0")]
 
     def away_on_disk(self, mine: Callable[[str, KeyBatch], np.ndarray],
-                     chunk: int = AWAY_CHUNK) -> Iterator[tuple[str, KeyBatch]]:
+                     chunk: int) -> Iterator[tuple[str, KeyBatch]]:
         """Per client namespace and per ``chunk`` of its keys on disk (or queued for it) now,
         those that are not this node's: ``mine(name, keys)`` is False for them (a handoff's,
         ``emsd.handoff``). One part for every chunk, empty when all of it is this node's: a
