@@ -211,6 +211,7 @@ class DiskTier:
         self._rows = 0  # rows ever used (the next new row id)
         self._ns: dict[str, int] = {}
         self._ns_names: dict[int, str] = {}
+        self._ns_tenant: dict[int, str] = {}  # ``_tenant_of``
         self._tenant_bytes: dict[str, int] = {}
         self.queued = 0
         self.queued_bytes = 0
@@ -243,14 +244,17 @@ class DiskTier:
         used = set(ids.tolist())
         self._free_rows = [r for r in range(self._rows - 1, -1, -1) if r not in used]
         kept = 0
-        for row, r in zip(ids.tolist(), rows, strict=True):
-            ns, offset, length = int(r["ns"]), int(r["offset"]), int(r["length"])
-            key = (ns, r["words"].astype("<u8").tobytes() + bytes([int(r["tag"])]))
+        # The rows' fields as Python lists and their keys in the index's form, each in one
+        # step: a field read row by row cost more than the rest of a block's restore.
+        kbs = key_bytes(KeyBatch(np.ascontiguousarray(rows["words"], dtype=np.uint64), rows["tag"].copy()))
+        columns = [rows[field].tolist() for field in ("ns", "offset", "length", "sum")]
+        for row, kb, ns, offset, length, digest in zip(ids.tolist(), kbs, *columns, strict=True):
+            key = (ns, kb)
             if ns not in self._ns_names or key in self._index or not self.space.restore(offset, length):
                 self.ledger.forget(row)
                 self._free_rows.append(row)
                 continue
-            self._put(key, DiskEntry(ns, offset, length, row, int(r["sum"]), ready=True))
+            self._put(key, DiskEntry(ns, offset, length, row, digest, ready=True))
             self._at[offset] = key
             self._count(ns, slot_for(length))
             kept += 1
@@ -312,6 +316,7 @@ class DiskTier:
             if free is None or not self.ledger.set_name(free, name):
                 return None
             ns = self._ns[name] = free
+            self._ns_tenant.pop(free, None)  # looked up before it had a name
             self._ns_names[free] = name
         return ns
 
@@ -543,7 +548,7 @@ class DiskTier:
 
     def _put(self, key: Key, entry: DiskEntry) -> None:
         """Under the lock: index ``entry`` as the newest block (of all, and of its tenant)."""
-        entry.tenant = self.tenant(self._ns_names.get(key[0], ""))
+        entry.tenant = self._tenant_of(key[0])
         self._index[key] = entry
         self._by_tenant.setdefault(entry.tenant, OrderedDict())[key] = None
 
@@ -688,8 +693,16 @@ class DiskTier:
         e.row = -1
 
     def _count(self, ns: int, delta: int) -> None:
-        tenant = self.tenant(self._ns_names.get(ns, ""))
+        tenant = self._tenant_of(ns)
         self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + delta
+
+    def _tenant_of(self, ns: int) -> str:
+        """The tenant namespace id ``ns`` belongs to (``tenant`` of its name, kept per id: an
+        id names one namespace for the tier's life)."""
+        tenant = self._ns_tenant.get(ns)
+        if tenant is None:
+            tenant = self._ns_tenant[ns] = self.tenant(self._ns_names.get(ns, ""))
+        return tenant
 
     def tenant_bytes(self, tenant: str) -> int:
         return self._tenant_bytes.get(tenant, 0)

@@ -51,9 +51,13 @@ class FreeSlots:
         return offset in self._set
 
     def update(self, offsets: Iterable[int]) -> None:
-        for offset in offsets:
-            if offset not in self._set:
-                self._set.add(offset)
+        new = set(offsets) - self._set
+        self._set |= new
+        if len(new) > len(self._heap):  # a whole extent's slots: one heapify, not a push each
+            self._heap.extend(new)
+            heapq.heapify(self._heap)
+        else:
+            for offset in new:
                 heapq.heappush(self._heap, offset)
 
     def discard(self, offset: int) -> None:

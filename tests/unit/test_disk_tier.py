@@ -429,3 +429,31 @@ def test_a_drop_counts_and_removes_blocks_being_written_once(disk_dir: Path) -> 
     assert not tier.present("ns", keys).any() and "ns" not in tier.keys_on_disk()
     assert tier.stats().blocks == 3 and _read(tier, "other", keys) == blocks
     tier.close()
+
+
+def test_a_restart_restores_each_tenants_bytes_and_its_own_eviction_order(disk_dir: Path) -> None:
+    """Re-indexed from the ledger's rows (read as columns): every block, each tenant's bytes,
+    and a quota's eviction after the restart takes that tenant's blocks only."""
+    def open_tier() -> DiskTier:
+        return DiskTier(disk_dir, 4 * EXTENT, extent=EXTENT,
+                        quota=lambda name: 3 * BLOCK if name.startswith("a/") else None,
+                        tenant=lambda name: name.split("/")[0])
+
+    tier = open_tier()
+    keys = KeyBatch.from_user([7, b"k", 2**64 - 1])
+    blocks = [_bytes(i) for i in range(3)]
+    pool, offs, lens = _pool(blocks)
+    assert tier.demote("a/x", keys, memoryview(pool), offs, lens) == 3
+    assert tier.demote("b/y", keys, memoryview(pool), offs, lens) == 3
+    assert tier.wait_idle(30)
+    tier.close()
+    tier = open_tier()
+    assert tier.restored == 6
+    assert (tier.tenant_bytes("a"), tier.tenant_bytes("b")) == (3 * BLOCK, 3 * BLOCK)
+    assert _read(tier, "a/x", keys) == blocks and _read(tier, "b/y", keys) == blocks
+    more, *_ = _pool([_bytes(9)])
+    assert tier.demote("a/x", KeyBatch.from_user([9]), memoryview(more), offs[:1], lens[:1]) == 1
+    assert tier.wait_idle(30)
+    assert tier.present("a/x", KeyBatch.from_user([9])).all() and tier.present("b/y", keys).all()
+    assert int(tier.present("a/x", keys).sum()) == 2 and tier.tenant_bytes("a") == 3 * BLOCK
+    tier.close()
