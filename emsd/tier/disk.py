@@ -246,7 +246,7 @@ class DiskTier:
         kept = 0
         # The rows' fields as Python lists and their keys in the index's form, each in one
         # step: a field read row by row cost more than the rest of a block's restore.
-        kbs = key_bytes(KeyBatch(np.ascontiguousarray(rows["words"], dtype=np.uint64), rows["tag"].copy()))
+        kbs = key_bytes(KeyBatch(rows["words"], rows["tag"]))
         columns = [rows[field].tolist() for field in ("ns", "offset", "length", "sum")]
         for row, kb, ns, offset, length, digest in zip(ids.tolist(), kbs, *columns, strict=True):
             key = (ns, kb)
@@ -331,10 +331,8 @@ class DiskTier:
             ns = self._ns.get(name)
             if ns is None:
                 return 0
-            nss, words, tags = self.ledger.committed_keys()
-            rows = np.flatnonzero(nss == ns)
-            on_disk = KeyBatch(np.ascontiguousarray(words[rows], dtype=np.uint64), tags[rows].copy())
-            keys = {(ns, kb) for kb in key_bytes(on_disk)}
+            nss, on_disk = self.ledger.committed_keys()
+            keys = {(ns, kb) for kb in key_bytes(on_disk.take(np.flatnonzero(nss == ns)))}
             keys.update(k for k in self._staged if k[0] == ns)  # queued, or being written
             if self.failed:  # a write that failed left its entry in neither (nothing is served now)
                 keys.update(k for k in self._index if k[0] == ns)
@@ -371,7 +369,7 @@ class DiskTier:
         long. Only the queue, bounded by ``queue_bytes``, is walked block by block.
         """
         with self._lock:
-            nss, words, tags = self.ledger.committed_keys()
+            nss, on_disk = self.ledger.committed_keys()
             queued: dict[int, list[bytes]] = {}
             for (ns, kb) in self._staged:
                 e = self._index.get((ns, kb))
@@ -381,8 +379,8 @@ class DiskTier:
         out: dict[str, KeyBatch] = {}
         present = np.unique(nss)
         for ns in np.union1d(present, np.array(list(queued), dtype=nss.dtype)).tolist():
-            sel = slice(None) if present.size == 1 and present[0] == ns else np.flatnonzero(nss == ns)
-            keys = KeyBatch(np.ascontiguousarray(words[sel], dtype=np.uint64), tags[sel].copy())
+            alone = present.size == 1 and present[0] == ns  # every committed row is this namespace's
+            keys = on_disk if alone else on_disk.take(np.flatnonzero(nss == ns))
             if ns in queued:
                 more = batch_of(queued[ns])
                 keys = KeyBatch(np.concatenate([keys.words, more.words]),

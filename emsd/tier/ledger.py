@@ -42,6 +42,7 @@ import numpy as np
 
 from emsd.files import open_own
 from emsd.pool import nametable, rowfile
+from emsd.pool.keys import KeyBatch
 
 MAGIC = b"EMSDDISK"
 FORMAT = 1
@@ -150,11 +151,12 @@ class DiskLedger:
         ids = np.flatnonzero(self.rows["state"] == COMMITTED)
         return ids, self.rows[ids]
 
-    def committed_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(namespace ids, key words (n, 4), key tags) of every committed row, read column by
-        column: no copy of the rows' other fields."""
+    def committed_keys(self) -> tuple[np.ndarray, KeyBatch]:
+        """(namespace ids, keys) of every committed row, read column by column: no copy of the
+        rows' other fields."""
         ids = np.flatnonzero(self.rows["state"] == COMMITTED)
-        return self.rows["ns"][ids], self.rows["words"][ids], self.rows["tag"][ids]
+        words = self.rows["words"][ids].astype(np.uint64, copy=False)
+        return self.rows["ns"][ids], KeyBatch(words, self.rows["tag"][ids])
 
     def _ensure(self, capacity: int) -> None:
         if capacity <= self.rows.size:
