@@ -5,7 +5,7 @@
 A real ``BlockStore`` index with ``--blocks`` owned 64 KiB blocks (default 400,000, a
 24 GiB pool) in four namespaces, drained as ``emsd.remote.Remote.drain`` does, with each
 step's blocks made read-cache copies at once instead of pushed: the drain's queue taken
-once and checked a step at a time (``drain_queue``, ``drain_step``), against the same
+once and checked a step at a time (``drain_steps``), against the same
 drain scanning the index anew for every step (``Service.owned_here``, then the head's
 namespace: how it chose its steps before 2026-12-02), in the same run. Both must make
 every block a copy. Prints the seconds of each and their ratio: CPU the event loop spends
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from emsd.metrics import Metrics  # noqa: E402
 from emsd.pool.keys import KeyBatch  # noqa: E402
 from emsd.pool.store import BlockStore  # noqa: E402
-from emsd.remote import drain_queue, drain_step  # noqa: E402
+from emsd.remote import drain_steps  # noqa: E402
 from emsd.service import DRAIN_BATCH, Service  # noqa: E402
 
 SIZE = 64 << 10
@@ -45,18 +45,12 @@ def _service(n: int) -> Service:
 
 
 def queued(svc: Service) -> int:
-    """This tree's drain: the queue taken once, checked a step at a time; steps made."""
+    """This tree's drain (``drain_steps``): the queue taken once, checked a step at a time;
+    steps made."""
     idx, steps = svc.store.index, 0
-    queue, nss = drain_queue(idx, svc.owned_here())
-    while True:
-        if queue.size == 0:
-            queue, nss = drain_queue(idx, svc.owned_here())
-        if queue.size == 0:
-            break
-        ns, batch, queue, nss = drain_step(idx, queue, nss, svc.retired)
-        if batch.size:
-            svc.store.mark_cached(ns, idx.keys_of(batch))
-            steps += 1
+    for ns, batch in drain_steps(svc):
+        svc.store.mark_cached(ns, idx.keys_of(batch))
+        steps += 1
     return steps
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -177,19 +177,17 @@ class Remote:
         await cluster.leave()
         moved = failed = 0
         idx = store.index
-        queue, nss = drain_queue(idx, service.owned_here())  # owned blocks to push, and their namespaces
+        steps = drain_steps(service)
         while now() < deadline:
-            if queue.size == 0:
-                queue, nss = drain_queue(idx, service.owned_here())
-            if queue.size == 0:
+            step = next(steps, None)
+            if step is None:  # no owned block left in DRAM: the next part from disk, then again
                 unread = await self._read_back(deadline)
                 if unread is None:
                     break
                 failed += unread
+                steps = drain_steps(service)
                 continue
-            ns, batch, queue, nss = drain_step(idx, queue, nss, service.retired)
-            if batch.size == 0:
-                continue
+            ns, batch = step
             keys = idx.keys_of(batch)
             _, got = await self.push_pinned(ns, service.namespace_name(ns), keys, deadline)
             store.mark_cached(ns, keys)  # moved or not: this node owns nothing now
@@ -219,6 +217,23 @@ class Remote:
         if len(keys) == 0:
             return 0
         return len(keys) - await tiers.promote(ns, keys, 0, deadline)
+
+
+def drain_steps(service: Service) -> Iterator[tuple[int, np.ndarray]]:
+    """A drain's steps through the owned blocks in DRAM: (namespace id, ids of at most
+    ``DRAIN_BATCH`` of its owned READY blocks), from a queue of them taken once
+    (``drain_queue``) and checked a step at a time (``drain_step``), taken again when used
+    up; ends when no owned block is left. The caller makes each step's blocks copies
+    before it asks for the next (else the next queue has them again)."""
+    idx = service.store.index
+    while True:
+        queue, nss = drain_queue(idx, service.owned_here())
+        if queue.size == 0:
+            return
+        while queue.size:
+            ns, ids, queue, nss = drain_step(idx, queue, nss, service.retired)
+            if ids.size:
+                yield ns, ids
 
 
 def drain_queue(idx: BlockIndex, owned: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
