@@ -149,9 +149,20 @@ def test_store_without_emsd_serves_misses_then_recovers(emsd_factory: Any,
         Ems._reset()
 
 
+def _until(call: Any, want: int, within: float = 30.0) -> int:
+    """``call()`` again until it gives ``want`` or ``within`` seconds pass; its last result.
+
+    A call under a 300 ms timeout may miss on a loaded host, and the store then sits out its
+    retry interval: what is asserted is that it works again, not how soon."""
+    deadline = time.monotonic() + within
+    while (got := call()) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
+
+
 def test_hung_emsd_gives_misses_then_is_used_again(ems_env: Any) -> None:
     values = StagedValues(config(), 64, timeout_ms=300, retry_interval_s=0.2)
-    assert values.put([b"a"], [b"1"]) == 1
+    assert _until(lambda: values.put([b"a"], [b"1"]), 1) == 1
     os.kill(ems_env.pid, signal.SIGSTOP)
     try:
         # b"a" is in the pool: the SDK finds it in the shared index without asking emsd. A key
@@ -163,11 +174,15 @@ def test_hung_emsd_gives_misses_then_is_used_again(ems_env: Any) -> None:
         assert values.put([b"b"], [b"2"]) == 0
     finally:
         os.kill(ems_env.pid, signal.SIGCONT)
-    while values.exists([b"a"]) == 0:  # the retry interval passes, emsd answers again
-        time.sleep(0.02)
-    assert values.put([b"b"], [b"2"]) == 1
+    # the retry interval passes, emsd answers again
+    assert _until(lambda: values.put([b"b"], [b"2"]), 1) == 1
     got: list[bytes] = []
-    assert values.get([b"a", b"b"], lambda i, v: got.append(bytes(v[:1])) is None) == 2
+
+    def load() -> int:
+        got.clear()
+        return values.get([b"a", b"b"], lambda i, v: got.append(bytes(v[:1])) is None)
+
+    assert _until(load, 2) == 2
     assert got == [b"1", b"2"]
 
 
