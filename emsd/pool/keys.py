@@ -60,7 +60,18 @@ class KeyBatch:
         return int(self.tags.shape[0])
 
     def take(self, idx: np.ndarray | slice) -> KeyBatch:
-        """The keys at ``idx`` (a slice or an index array), as a new batch."""
+        """The keys at ``idx`` (a slice, an index array or a boolean mask), as a batch.
+
+        A selection of every key in order gives this batch itself (batches are never
+        changed in place), ``wire`` bytes included: a slice of all of them, or index 0 of
+        a batch of one (the one block a call that a PIN hands to a fetch, whose request
+        then encodes no keys anew)."""
+        n = len(self)
+        if isinstance(idx, slice):
+            if idx.indices(n) == (0, n, 1):
+                return self
+        elif n == 1 and idx.size == 1 and idx.dtype.kind in "iu" and idx[0] == 0:
+            return self
         return KeyBatch(np.ascontiguousarray(self.words[idx]), np.ascontiguousarray(self.tags[idx]))
 
     def key(self, i: int) -> int | bytes:

@@ -54,3 +54,31 @@ def test_wire_decoding_checks_sizes_tags_and_padding() -> None:
         KeyBatch.from_wire(KT_TAGGED, bytes([1]) + b"ab" + b"\x00" * 30, 1)
     with pytest.raises(KeyError_):
         KeyBatch.from_wire(7, b"", 0)
+
+
+@given(keys, st.data())
+def test_take_selects_the_keys_asked_for_in_every_form(ks: list, data: st.DataObject) -> None:
+    batch = KeyBatch.from_user(ks)
+    n = len(ks)
+    picks = data.draw(st.lists(st.integers(0, n - 1), max_size=5)) if n else []
+    mask = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    start, stop = data.draw(st.integers(0, n)), data.draw(st.integers(0, n))
+    selections: list[tuple[object, list[int]]] = [
+        (np.array(picks, dtype=np.int64), picks),
+        (np.array(mask, dtype=bool), [i for i in range(n) if mask[i]]),
+        (slice(start, stop), list(range(n))[start:stop]),
+        (slice(None), list(range(n))),
+    ]
+    for idx, want in selections:
+        got = batch.take(idx)  # type: ignore[arg-type]
+        assert [got.key(i) for i in range(len(got))] == [canon(ks[i]) for i in want]
+        assert got.to_wire() == KeyBatch.from_user([ks[i] for i in want]).to_wire()
+
+
+def test_take_of_every_key_keeps_the_batch_and_its_wire_bytes() -> None:
+    one = KeyBatch.from_ints(np.array([7], dtype=np.uint64), wire=np.array([7], "<u8").tobytes())
+    assert one.take(slice(0, None)) is one and one.take(np.array([0])) is one
+    assert one.take(np.array([False])) is not one and len(one.take(np.array([False]))) == 0
+    assert len(one.take(slice(1, None))) == 0
+    many = KeyBatch.from_user([1, 2, 3])
+    assert many.take(slice(None)) is many and many.take(np.arange(3)) is not many
