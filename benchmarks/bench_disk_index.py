@@ -17,7 +17,11 @@ at exactly what it holds. Then, each the median of ``--repeat`` runs:
   others' blocks should not slow (``emsctl drop``, the SDK's ``clear()``);
 - a handoff's lookup of the keys on disk on a three-node ring
   (``TierStack.away_on_disk``): the whole, and its longest part, the longest the
-  event loop goes without serving a client during it.
+  event loop goes without serving a client during it;
+- a restart: the tier closed and opened again on its files, which re-indexes
+  every block before the daemon is ready, against the least any index of those
+  keys in a Python dict costs (one dict built from the same keys, in the same
+  run).
 
 Prints one line each (``--json``: the figures).
 """
@@ -25,6 +29,7 @@ Prints one line each (``--json``: the figures).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import statistics
@@ -42,7 +47,7 @@ from emsd.handoff import CHUNK  # noqa: E402
 from emsd.placement import ClusterView, Member, Ring  # noqa: E402
 from emsd.pool.keys import KeyBatch  # noqa: E402
 from emsd.pool.store import BlockStore  # noqa: E402
-from emsd.tier.disk import DiskTier  # noqa: E402
+from emsd.tier.disk import DiskTier, key_bytes  # noqa: E402
 from emsd.tier.engine import aligned  # noqa: E402
 from emsd.tier.stack import TierStack  # noqa: E402
 
@@ -72,6 +77,24 @@ def _demote_one(tier: DiskTier, name: str, key: int, pool: memoryview) -> float:
     return time.perf_counter() - t0
 
 
+def _dict_floor(tier: DiskTier) -> float:
+    """Seconds to build a plain dict of every key on disk in the tier's key form (its
+    namespace id and 33 key bytes) from the ledger's rows: the least a Python index costs
+    (the garbage collector off, whose passes depend on what else the process holds)."""
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        ids, rows = tier.ledger.committed()
+        kbs = key_bytes(KeyBatch(rows["words"], rows["tag"]))
+        index = {(ns, kb): row for ns, kb, row in zip(rows["ns"].tolist(), kbs, ids.tolist(), strict=True)}
+        took = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    if len(index) != ids.size:
+        raise RuntimeError(f"{ids.size - len(index)} keys twice in the ledger")
+    return took
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", type=int, default=200_000)
@@ -83,9 +106,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="emsd-bench-disk-index-", dir=args.dir))
     staging = aligned(BATCH * BLOCK)
     pool = memoryview(staging)
-    tier = DiskTier(work / "tier", (n + 2 * args.repeat) * BLOCK + (64 << 20),
-                    quota=lambda name: quarter * BLOCK if name.startswith("a/") else None,
-                    tenant=lambda name: name.split("/")[0])
+
+    def open_tier() -> DiskTier:
+        return DiskTier(work / "tier", (n + 2 * args.repeat) * BLOCK + (64 << 20),
+                        quota=lambda name: quarter * BLOCK if name.startswith("a/") else None,
+                        tenant=lambda name: name.split("/")[0])
+
+    tier = open_tier()
     try:
         t0 = time.perf_counter()
         _fill(tier, "b/x", 0, n - quarter, pool)
@@ -120,6 +147,14 @@ def main() -> None:
             parts.append(now - last)
             last, away = now, away + len(keys)
         whole = time.perf_counter() - t0
+        held = tier.stats().blocks
+        tier.close()
+        t0 = time.perf_counter()
+        tier = open_tier()
+        restart = time.perf_counter() - t0
+        if tier.restored != held:
+            raise RuntimeError(f"the restart re-indexed {tier.restored} of {held} blocks")
+        floor = _dict_floor(tier)
     finally:
         tier.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -132,6 +167,9 @@ def main() -> None:
         "away_whole_ms": whole * 1e3,
         "away_longest_part_ms": max(parts) * 1e3,
         "away_blocks": away,
+        "restart_s": restart,
+        "restart_us_a_block": restart / held * 1e6,
+        "dict_floor_s": floor,
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -141,7 +179,8 @@ def main() -> None:
           f"({out['demote_at_quota_us'] / out['demote_no_quota_us']:.2f}x); a drop of {args.repeat} blocks "
           f"{out['drop_ms']:.1f} ms; a handoff's lookup "
           f"{out['away_whole_ms']:.0f} ms in all ({away} blocks away), its longest part "
-          f"{out['away_longest_part_ms']:.1f} ms")
+          f"{out['away_longest_part_ms']:.1f} ms; a restart re-indexes {held} blocks in {restart:.2f} s "
+          f"({out['restart_us_a_block']:.1f} us a block, {restart / floor:.1f}x a dict of their keys)")
 
 
 if __name__ == "__main__":

@@ -38,11 +38,15 @@ class FreeSlots:
 
     The heap may hold offsets no longer free (taken by ``discard``); ``pop``
     skips them, and the heap is rebuilt when they outnumber the free ones.
+    ``update(..., heap=False)`` (a restart's re-index, a whole extent at a time)
+    adds to the set only and leaves the heap stale: the next ``pop`` sorts the
+    set once, instead of every extent being heapified and every claim weighed.
     """
 
     def __init__(self) -> None:
         self._set: set[int] = set()
         self._heap: list[int] = []
+        self._stale = False  # the heap lacks offsets of the set: rebuild before a pop
 
     def __bool__(self) -> bool:
         return bool(self._set)
@@ -50,10 +54,12 @@ class FreeSlots:
     def __contains__(self, offset: int) -> bool:
         return offset in self._set
 
-    def update(self, offsets: Iterable[int]) -> None:
+    def update(self, offsets: Iterable[int], heap: bool = True) -> None:
         new = set(offsets) - self._set
         self._set |= new
-        if len(new) > len(self._heap):  # a whole extent's slots: one heapify, not a push each
+        if not heap or self._stale:
+            self._stale = True
+        elif len(new) > len(self._heap):  # a whole extent's slots: one heapify, not a push each
             self._heap.extend(new)
             heapq.heapify(self._heap)
         else:
@@ -62,7 +68,7 @@ class FreeSlots:
 
     def discard(self, offset: int) -> None:
         self._set.discard(offset)
-        if len(self._heap) > 2 * len(self._set) + 1024:
+        if not self._stale and len(self._heap) > 2 * len(self._set) + 1024:
             self._heap = sorted(self._set)
 
     def difference_update(self, offsets: Iterable[int]) -> None:
@@ -71,6 +77,8 @@ class FreeSlots:
 
     def pop(self) -> int:
         """The lowest free offset, taken. ``IndexError`` when there is none."""
+        if self._stale:
+            self._heap, self._stale = sorted(self._set), False  # a sorted list is a heap
         while True:
             offset = heapq.heappop(self._heap)
             if offset in self._set:
@@ -147,25 +155,28 @@ class DiskSpace:
         file, not on a slot boundary of its class, on an extent of another
         class, or already claimed.
         """
-        slot = slot_for(length)
-        if not 0 < length <= self.extent or offset < 0 or offset + slot > self.size:
+        extent = self.extent
+        slot = -(-length // SECTOR) * SECTOR  # slot_for, inlined: a restart calls this per block
+        if not 0 < length <= extent or offset < 0 or offset + slot > self.size:
             return False
-        e = self.extent_of(offset)
-        base = e * self.extent
-        if (offset - base) % slot or offset + slot > base + (self.extent // slot) * slot:
+        e = offset // extent
+        base = e * extent
+        if (offset - base) % slot or offset + slot > base + (extent // slot) * slot:
             return False
-        if self.extent_slot[e] == 0:
+        cls = self.extent_slot[e]
+        if cls == 0:
             self._free_extents.remove(e)
             self.extent_slot[e] = slot
             self._free.setdefault(slot, FreeSlots()).update(
-                range(base, base + (self.extent // slot) * slot, slot))
-        elif self.extent_slot[e] != slot:
+                range(base, base + (extent // slot) * slot, slot), heap=False)
+        elif cls != slot:
             return False
         free = self._free[slot]
         if offset not in free:
             return False
         free.discard(offset)
-        self._take(offset, slot)
+        self.extent_used[e] += 1
+        self.bytes_used += slot
         return True
 
     def _take(self, offset: int, slot: int) -> None:

@@ -83,13 +83,14 @@ def test_a_class_hands_out_its_lowest_free_slot_first() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "discard", "pop"]), st.integers(0, 40)), max_size=200))
+@given(st.lists(st.tuples(st.sampled_from(["add", "add-unheaped", "discard", "pop"]), st.integers(0, 40)),
+                max_size=200))
 def test_free_slots_pop_the_lowest_of_what_is_free(ops: list[tuple[str, int]]) -> None:
     free, model = FreeSlots(), set[int]()
     for op, n in ops:
-        if op == "add":
-            free.update([n])
-            model.add(n)
+        if op.startswith("add"):
+            free.update(range(n, n + 3), heap=op == "add")  # unheaped: as a restart adds an extent
+            model.update(range(n, n + 3))
         elif op == "discard":
             free.discard(n)
             model.discard(n)
@@ -97,3 +98,35 @@ def test_free_slots_pop_the_lowest_of_what_is_free(ops: list[tuple[str, int]]) -
             assert free.pop() == min(model)
             model.remove(min(model))
         assert bool(free) == bool(model) and all((i in free) == (i in model) for i in range(41))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3 * EXTENT // SECTOR), st.sampled_from([SECTOR, 2 * SECTOR, 5000])),
+                max_size=60),
+       st.integers(0, 40))
+def test_a_restart_then_allocations_never_hand_out_a_restored_slot(rows: list[tuple[int, int]],
+                                                                   allocs: int) -> None:
+    """Slots restored at a restart stay taken; the rest of their extents are handed out lowest
+    first, and the bytes add up (the heaps are built lazily after a restore)."""
+    space = DiskSpace(3 * EXTENT, EXTENT)
+    held: dict[int, int] = {}
+    for sector, n in rows:
+        off = sector * SECTOR
+        if space.restore(off, n):
+            assert all(off + slot_for(n) <= o or o + slot_for(m) <= off for o, m in held.items())
+            held[off] = n
+    assert space.bytes_used == sum(slot_for(m) for m in held.values())
+    by_class: dict[int, list[int]] = {}
+    for _ in range(allocs):
+        off = space.alloc(SECTOR)
+        if off is None:
+            break
+        assert all(off + SECTOR <= o or o + slot_for(m) <= off for o, m in held.items())
+        held[off] = SECTOR
+        by_class.setdefault(space.extent_of(off), []).append(off)
+    for offs in by_class.values():
+        assert offs == sorted(offs)  # one extent's free slots, lowest first
+    assert space.bytes_used == sum(slot_for(m) for m in held.values())
+    for off, n in held.items():
+        space.free(off, n)
+    assert space.bytes_used == 0
