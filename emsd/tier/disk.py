@@ -124,7 +124,7 @@ def digest(buf: memoryview | bytes) -> int:
 def _no_gc() -> Iterator[None]:
     """The cyclic garbage collector off inside (on again after, if it was on): a restart makes
     several objects a block, and each collection of the oldest generation would walk them all
-    again (it took about half of a restart of 100,000 blocks)."""
+    again (about a third of a restart of 100,000 blocks)."""
     was = gc.isenabled()
     gc.disable()
     try:
