@@ -78,7 +78,7 @@ from emsd.files import check_dir
 from emsd.pool.keys import KeyBatch
 from emsd.tier.engine import DataFile, Engine, aligned, read_block
 from emsd.tier.ledger import NS_SLOTS, DiskLedger
-from emsd.tier.space import DEFAULT_EXTENT, SECTOR, DiskSpace, slot_for
+from emsd.tier.space import DEFAULT_EXTENT, DiskSpace, slot_for
 
 log = logging.getLogger("emsd.tier")
 
@@ -289,7 +289,7 @@ class DiskTier:
             index[key] = DiskEntry(ns, offset, length, row, digest, ready=True, tenant=tenant_of[ns])
             order[ns][key] = None
             at[offset] = key
-            slots[ns] += -(-length // SECTOR) * SECTOR  # slot_for
+            slots[ns] += slot_for(length)
 
     def close(self) -> None:
         """Finish the queued demotions, flush the index and close the files (idempotent)."""

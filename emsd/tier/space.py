@@ -155,28 +155,25 @@ class DiskSpace:
         file, not on a slot boundary of its class, on an extent of another
         class, or already claimed.
         """
-        extent = self.extent
-        slot = -(-length // SECTOR) * SECTOR  # slot_for, inlined: a restart calls this per block
-        if not 0 < length <= extent or offset < 0 or offset + slot > self.size:
+        slot = slot_for(length)
+        if not 0 < length <= self.extent or offset < 0 or offset + slot > self.size:
             return False
-        e = offset // extent
-        base = e * extent
-        if (offset - base) % slot or offset + slot > base + (extent // slot) * slot:
+        e = self.extent_of(offset)
+        base = e * self.extent
+        if (offset - base) % slot or offset + slot > base + (self.extent // slot) * slot:
             return False
-        cls = self.extent_slot[e]
-        if cls == 0:
+        if self.extent_slot[e] == 0:
             self._free_extents.remove(e)
             self.extent_slot[e] = slot
             self._free.setdefault(slot, FreeSlots()).update(
-                range(base, base + (extent // slot) * slot, slot), heap=False)
-        elif cls != slot:
+                range(base, base + (self.extent // slot) * slot, slot), heap=False)
+        elif self.extent_slot[e] != slot:
             return False
         free = self._free[slot]
         if offset not in free:
             return False
         free.discard(offset)
-        self.extent_used[e] += 1
-        self.bytes_used += slot
+        self._take(offset, slot)
         return True
 
     def _take(self, offset: int, slot: int) -> None:
