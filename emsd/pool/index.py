@@ -11,7 +11,8 @@ rest        7 x u32       the other three words (as six u32 halves) and
                           ``nstag`` = ``ns << 8 | tag`` (namespace < 2**24,
                           key tag): one 28-byte row, so that a lookup checks
                           a candidate with one comparison
-state       u8            FREE, PENDING or READY
+state       u8            FREE, PENDING, READY or HELD (out of the table,
+                          fields kept: ``detach``)
 pins        u32           readers holding the entry
 offset      u32           chunk offset in the allocator's ``align`` units
 length      u32           block length in bytes
@@ -77,7 +78,7 @@ try:  # the lookup loop in C; the numpy probe below gives the same answers
 except ImportError:  # pragma: no cover - extension not built
     _probe = None  # type: ignore[assignment]
 
-FREE, PENDING, READY = 0, 1, 2
+FREE, PENDING, READY, HELD = 0, 1, 2, 3
 EMPTY, TOMB = 0, 1  # table slot values; also the two sentinel entry ids
 FIRST_ID = 2
 MAX_NS = (1 << 24) - 2  # ns is packed with the tag in 32 bits; 0xFFFFFF is the sentinels'
@@ -143,6 +144,7 @@ class BlockIndex:
         self.high_water = FIRST_ID  # ids >= high_water have never been used
         self._free: list[np.ndarray] = []  # removed ids, in the batches they were removed
         self._count = 0
+        self._held = 0  # HELD entries: neither live nor free
         self._tombs = 0
         self._keyrec = np.zeros((0, REST_COLS), dtype=np.uint32)  # scratch: a batch's rows
         self._tail = TAIL
@@ -365,7 +367,7 @@ class BlockIndex:
             self._rebuild(size)
 
     def _free_count(self) -> int:
-        return self.high_water - FIRST_ID - self._count
+        return self.high_water - FIRST_ID - self._count - self._held
 
     def _grow_entries(self, at_least: int) -> None:
         cap = max(2 * self.capacity, at_least)
@@ -463,7 +465,8 @@ class BlockIndex:
                 for lo in range(FIRST_ID, self.high_water, _REBUILD_CHUNK):
                     # in chunks, so that the temporaries stay small (and off the RSS)
                     hi = min(lo + _REBUILD_CHUNK, self.high_water)
-                    live = (np.flatnonzero(self.state[lo:hi] != FREE) + lo).astype(np.uint32)
+                    state = self.state[lo:hi]
+                    live = (np.flatnonzero((state != FREE) & (state != HELD)) + lo).astype(np.uint32)
                     if live.size and self._c_probe():
                         self._place_c(live)
                     elif live.size:
@@ -475,14 +478,14 @@ class BlockIndex:
     # -- remove -----------------------------------------------------------------
 
     def remove(self, ids: np.ndarray) -> None:
-        """Remove live entries (distinct ids); they become FREE and reusable."""
+        """Remove live (PENDING or READY) entries (distinct ids); they become FREE and reusable."""
         ids = np.asarray(ids, dtype=np.uint32)
         k = ids.size
         if k == 0:
             return
         if k == 1:  # one block a call: scalar checks and writes
             i = int(ids[0])
-            if self.state[i] == FREE:
+            if not PENDING <= self.state[i] <= READY:
                 raise ValueError("remove of an entry that is not live")
             self.table[int(self._slots_of(ids)[0])] = TOMB
             self._tombs += 1
@@ -491,7 +494,8 @@ class BlockIndex:
             self.pins[i] = 0
             self._free.append(ids.copy())
             return
-        if not bool((self.state[ids] != FREE).all()):
+        state = self.state[ids]
+        if not bool(((state >= PENDING) & (state <= READY)).all()):
             raise ValueError("remove of an entry that is not live")
         self.table[self._slots_of(ids)] = TOMB
         self._tombs += k
@@ -499,6 +503,27 @@ class BlockIndex:
         self.state[ids] = FREE
         self.pins[ids] = 0
         self._free.append(ids.copy())
+
+    def detach(self, i: int) -> None:
+        """Take live entry ``i`` out of the table (no lookup finds its key, which may be
+        inserted again) but keep its id and fields, HELD, until ``release``: for an entry
+        still in use when its key goes (the disk tier's block being read when dropped)."""
+        if self.state[i] in (FREE, HELD):
+            raise ValueError("detach of an entry that is not live")
+        self.table[int(self._slots_of(np.array((i,), dtype=np.uint32))[0])] = TOMB
+        self._tombs += 1
+        self._count -= 1
+        self._held += 1
+        self.state[i] = HELD
+
+    def release(self, i: int) -> None:
+        """Free the id of HELD entry ``i`` (``detach``) for reuse."""
+        if self.state[i] != HELD:
+            raise ValueError("release of an entry that is not held")
+        self._held -= 1
+        self.state[i] = FREE
+        self.pins[i] = 0
+        self._free.append(np.array((i,), dtype=np.uint32))
 
     def _slots_of(self, ids: np.ndarray) -> np.ndarray:
         """Table slot holding each live entry id."""
@@ -528,7 +553,8 @@ class BlockIndex:
 
     def live_ids(self) -> np.ndarray:
         """Ids of the PENDING and READY entries (uint32, ascending)."""
-        return np.flatnonzero(self.state[: self.high_water] != FREE).astype(np.uint32)
+        state = self.state[: self.high_water]
+        return np.flatnonzero((state != FREE) & (state != HELD)).astype(np.uint32)
 
     def ns_of(self, ids: np.ndarray) -> np.ndarray:
         """Namespace id of entries (int64)."""

@@ -190,6 +190,7 @@ class IndexModel(RuleBasedStateMachine):
         super().__init__()
         self.idx = BlockIndex()
         self.model: dict[tuple[int, str, int | bytes], int] = {}
+        self.held: dict[int, tuple[int, int]] = {}  # detached id -> (offset, length) it kept
 
     @staticmethod
     def norm(ns: int, k: int | bytes) -> tuple[int, str, int | bytes]:
@@ -209,6 +210,28 @@ class IndexModel(RuleBasedStateMachine):
                                   max_size=20))
         self.idx.remove(np.array([self.model.pop(g) for g in gone], dtype=np.uint32))
 
+    @rule(data=st.data())
+    def detach(self, data: st.DataObject) -> None:
+        """A detached entry's key is gone (and may come back as a new entry); its id and
+        fields stay until it is released, and no insert takes the id meanwhile."""
+        if not self.model:
+            return
+        i = self.model.pop(data.draw(st.sampled_from(sorted(self.model, key=repr))))
+        self.idx.detach(i)
+        self.held[i] = (int(self.idx.offset[i]), int(self.idx.length[i]))
+        with pytest.raises(ValueError):
+            self.idx.remove(np.array([i], dtype=np.uint32))
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        if not self.held:
+            return
+        i = data.draw(st.sampled_from(sorted(self.held)))
+        assert (int(self.idx.offset[i]), int(self.idx.length[i])) == self.held.pop(i)
+        self.idx.release(i)
+        with pytest.raises(ValueError):
+            self.idx.release(i)
+
     @rule(ns=st.integers(0, 2), keys=st.lists(KEYS, min_size=1, max_size=60),
           prefix=st.booleans())
     def lookup(self, ns: int, keys: list[int | bytes], prefix: bool) -> None:
@@ -223,6 +246,7 @@ class IndexModel(RuleBasedStateMachine):
     def counts_match(self) -> None:
         assert len(self.idx) == len(self.model)
         assert sorted(self.idx.live_ids().tolist()) == sorted(self.model.values())
+        assert not set(self.held) & set(self.model.values())  # a held id is never handed out
         assert 2 * len(self.idx) <= self.idx.home_size
 
 
