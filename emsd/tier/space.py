@@ -20,6 +20,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
+import numpy as np
+
 SECTOR = 4096
 DEFAULT_EXTENT = 64 << 20
 
@@ -175,6 +177,53 @@ class DiskSpace:
         free.discard(offset)
         self._take(offset, slot)
         return True
+
+    def restore_many(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """``restore`` of each (offset, length) in turn: per row, whether its slot was claimed.
+
+        On a space where nothing is claimed yet (a restart) it runs as whole arrays: each
+        extent takes the size class of its first row that fits the geometry, and each slot
+        goes to its first row of that class. Else it is the loop of ``restore``.
+        """
+        off = np.asarray(offsets, dtype=np.int64)
+        n = np.asarray(lengths, dtype=np.int64)
+        ok = np.zeros(off.size, dtype=bool)
+        if self.bytes_used:
+            for j, (o, k) in enumerate(zip(off.tolist(), n.tolist(), strict=True)):
+                ok[j] = self.restore(o, k)
+            return ok
+        slot = -(-n // SECTOR) * SECTOR
+        fit = (n > 0) & (n <= self.extent) & (off >= 0) & (off + slot <= self.size)
+        slot_safe = np.where(fit, slot, SECTOR)  # no division by a slot of 0
+        e = np.where(fit, off, 0) // self.extent
+        base = e * self.extent
+        carved_end = base + self.extent // slot_safe * slot_safe  # past the extent's last slot
+        fit &= ((off - base) % slot_safe == 0) & (off + slot_safe <= carved_end)
+        rows = np.flatnonzero(fit)
+        ext, first = np.unique(e[rows], return_index=True)
+        cls = np.zeros(self.extents, dtype=np.int64)
+        cls[ext] = slot[rows[first]]
+        rows = rows[slot[rows] == cls[e[rows]]]  # of its extent's class
+        rows = rows[np.unique(off[rows], return_index=True)[1]]  # a slot's first row
+        ok[rows] = True
+        used = np.bincount(e[rows], minlength=self.extents)
+        for x, s in zip(ext.tolist(), cls[ext].tolist(), strict=True):
+            self.extent_slot[x] = s
+            self.extent_used[x] = int(used[x])
+        self.bytes_used = int(slot[rows].sum())
+        carved = set(ext.tolist())
+        self._free_extents = [x for x in self._free_extents if x not in carved]
+        for s in np.unique(cls[ext]).tolist():  # each class's free slots: its extents' others
+            mine = ext[cls[ext] == s]
+            taken = off[rows[slot[rows] == s]]
+            per = self.extent // s
+            step = max(1, (1 << 22) // per)  # extents at a time: temporaries of 32 MiB at most
+            free = self._free.setdefault(s, FreeSlots())
+            for lo in range(0, mine.size, step):
+                part = mine[lo : lo + step]
+                every = (part[:, None] * self.extent + np.arange(per, dtype=np.int64) * s).ravel()
+                free.update(np.setdiff1d(every, taken, assume_unique=True).tolist(), heap=False)
+        return ok
 
     def _take(self, offset: int, slot: int) -> None:
         self.extent_used[self.extent_of(offset)] += 1

@@ -130,3 +130,32 @@ def test_a_restart_then_allocations_never_hand_out_a_restored_slot(rows: list[tu
     for off, n in held.items():
         space.free(off, n)
     assert space.bytes_used == 0
+
+
+def _state(space: DiskSpace) -> tuple:
+    free = {s: sorted(f._set) for s, f in space._free.items() if f}
+    return space.extent_slot, space.extent_used, space.bytes_used, space._free_extents, free
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(-2, 3 * EXTENT // SECTOR + 2),
+                          st.sampled_from([0, 1, SECTOR, 2 * SECTOR, 5000, 3 * SECTOR, EXTENT, EXTENT + 1])),
+                max_size=80),
+       st.booleans())
+def test_restore_many_claims_what_restore_row_by_row_claims(rows: list[tuple[int, int]], busy: bool) -> None:
+    """A restart's re-index in whole arrays gives each row the answer ``restore`` gives it in
+    turn (misfits, another class on an extent, a slot claimed twice) and leaves the same space:
+    the same classes, counts, free extents in the same order and free slots; the next
+    allocations come out the same. ``busy``: a space with a slot taken already (the loop)."""
+    import numpy as np
+
+    one, many = DiskSpace(3 * EXTENT, EXTENT), DiskSpace(3 * EXTENT, EXTENT)
+    if busy:
+        assert one.alloc(SECTOR) == many.alloc(SECTOR)
+    want = [one.restore(sector * SECTOR, n) for sector, n in rows]
+    offs = np.array([sector * SECTOR for sector, _ in rows], dtype=np.int64)
+    got = many.restore_many(offs, np.array([n for _, n in rows], dtype=np.int64))
+    assert got.tolist() == want
+    assert _state(many) == _state(one)
+    for n in (SECTOR, 5000, 2 * SECTOR, SECTOR):
+        assert many.alloc(n) == one.alloc(n)
