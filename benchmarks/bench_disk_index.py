@@ -21,7 +21,9 @@ at exactly what it holds. Then, each the median of ``--repeat`` runs:
 - a restart: the tier closed and opened again on its files, which re-indexes
   every block before the daemon is ready, against the least any index of those
   keys in a Python dict costs (one dict built from the same keys, in the same
-  run).
+  run); and the bytes a block its index then holds in the daemon's memory
+  (``DiskTier.index_nbytes``), and how much the restart grew the process's
+  resident memory, a block (the index, the ledger's pages, the free slots).
 
 Prints one line each (``--json``: the figures).
 """
@@ -39,6 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -148,12 +151,15 @@ def main() -> None:
             last, away = now, away + len(keys)
         whole = time.perf_counter() - t0
         held = tier.stats().blocks
-        tier.close()
+        tier.close()  # kept alive through the reopen: none of its memory is reused by the new one
+        rss = psutil.Process().memory_info().rss
         t0 = time.perf_counter()
         tier = open_tier()
         restart = time.perf_counter() - t0
+        rss = psutil.Process().memory_info().rss - rss
         if tier.restored != held:
             raise RuntimeError(f"the restart re-indexed {tier.restored} of {held} blocks")
+        index_bytes = tier.index_nbytes()
         floor = _dict_floor(tier)
     finally:
         tier.close()
@@ -170,6 +176,8 @@ def main() -> None:
         "restart_s": restart,
         "restart_us_a_block": restart / held * 1e6,
         "dict_floor_s": floor,
+        "index_bytes_a_block": index_bytes / held,
+        "restart_rss_bytes_a_block": rss / held,
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -180,7 +188,9 @@ def main() -> None:
           f"{out['drop_ms']:.1f} ms; a handoff's lookup "
           f"{out['away_whole_ms']:.0f} ms in all ({away} blocks away), its longest part "
           f"{out['away_longest_part_ms']:.1f} ms; a restart re-indexes {held} blocks in {restart:.2f} s "
-          f"({out['restart_us_a_block']:.1f} us a block, {restart / floor:.1f}x a dict of their keys)")
+          f"({out['restart_us_a_block']:.1f} us a block, {restart / floor:.1f}x a dict of their keys); "
+          f"its index holds {out['index_bytes_a_block']:.0f} bytes a block, the restart "
+          f"grew the process by {out['restart_rss_bytes_a_block']:.0f} bytes a block")
 
 
 if __name__ == "__main__":

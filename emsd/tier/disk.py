@@ -33,10 +33,15 @@ A WRITING or READING block is busy: no eviction takes its slot. A drop or a
 corrupt read takes it out of the index at once (nothing finds it again) and
 its slot is freed by whoever ends the busy state (``_settle``).
 
-The index is a dict in the daemon (key -> ``DiskEntry``) in LRU order, the
-persistent copy is ``emsd.tier.ledger`` (rows written after the bytes). At
-start every committed row is re-indexed; a row that does not fit the layout
-(outside the file, overlapping another) is forgotten. Rows are not checked
+The index is arrays in the daemon, no Python object a block (some 150
+bytes a block in all, ``index_nbytes``, against some 730 for the dicts of
+entry objects it replaced): a ``BlockIndex`` from key to entry id, per-entry fields by id,
+the LRU orders as linked lists of ids (``emsd.tier.order``) and the slots'
+owners per extent (``emsd.tier.owners``). The persistent copy is
+``emsd.tier.ledger`` (rows written after the bytes). At start every
+committed row is re-indexed, a namespace at a time as whole arrays; a row
+that does not fit the layout (outside the file, overlapping another, the
+same key as an earlier row) is forgotten. Rows are not checked
 against the bytes at start (that would read the whole disk): a block whose
 bytes do not match its digest is found when it is read, and is a miss.
 
@@ -57,16 +62,13 @@ index under one lock, held only for bookkeeping, never during I/O.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import gc
 import logging
 import mmap
 import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,10 +77,14 @@ import xxhash
 
 from emsd.faults import FAULTS
 from emsd.files import check_dir
+from emsd.pool.index import FIRST_ID, HELD, READY, BlockIndex
 from emsd.pool.keys import KeyBatch
 from emsd.tier.engine import DataFile, Engine, aligned, read_block
 from emsd.tier.ledger import NS_SLOTS, DiskLedger
-from emsd.tier.space import DEFAULT_EXTENT, DiskSpace, slot_for
+from emsd.tier.order import NONE as NO_ID
+from emsd.tier.order import LinkedOrder
+from emsd.tier.owners import SlotOwners
+from emsd.tier.space import DEFAULT_EXTENT, SECTOR, DiskSpace, slot_for
 
 log = logging.getLogger("emsd.tier")
 
@@ -120,18 +126,10 @@ def digest(buf: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(buf) or 1
 
 
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """The cyclic garbage collector off inside (on again after, if it was on): a restart makes
-    several objects a block, and each collection of the oldest generation would walk them all
-    again (about a third of a restart of 100,000 blocks)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+def _distinct(values: np.ndarray) -> list[int]:
+    """The distinct values of small non-negative ints (namespace ids, tenant lists), ascending:
+    a count of each, which beats ``np.unique`` over many rows of a few values."""
+    return np.flatnonzero(np.bincount(values)).tolist() if values.size else []
 
 
 def _inject_read() -> None:
@@ -146,23 +144,15 @@ def _inject_read() -> None:
         raise OSError(errno.EIO, "injected fault at disk.read")
 
 
-@dataclass
+@dataclass(slots=True)
 class DiskEntry:
-    """One block on disk."""
+    """A block checked out for reading (``checkout``): where it lies and the digest its bytes
+    must match, copied from the index under the lock. Its slot stays put until ``checkin``."""
 
-    ns: int
+    id: int  # its entry in the tier's index
     offset: int  # byte offset of its slot in the data file
     length: int
-    row: int  # its row in the ledger
-    digest: int = 0
-    ready: bool = False  # bytes on disk and row recorded (else WRITING)
-    readers: int = 0
-    gone: bool = False  # out of the index (dropped, corrupt): the slot goes when it is idle
-    tenant: str = ""  # the tenant its namespace belongs to (its quota's LRU order: ``_by_tenant``)
-
-    @property
-    def busy(self) -> bool:
-        return not self.ready or self.readers > 0
+    digest: int
 
 
 @dataclass
@@ -215,11 +205,23 @@ class DiskTier:
         self.engine = Engine(readers, writers)
         self._lock = threading.RLock()  # _fail may run under it
         self._idle = threading.Condition(self._lock)  # notified when a demotion ends
-        self._index: OrderedDict[Key, DiskEntry] = OrderedDict()  # LRU order: oldest first
-        # The same keys by tenant, in the same order: a tenant over its quota evicts its oldest
-        # blocks without a walk past the other tenants' (``_put``, ``_touch``, ``_remove``).
-        self._by_tenant: dict[str, OrderedDict[Key, None]] = {}
-        self._at: dict[int, Key] = {}  # slot offset -> key, for freeing an extent
+        # The index: no Python object a block. (namespace id, key) -> entry id in a BlockIndex
+        # (its state READY for every indexed entry, HELD for one taken out while busy, its
+        # ``pins`` the block's readers, its ``length``); the rest per entry id in arrays
+        # (``_fit``): the slot's byte offset, the ledger row (-1 once freed), the digest, and
+        # whether the bytes are on disk (else WRITING). LRU order: every entry on list 0 of
+        # ``_lru``, and each on its tenant's list of ``_by_tenant`` in the same order, so that a
+        # tenant over its quota evicts its oldest blocks without a walk past the others'.
+        self._index = BlockIndex()
+        self._offset = np.zeros(0, dtype=np.uint64)
+        self._row = np.zeros(0, dtype=np.int32)
+        self._digest = np.zeros(0, dtype=np.uint64)
+        self._ready = np.zeros(0, dtype=np.uint8)
+        self._fit()
+        self._lru = LinkedOrder()
+        self._by_tenant = LinkedOrder()
+        self._tenant_list: dict[str, int] = {}  # tenant -> its list in ``_by_tenant``
+        self._owners = SlotOwners(self.space.extent)  # slot -> entry id, for freeing an extent
         # Blocks queued for writing, not yet on disk: their staging buffers and lengths. They are
         # found (``present``) and promoted from these buffers (``copy_staged``) meanwhile.
         self._staged: dict[Key, tuple[mmap.mmap, int]] = {}
@@ -257,39 +259,49 @@ class DiskTier:
             self._ns_names[ns] = name
         ids, rows = self.ledger.committed()
         self._rows = int(ids.max()) + 1 if ids.size else 0
-        used = set(ids.tolist())
-        self._free_rows = [r for r in range(self._rows - 1, -1, -1) if r not in used]
-        # The rows' fields as Python lists and their keys in the index's form, each in one
-        # step: a field read row by row cost more than the rest of a block's restore. ``_put``
-        # and ``_count`` inlined, with each namespace's tenant and LRU order looked up once.
-        kbs = key_bytes(KeyBatch(rows["words"], rows["tag"]))
-        columns = [rows[field].tolist() for field in ("ns", "offset", "length", "sum")]
-        tenant_of = {ns: self._tenant_of(ns) for ns in self._ns_names}
-        order = {ns: self._by_tenant.setdefault(t, OrderedDict()) for ns, t in tenant_of.items()}
-        slots: dict[int, int] = dict.fromkeys(tenant_of, 0)  # slot bytes kept, per namespace
-        with _no_gc():  # several objects a block, none of them garbage
-            self._index_rows(ids, kbs, columns, tenant_of, order, slots)
-        for ns, nbytes in slots.items():
-            if nbytes:
-                self._count(ns, nbytes)
+        unused = np.ones(self._rows, dtype=bool)
+        unused[ids] = False
+        self._free_rows = np.flatnonzero(unused)[::-1].tolist()  # popped from the end: lowest first
+        forgot = ids[~self._index_rows(ids, rows)]
+        for row in forgot.tolist():
+            self.ledger.forget(row)
+        self._free_rows += forgot.tolist()
         self.ledger.flush()
         return len(self._index)
 
-    def _index_rows(self, ids: np.ndarray, kbs: list[bytes], columns: list[list[int]],
-                    tenant_of: dict[int, str], order: dict[int, OrderedDict[Key, None]],
-                    slots: dict[int, int]) -> None:
-        """``_restore``'s loop: index each row that fits, forget the others."""
-        index, at, restore = self._index, self._at, self.space.restore
-        for row, kb, ns, offset, length, digest in zip(ids.tolist(), kbs, *columns, strict=True):
-            key = (ns, kb)
-            if ns not in tenant_of or key in index or not restore(offset, length):
-                self.ledger.forget(row)
-                self._free_rows.append(row)
-                continue
-            index[key] = DiskEntry(ns, offset, length, row, digest, ready=True, tenant=tenant_of[ns])
-            order[ns][key] = None
-            at[offset] = key
-            slots[ns] += slot_for(length)
+    def _index_rows(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """``_restore``'s work: index the rows (ids ``ids``) that fit, as whole arrays a namespace
+        at a time, oldest row first in the LRU orders; per row, whether it was indexed."""
+        nss = rows["ns"].astype(np.int64)
+        offsets, lengths = rows["offset"].astype(np.int64), rows["length"].astype(np.int64)
+        fits = np.isin(nss, np.fromiter(self._ns_names, dtype=np.int64, count=len(self._ns_names)))
+        fits[fits] = self.space.restore_many(offsets[fits], lengths[fits])
+        entries = np.zeros(ids.size, dtype=np.int64)  # entry id per row, 0 not indexed
+        for ns in _distinct(nss[fits]):
+            sel = np.flatnonzero(fits & (nss == ns))
+            keys = KeyBatch(rows["words"][sel].astype(np.uint64), rows["tag"][sel])
+            got, created = self._index.insert(ns, keys, np.zeros(sel.size, dtype=np.uint32),
+                                              lengths[sel].astype(np.uint32), READY, 0)
+            for j in sel[~created].tolist():  # the same key twice: the first row wins
+                self.space.free(int(offsets[j]), int(lengths[j]))
+            entries[sel[created]] = got[created]
+            self._count(ns, int(((lengths[sel[created]] + SECTOR - 1) // SECTOR * SECTOR).sum()))
+        self._fit()
+        at = np.flatnonzero(entries)  # in row order: the LRU order a restart starts from
+        e = entries[at]
+        self._offset[e] = offsets[at]
+        self._row[e] = ids[at]
+        self._digest[e] = rows["sum"][at]
+        self._ready[e] = 1
+        self._owners.set_many(offsets[at], (lengths[at] + SECTOR - 1) // SECTOR * SECTOR, e)
+        self._lru.extend(0, e)
+        lists = np.zeros(NS_SLOTS, dtype=np.int64)  # namespace id -> its tenant's list
+        for ns in _distinct(nss[at]):
+            lists[ns] = self._tenant_number(self._tenant_of(ns))
+        tenants = lists[nss[at]]
+        for t in _distinct(tenants):
+            self._by_tenant.extend(t, e[tenants == t])
+        return entries != 0
 
     def close(self) -> None:
         """Finish the queued demotions, flush the index and close the files (idempotent)."""
@@ -362,15 +374,19 @@ class DiskTier:
             if ns is None:
                 return 0
             nss, on_disk = self.ledger.committed_keys()
-            keys = {(ns, kb) for kb in key_bytes(on_disk.take(np.flatnonzero(nss == ns)))}
-            keys.update(k for k in self._staged if k[0] == ns)  # queued, or being written
+            kbs = set(key_bytes(on_disk.take(np.flatnonzero(nss == ns))))
+            kbs.update(kb for (n, kb) in self._staged if n == ns)  # queued, or being written
             if self.failed:  # a write that failed left its entry in neither (nothing is served now)
-                keys.update(k for k in self._index if k[0] == ns)
-            for k in keys:
-                if k in self._index:
-                    self._remove(k)
-                self._staged.pop(k, None)  # its write is skipped
-            return len(keys)
+                live = self._index.live_ids()
+                kbs.update(key_bytes(self._index.keys_of(live[self._index.ns_of(live) == ns])))
+            if not kbs:
+                return 0
+            for i in self._index.find(ns, batch_of(list(kbs))).tolist():
+                if i >= FIRST_ID:
+                    self._remove(i)
+            for kb in kbs:
+                self._staged.pop((ns, kb), None)  # its write is skipped
+            return len(kbs)
 
     def discard(self, name: str, keys: KeyBatch) -> int:
         """Remove these blocks of namespace ``name`` (on disk or queued for it: the write is
@@ -379,11 +395,12 @@ class DiskTier:
             ns = self._ns.get(name)
             if ns is None:
                 return 0
-            gone = 0
-            for kb in key_bytes(keys):
-                held = (ns, kb) in self._index
+            gone, done = 0, set()
+            for i, kb in zip(self._index.find(ns, keys).tolist(), key_bytes(keys), strict=True):
+                held = i >= FIRST_ID and i not in done
                 if held:
-                    self._remove((ns, kb))
+                    self._remove(i)
+                    done.add(i)
                 queued = self._staged.pop((ns, kb), None) is not None
                 gone += held or queued
             return gone
@@ -400,11 +417,14 @@ class DiskTier:
         """
         with self._lock:
             nss, on_disk = self.ledger.committed_keys()
-            queued: dict[int, list[bytes]] = {}
+            staged: dict[int, list[bytes]] = {}
             for (ns, kb) in self._staged:
-                e = self._index.get((ns, kb))
-                if e is None or not e.ready:  # not on disk yet: not in a committed row
-                    queued.setdefault(ns, []).append(kb)
+                staged.setdefault(ns, []).append(kb)
+            queued: dict[int, list[bytes]] = {}
+            for ns, kbs in staged.items():  # not on disk yet: not in a committed row
+                ready = self._ready[self._index.find(ns, batch_of(kbs))]
+                if not ready.all():
+                    queued[ns] = [kb for kb, r in zip(kbs, ready.tolist(), strict=True) if not r]
             names = dict(self._ns_names)
         out: dict[str, KeyBatch] = {}
         present = np.unique(nss)
@@ -425,12 +445,13 @@ class DiskTier:
         nothing."""
         out = np.zeros(len(keys), dtype=bool)
         ns = self._ns.get(name)
-        if ns is None or self.failed or not (self._index or self._staged):
+        if ns is None or self.failed or not (len(self._index) or self._staged):
             return out
         with self._lock:
-            for i, kb in enumerate(key_bytes(keys)):
-                e = self._index.get((ns, kb))
-                out[i] = (e is not None and e.ready) or (ns, kb) in self._staged
+            out[:] = self._ready[self._index.find(ns, keys)]
+            if self._staged:
+                for i, kb in enumerate(key_bytes(keys)):
+                    out[i] = out[i] or (ns, kb) in self._staged
         return out
 
     # -- demotion -----------------------------------------------------------------------------
@@ -454,18 +475,20 @@ class DiskTier:
             return 0
         queued = 0
         seals = sums.tolist() if sums is not None else [0] * len(keys)
-        for kb, off, n, seal in zip(key_bytes(keys), offsets.tolist(), lengths.tolist(), seals,
-                                    strict=True):
+        with self._lock:
+            ids = self._index.find(ns, keys)
+            for i in ids.tolist():
+                if i >= FIRST_ID:
+                    self._touch(i)
+        for kb, off, n, seal, i in zip(key_bytes(keys), offsets.tolist(), lengths.tolist(), seals,
+                                       ids.tolist(), strict=True):
             key = (ns, kb)
-            with self._lock:
-                e = self._index.get(key)
-                if e is not None:
-                    self._touch(key)
-                    continue
-                if key in self._staged:
-                    continue
+            if i >= FIRST_ID:  # on disk, or being written: refreshed above
+                continue
             slot = slot_for(n)
             with self._lock:
+                if key in self._staged:
+                    continue
                 if n > self.space.max_block or self.queued_bytes + slot > self.queue_bytes:
                     self.dropped["queue" if n <= self.space.max_block else "room"] += 1
                     continue
@@ -496,8 +519,9 @@ class DiskTier:
                 if self.failed:
                     self.dropped["failed"] += 1
                     return
-                if key in self._index or key not in self._staged:  # written meanwhile, or dropped
-                    return
+                one = batch_of([key[1]])
+                if key not in self._staged or self._index.find(key[0], one)[0] >= FIRST_ID:
+                    return  # dropped, or written meanwhile
                 why = self._make_room(key[0], name, length)
                 if why:
                     self.dropped[why] += 1
@@ -505,21 +529,18 @@ class DiskTier:
                 offset = self.space.alloc(length)
                 assert offset is not None  # _make_room made room
                 row = self._free_rows.pop() if self._free_rows else self._take_row()
-                entry = DiskEntry(key[0], offset, length, row)
-                self._put(key, entry)
-                self._at[offset] = key
+                i = self._put(key[0], one, offset, length, row, sealed)
                 self._count(key[0], slot)
-            entry.digest = sealed
             with memoryview(buf) as view:
                 self.data.write(offset, view)
             with self._lock:
-                entry.ready = True
+                self._ready[i] = 1
                 self.writes += 1
-                if entry.gone:
-                    self._settle(key, entry)
+                if self._index.state[i] == HELD:  # dropped while being written
+                    self._settle(i)
                 else:
                     self.ledger.record(row, np.frombuffer(key[1][:32], dtype="<u8"), key[1][32], key[0],
-                                       offset, length, entry.digest)
+                                       offset, length, sealed)
         except OSError as exc:
             self._fail(f"writing {self.data.path}: {exc}")
         finally:
@@ -561,48 +582,75 @@ class DiskTier:
         tries = len(self._index)
         while not self.space.has_room(length) and tries > 0:
             tries -= 1
-            victim = next(iter(self._index))
-            e = self._index[victim]
-            if e.busy:  # being written or read: recent anyway
+            victim = self._lru.first(0)
+            if victim == NO_ID:  # every indexed block gone, the rest is held by reads
+                break
+            size = slot_for(int(self._index.length[victim]))
+            if self._busy(victim):  # being written or read: recent anyway
                 self._touch(victim)
-            elif slot_for(e.length) == slot:
+            elif size == slot:
                 self._evict(victim)
             else:  # another size: free what is idle on its extent, for the extent to come free
-                for off in self.space.slots_on(self.space.extent_of(e.offset)):
-                    held = self._at.get(off)
-                    if held is not None and held in self._index and not self._index[held].busy:
+                extent = self.space.extent_of(int(self._offset[victim]))
+                for held in self._owners.on_extent(extent, size):
+                    if self._index.state[held] == READY and not self._busy(held):
                         self._evict(held)
         return "" if self.space.has_room(length) else "room"
 
-    def _put(self, key: Key, entry: DiskEntry) -> None:
-        """Under the lock: index ``entry`` as the newest block (of all, and of its tenant)."""
-        entry.tenant = self._tenant_of(key[0])
-        self._index[key] = entry
-        self._by_tenant.setdefault(entry.tenant, OrderedDict())[key] = None
+    def _fit(self) -> None:
+        """The per-entry arrays as long as the index's (which grows on inserts)."""
+        cap = self._index.capacity
+        if self._row.size < cap:
+            for name in ("_offset", "_row", "_digest", "_ready"):
+                old = getattr(self, name)
+                new = np.zeros(cap, dtype=old.dtype)
+                new[: old.size] = old
+                setattr(self, name, new)
 
-    def _touch(self, key: Key) -> None:
-        """Under the lock: indexed ``key`` is used now (the newest, of all and of its tenant)."""
-        self._index.move_to_end(key)
-        self._by_tenant[self._index[key].tenant].move_to_end(key)
+    def _tenant_number(self, tenant: str) -> int:
+        """The list of ``tenant``'s blocks in ``_by_tenant``."""
+        return self._tenant_list.setdefault(tenant, len(self._tenant_list))
 
-    def _quota_victims(self, tenant: str, need: int) -> list[Key]:
+    def _put(self, ns: int, one: KeyBatch, offset: int, length: int, row: int, sealed: int) -> int:
+        """Under the lock: index the block of key ``one`` (a batch of one) being written to the
+        slot at ``offset``, as the newest block (of all, and of its tenant); its entry id."""
+        i = self._index.insert_one(ns, one, 0, length, READY, 0)
+        self._fit()
+        self._offset[i], self._row[i], self._digest[i], self._ready[i] = offset, row, sealed, 0
+        self._lru.push(0, i)
+        self._by_tenant.push(self._tenant_number(self._tenant_of(ns)), i)
+        self._owners.set(offset, slot_for(length), i)
+        return i
+
+    def _busy(self, i: int) -> bool:
+        """Entry ``i`` is being written or read: its slot stays."""
+        return not self._ready[i] or self._index.pins[i] > 0
+
+    def _touch(self, i: int) -> None:
+        """Under the lock: indexed entry ``i`` is used now (the newest, of all and of its tenant)."""
+        self._lru.touch(i)
+        self._by_tenant.touch(i)
+
+    def _quota_victims(self, tenant: str, need: int) -> list[int]:
         """Under the lock: ``tenant``'s oldest idle blocks whose slots add up to at least
         ``need`` bytes (all its idle ones when they do not). Walks only this tenant's blocks,
         oldest first, and stops there: a demotion at the quota costs the few it evicts."""
-        victims, freed = [], 0
-        for key in self._by_tenant.get(tenant, ()):
-            e = self._index[key]
-            if e.busy:
+        victims: list[int] = []
+        freed = 0
+        if tenant not in self._tenant_list:
+            return victims
+        for i in self._by_tenant.oldest(self._tenant_list[tenant]):
+            if self._busy(i):
                 continue
-            victims.append(key)
-            freed += slot_for(e.length)
+            victims.append(i)
+            freed += slot_for(int(self._index.length[i]))
             if freed >= need:
                 break
         return victims
 
-    def _evict(self, key: Key) -> None:
+    def _evict(self, i: int) -> None:
         self.evicted += 1
-        self._remove(key)
+        self._remove(i)
 
     # -- promotion ---------------------------------------------------------------------------
 
@@ -616,12 +664,12 @@ class DiskTier:
         if ns is None or self.failed:
             return out
         with self._lock:
-            for i, kb in enumerate(key_bytes(keys)):
-                e = self._index.get((ns, kb))
-                if e is not None and e.ready:
-                    e.readers += 1
-                    self._touch((ns, kb))
-                    out[i] = e
+            for j, i in enumerate(self._index.find(ns, keys).tolist()):
+                if i >= FIRST_ID and self._ready[i]:
+                    self._index.pins[i] += 1
+                    self._touch(i)
+                    out[j] = DiskEntry(i, int(self._offset[i]), int(self._index.length[i]),
+                                       int(self._digest[i]))
         return out
 
     def staged_lengths(self, name: str, keys: KeyBatch) -> list[int | None]:
@@ -684,41 +732,40 @@ class DiskTier:
 
     def checkin(self, entry: DiskEntry, ok: bool = True) -> None:
         """End one READING of ``entry``; a block that read wrong (``ok`` False) is dropped."""
+        i = entry.id
         with self._lock:
-            entry.readers -= 1
+            self._index.pins[i] -= 1
             if ok:
                 self.reads += 1
             elif not self.failed:
                 self.corrupt += 1
-                key = self._at.get(entry.offset)
-                if key is not None and self._index.get(key) is entry:
-                    self._remove(key)
-            if entry.gone:
-                self._settle(self._at.get(entry.offset), entry)
+                if self._index.state[i] == READY:  # still indexed: it goes
+                    self._remove(i)
+            if self._index.state[i] == HELD:
+                self._settle(i)
 
     # -- bookkeeping (under the lock) -----------------------------------------------------------
 
-    def _remove(self, key: Key) -> None:
-        """Take ``key`` out of the index; its slot and row go now, or when it is idle."""
-        e = self._index.pop(key)
-        mine = self._by_tenant[e.tenant]
-        del mine[key]
-        if not mine:
-            del self._by_tenant[e.tenant]
-        self.ledger.forget(e.row)  # first: the slot may be written again from here on
-        e.gone = True
-        self._settle(key, e)
+    def _remove(self, i: int) -> None:
+        """Take entry ``i`` out of the index (HELD: nothing finds it); its slot, row and id go
+        now, or when it is idle."""
+        self._lru.remove(i)
+        self._by_tenant.remove(i)
+        self._index.detach(i)
+        self.ledger.forget(int(self._row[i]))  # first: the slot may be written again from here on
+        self._settle(i)
 
-    def _settle(self, key: Key | None, e: DiskEntry) -> None:
-        """Free a removed entry's slot and row once it is idle (once)."""
-        if e.busy or e.row < 0:
+    def _settle(self, i: int) -> None:
+        """Free a HELD entry's slot, row and id once it is idle (once)."""
+        if self._busy(i) or self._row[i] < 0:
             return
-        if key is not None and self._at.get(e.offset) == key:
-            del self._at[e.offset]
-        self.space.free(e.offset, e.length)
-        self._free_rows.append(e.row)
-        self._count(e.ns, -slot_for(e.length))
-        e.row = -1
+        offset, length = int(self._offset[i]), int(self._index.length[i])
+        self._owners.clear(offset, slot_for(length), i)
+        self.space.free(offset, length)
+        self._free_rows.append(int(self._row[i]))
+        self._count(int(self._index.nstag[i]) >> 8, -slot_for(length))
+        self._row[i] = -1
+        self._index.release(i)
 
     def _count(self, ns: int, delta: int) -> None:
         tenant = self._tenant_of(ns)
@@ -739,3 +786,11 @@ class DiskTier:
         return TierStats(self.space.bytes_used, self.space.size, len(self._index), self.queued,
                          self.queued_bytes, self.writes, self.reads, dict(self.dropped), self.corrupt,
                          self.evicted, self.data.direct, self.failed)
+
+    def index_nbytes(self) -> int:
+        """Bytes the in-memory index holds (its arrays, allocated; not the ledger's file pages
+        nor the free-slot sets of ``DiskSpace``)."""
+        with self._lock:
+            fields = (self._offset, self._row, self._digest, self._ready)
+            return (self._index.nbytes() + sum(a.nbytes for a in fields) + self._lru.nbytes()
+                    + self._by_tenant.nbytes() + self._owners.nbytes())

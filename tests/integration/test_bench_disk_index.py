@@ -3,7 +3,7 @@
 Checks what the report says, never a speed: every block was named by the snapshot (the
 benchmark fails otherwise), each demotion at the quota evicted one block, and a handoff's
 lookup found the blocks a three-node ring gives to the other two, and a restart re-indexed every
-block the tier held before it (the benchmark fails otherwise).
+block the tier held before it (the benchmark fails otherwise), and its index memory is reported.
 """
 
 from __future__ import annotations
@@ -29,6 +29,6 @@ def test_the_disk_index_benchmark_reports_every_figure() -> None:
     assert out["blocks"] == 4000
     assert 4000 // 3 < out["away_blocks"] < 4000  # the other two nodes' share of a third each
     for field in ("keys_on_disk_ms", "demote_at_quota_us", "demote_no_quota_us", "drop_ms", "away_whole_ms",
-                  "restart_s", "dict_floor_s"):
+                  "restart_s", "dict_floor_s", "index_bytes_a_block"):
         assert out[field] > 0, field
     assert 0 < out["away_longest_part_ms"] <= out["away_whole_ms"]

@@ -222,7 +222,8 @@ def test_adjacent_blocks_read_in_one_run_and_a_bad_one_is_a_miss_alone(disk_dir:
     assert ok == [i != 5 for i in range(8)]
     assert [bytes(view[i * BLOCK : (i + 1) * BLOCK]) for i in range(8) if i != 5] == blocks[:5] + blocks[6:]
     assert tier.corrupt == 1 and tier.present("ns", keys).tolist() == [i != 5 for i in range(8)]
-    assert all(not e.busy for e in entries if e is not None)  # every READING ended
+    assert all(tier._index.pins[e.id] == 0 for e in entries if e is not None)  # every READING ended
+    assert tier.stats().blocks == 7 and tier.space.bytes_used == 7 * BLOCK  # the bad block's slot freed
     view.release()
     dest.close()
     tier.close()
@@ -396,9 +397,12 @@ def test_keys_on_disk_are_the_keys_present_in_every_state(steps: list[tuple[str,
                 named = sorted(got.words[:, 0].tolist())
                 assert len(named) == len(set(named))
                 assert named == np.flatnonzero(tier.present(ns, everything)).tolist()
-            by_tenant = {t: list(keys) for t, keys in tier._by_tenant.items()}
-            assert by_tenant == {t: [k for k, e in tier._index.items() if e.tenant == t] for t in by_tenant}
-            assert sum(map(len, by_tenant.values())) == len(tier._index)
+            every = list(tier._lru.oldest(0))  # every indexed entry, oldest first
+            assert sorted(every) == tier._index.live_ids().tolist()
+            for t, lst in tier._tenant_list.items():  # each tenant's: the same order, its own only
+                ns_of = tier._index.ns_of(np.array(every, dtype=np.uint32)).tolist()
+                assert list(tier._by_tenant.oldest(lst)) == [
+                    i for i, ns in zip(every, ns_of, strict=True) if tier._tenant_of(ns) == t]
     finally:
         if go is not None:
             go.set()
@@ -456,4 +460,41 @@ def test_a_restart_restores_each_tenants_bytes_and_its_own_eviction_order(disk_d
     assert tier.wait_idle(30)
     assert tier.present("a/x", KeyBatch.from_user([9])).all() and tier.present("b/y", keys).all()
     assert int(tier.present("a/x", keys).sum()) == 2 and tier.tenant_bytes("a") == 3 * BLOCK
+    tier.close()
+
+
+def test_a_restart_keeps_the_first_of_rows_that_clash_and_forgets_the_others(disk_dir: Path) -> None:
+    """Ledger rows that cannot all hold (a second row of a key, a row on a slot another row
+    holds, a row of a namespace with no name): the restart keeps each block's first row,
+    forgets the rest for good, and the blocks it kept read back right and can be evicted."""
+    tier = DiskTier(disk_dir, 4 * EXTENT, extent=EXTENT)
+    keys = KeyBatch.from_user([1, 2, 3])
+    blocks = [_bytes(i) for i in range(3)]
+    pool, offs, lens = _pool(blocks)
+    assert tier.demote("ns", keys, memoryview(pool), offs, lens) == 3
+    assert tier.wait_idle(30)
+    ids, rows = tier.ledger.committed()
+    first = rows[0]
+    other = KeyBatch.from_user([99])
+    free_slot = 3 * EXTENT  # an extent nothing uses
+    tier.ledger.record(40, first["words"], first["tag"], first["ns"], free_slot, BLOCK, first["sum"])
+    tier.ledger.record(41, other.words[0].astype("<u8"), other.tags[0], first["ns"], rows[1]["offset"],
+                       BLOCK, first["sum"])
+    tier.ledger.record(42, other.words[0].astype("<u8"), other.tags[0], 77, free_slot + BLOCK, BLOCK,
+                       first["sum"])
+    tier.ledger.flush()
+    tier.close()
+    for _ in range(2):  # and again: the forgotten rows stay forgotten
+        tier = DiskTier(disk_dir, 4 * EXTENT, extent=EXTENT)
+        assert tier.restored == 3 and tier.space.bytes_used == 3 * BLOCK
+        assert sorted(tier.ledger.committed()[0].tolist()) == sorted(ids.tolist())
+        assert _read(tier, "ns", keys) == blocks and not tier.present("ns", other).any()
+        tier.close()
+    tier = DiskTier(disk_dir, 4 * EXTENT, extent=EXTENT)
+    fresh = [_bytes(10 + i) for i in range(64)]
+    more, moffs, mlens = _pool(fresh)
+    assert tier.demote("ns", KeyBatch.from_user(list(range(100, 164))), memoryview(more), moffs, mlens) == 64
+    assert tier.wait_idle(30)
+    stats = tier.stats()  # 4 MiB of 64 KiB slots: 64 blocks, the oldest evicted for room
+    assert stats.blocks == 64 and stats.evicted == 3 and not tier.present("ns", keys).any()
     tier.close()
