@@ -11,7 +11,9 @@ Sites: ``peer.get`` and ``peer.put`` (this daemon asking a peer),
 ``peer.serve`` (this daemon answering a peer), ``pool.reserve`` (a save's
 reservation), ``zk.session`` (the ZooKeeper session, consulted about once a
 second by the membership worker while connected), ``disk.read`` (a block
-read from the disk tier, in its reader thread), ``pool.prefault`` (a chunk of
+read from the disk tier, in its reader thread), ``disk.flush`` (the disk
+tier's index written to the file system, in its flusher thread: at
+``delay`` a slow ``fdatasync``), ``pool.prefault`` (a chunk of
 the background prefault: ``delay`` only). Actions: ``error`` (the
 operation fails as if the peer or the pool had; at ``zk.session`` the
 session is expired by ZooKeeper itself), ``drop`` (the connection is cut; at
@@ -25,14 +27,17 @@ sequence of calls.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger("emsd.faults")
 
-SITES = ("peer.get", "peer.put", "peer.serve", "pool.reserve", "zk.session", "disk.read", "pool.prefault")
+SITES = ("peer.get", "peer.put", "peer.serve", "pool.reserve", "zk.session", "disk.read", "disk.flush",
+         "pool.prefault")
 ACTIONS = ("error", "drop", "delay")
 
 
@@ -75,6 +80,19 @@ class Faults:
             return None
         self.fired[site] = self.fired.get(site, 0) + 1
         return rule
+
+
+def io_fault(site: str) -> None:
+    """An I/O fault site (``disk.read``, ``disk.flush``), in the thread doing the I/O: with a
+    rule firing, ``delay`` sleeps its seconds (a slow device), any other action raises
+    ``OSError(EIO)``. Nothing without ``EMSD_FAULTS``."""
+    rule = FAULTS.at(site) if FAULTS is not None else None
+    if rule is None:
+        return
+    if rule.action == "delay":
+        time.sleep(rule.seconds)
+    else:
+        raise OSError(errno.EIO, f"injected fault at {site}")
 
 
 def _from_env() -> Faults | None:

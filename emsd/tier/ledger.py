@@ -19,7 +19,8 @@ rows       one 64-byte row per row id: the key (four u64 words and the
 Order of writes, so that a crash or power loss at any point never serves
 wrong bytes: a row's ``state`` is set only after the block's bytes are on
 disk (the O_DIRECT write returned), and cleared before its slot is given to
-another block. The map is flushed (msync) by the tier's writer on a timer
+another block. The map is flushed (its file's fdatasync) by the tier's flusher
+thread on a timer, outside the tier's lock (a slow flush stalls no load),
 and at a clean shutdown; rows lost with the page cache are blocks lost, not
 wrong ones. What the order cannot rule out (a row that reached the disk
 while a slot's new bytes did, in another order than written) the digest
@@ -36,10 +37,12 @@ import fcntl
 import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
 
+from emsd.faults import FAULTS, io_fault
 from emsd.files import open_own
 from emsd.pool import nametable, rowfile
 from emsd.pool.keys import KeyBatch
@@ -69,6 +72,7 @@ class DiskLedger:
         self.mm = mm
         self.rows = self._view()
         self.dirty = False  # rows changed since the last flush
+        self._fd_lock = threading.Lock()  # a flush's, and the close's: no fd closed under a flush
 
     @classmethod
     def open(cls, path: Path, data_size: int, extent: int) -> tuple[DiskLedger, str]:
@@ -99,16 +103,24 @@ class DiskLedger:
         if self.fd < 0:
             return
         self.flush()
-        self.rows = np.zeros(0, dtype=ROW)
-        self.mm.close()
-        os.close(self.fd)
-        self.fd = -1
+        with self._fd_lock:
+            self.rows = np.zeros(0, dtype=ROW)
+            self.mm.close()
+            os.close(self.fd)
+            self.fd = -1
 
     def flush(self) -> None:
-        """Write the changed rows to the file system (msync)."""
-        if self.fd >= 0 and self.dirty:
-            self.dirty = False
-            self.mm.flush()
+        """Write the changed rows to the disk. Needs no lock of the caller's: it may run in one
+        thread while another records and forgets rows, or grows the map (a row changed during
+        it is written by the next flush). ``fdatasync`` of the file is the writeback that
+        ``msync(MS_SYNC)`` of a shared map does on Linux (mm/msync.c: ``vfs_fsync_range``),
+        without touching the map, which a resize may move meanwhile."""
+        with self._fd_lock:
+            if self.fd >= 0 and self.dirty:
+                self.dirty = False
+                if FAULTS is not None:
+                    io_fault("disk.flush")
+                os.fdatasync(self.fd)
 
     # -- namespaces -------------------------------------------------------------------
 

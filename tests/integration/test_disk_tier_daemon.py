@@ -184,3 +184,32 @@ def test_a_read_slower_than_the_load_timeout_is_a_miss_not_a_hang(
                   option=CcKvOption(timeout=500))
     assert res.success == 0 and time.monotonic() - t0 < 2.5
     assert d.alive() and cc.exists(_keys(1)).success == BLOCKS
+
+
+def test_a_slow_flush_of_the_index_stalls_no_load(
+        emsd_factory: Any, sdk: Any, disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every flush of the tier's index (once a second while rows changed) takes 2 s here.
+    Saves that push blocks to disk (changing rows: a flush follows) and loads that read blocks
+    back from it, one after the other, must not wait for a flush (before, the flush held the
+    tier's lock, which a demotion and a load's look at the tier take: a call hung up to 2 s)."""
+    monkeypatch.setenv("EMSD_FAULTS", "disk.flush=delay:1.0:2.0")
+    d = emsd_factory(pool=POOL, disk={"dir": str(disk_dir), "size": "256MiB", "extent": "4MiB"})
+    cc = sdk(d)
+    fill(cc, 30)  # the first 14 or so batches only on disk
+    from ems import CcKvOption
+
+    end = time.monotonic() + 4.0  # a flush is under way for most of this
+    batch, new = 0, 30
+    while time.monotonic() < end:
+        new += 1
+        cc.register_kvcache(_kv(float(new)))  # evicts an older batch to disk: a row to flush
+        assert cc.save(list(range(BLOCKS * TOKENS)), hashes=_keys(new), offsets=[TOKENS] * BLOCKS,
+                       option=CcKvOption(timeout=1000)).success == BLOCKS
+        batch = batch % 30 + 1  # more than DRAM holds: most loads read from disk
+        kv = _kv(-1.0)
+        cc.register_kvcache(kv)
+        res = cc.load(list(range(BLOCKS * TOKENS)), hashes=_keys(batch), offsets=[TOKENS] * BLOCKS,
+                      option=CcKvOption(timeout=1000))
+        assert res.success == BLOCKS, batch
+        assert all(bool((t == float(batch)).all()) for layer in kv for t in layer)
+    assert d.alive()
