@@ -391,18 +391,19 @@ def test_keys_on_disk_are_the_keys_present_in_every_state(steps: list[tuple[str,
             if go is None:
                 assert tier.wait_idle(30)
             everything = KeyBatch.from_user(list(range(12)))
-            listed = tier.keys_on_disk()
-            for ns in ("a/x", "a/y", "b/x"):
-                got = listed.get(ns, KeyBatch.from_user([]))
-                named = sorted(got.words[:, 0].tolist())
-                assert len(named) == len(set(named))
-                assert named == np.flatnonzero(tier.present(ns, everything)).tolist()
-            every = list(tier._lru.oldest(0))  # every indexed entry, oldest first
-            assert sorted(every) == tier._index.live_ids().tolist()
-            for t, lst in tier._tenant_list.items():  # each tenant's: the same order, its own only
-                ns_of = tier._index.ns_of(np.array(every, dtype=np.uint32)).tolist()
-                assert list(tier._by_tenant.oldest(lst)) == [
-                    i for i, ns in zip(every, ns_of, strict=True) if tier._tenant_of(ns) == t]
+            with tier._lock:  # one snapshot: a held step's writers may evict meanwhile (the quota)
+                listed = tier.keys_on_disk()
+                for ns in ("a/x", "a/y", "b/x"):
+                    got = listed.get(ns, KeyBatch.from_user([]))
+                    named = sorted(got.words[:, 0].tolist())
+                    assert len(named) == len(set(named))
+                    assert named == np.flatnonzero(tier.present(ns, everything)).tolist()
+                every = list(tier._lru.oldest(0))  # every indexed entry, oldest first
+                assert sorted(every) == tier._index.live_ids().tolist()
+                for t, lst in tier._tenant_list.items():  # each tenant's: the same order, its own only
+                    ns_of = tier._index.ns_of(np.array(every, dtype=np.uint32)).tolist()
+                    assert list(tier._by_tenant.oldest(lst)) == [
+                        i for i, ns in zip(every, ns_of, strict=True) if tier._tenant_of(ns) == t]
     finally:
         if go is not None:
             go.set()
