@@ -462,9 +462,7 @@ class DiskTier:
         seals = sums.tolist() if sums is not None else [0] * len(keys)
         with self._lock:
             ids = self._index.find(ns, keys)
-            for i in ids.tolist():
-                if i >= FIRST_ID:
-                    self._touch(i)
+            self._touch_many(ids[ids >= FIRST_ID])
         for kb, off, n, seal, i in zip(key_bytes(keys), offsets.tolist(), lengths.tolist(), seals,
                                        ids.tolist(), strict=True):
             key = (ns, kb)
@@ -611,6 +609,12 @@ class DiskTier:
         """Entry ``i`` is being written or read: its slot stays."""
         return not self._ready[i] or self._index.pins[i] > 0
 
+    def _touch_many(self, ids: np.ndarray) -> None:
+        """Under the lock: ``_touch`` of each indexed entry of ``ids``, in turn."""
+        if ids.size:
+            self._lru.touch_many(ids)
+            self._by_tenant.touch_many(ids)
+
     def _touch(self, i: int) -> None:
         """Under the lock: indexed entry ``i`` is used now (the newest, of all and of its tenant)."""
         self._lru.touch(i)
@@ -649,12 +653,13 @@ class DiskTier:
         if ns is None or self.failed:
             return out
         with self._lock:
-            for j, i in enumerate(self._index.find(ns, keys).tolist()):
-                if i >= FIRST_ID and self._ready[i]:
-                    self._index.pins[i] += 1
-                    self._touch(i)
-                    out[j] = DiskEntry(i, int(self._offset[i]), int(self._index.length[i]),
-                                       int(self._digest[i]))
+            ids = self._index.find(ns, keys)
+            hit = np.flatnonzero(self._ready[ids])  # id 0 (absent) is never ready
+            for j, i in zip(hit.tolist(), ids[hit].tolist(), strict=True):
+                self._index.pins[i] += 1
+                out[j] = DiskEntry(i, int(self._offset[i]), int(self._index.length[i]),
+                                   int(self._digest[i]))
+            self._touch_many(ids[hit])
         return out
 
     def staged_lengths(self, name: str, keys: KeyBatch) -> list[int | None]:

@@ -20,14 +20,15 @@ _step = st.one_of(
     st.tuples(st.just("touch"), st.just(0), st.integers(0, IDS - 1)),
     st.tuples(st.just("extend"), st.integers(0, LISTS - 1), st.lists(st.integers(0, IDS - 1), max_size=8)),
     st.tuples(st.just("evict"), st.integers(0, LISTS - 1), st.integers(0, 4)),
+    st.tuples(st.just("touch_many"), st.just(0), st.lists(st.integers(0, IDS - 1), max_size=3 * IDS)),
 )
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_step, max_size=60))
 def test_lists_keep_the_order_an_ordered_dict_keeps(steps: list[tuple]) -> None:
-    """Any mix of push, remove, touch, extend and a walk that removes what it yields (an
-    eviction) leaves every list holding the ids an OrderedDict per list holds, in its order;
+    """Any mix of push, remove, touch, touch_many, extend and a walk that removes what it
+    yields (an eviction) leaves every list holding the ids an OrderedDict per list holds, in its order;
     what may not be done (a push of an id on a list, a remove of one on none) raises."""
     order, model = LinkedOrder(), {lst: OrderedDict[int, None]() for lst in range(LISTS)}
 
@@ -52,6 +53,16 @@ def test_lists_keep_the_order_an_ordered_dict_keeps(steps: list[tuple]) -> None:
         elif op == "touch" and on(arg) != NONE:
             order.touch(arg)
             model[on(arg)].move_to_end(arg)
+        elif op == "touch_many":
+            held = [i for i in arg if on(i) != NONE]
+            order.touch_many(np.array(held, dtype=np.int64))
+            for i in held:
+                model[on(i)].move_to_end(i)
+            stray = [i for i in arg if on(i) == NONE]
+            for batch in (stray[:1], stray[:1] * 20):  # refused before any touch: nothing changes
+                if batch:
+                    with pytest.raises(ValueError):
+                        order.touch_many(np.array(batch, dtype=np.int64))
         elif op == "extend":
             fresh = list(dict.fromkeys(i for i in arg if on(i) == NONE))
             order.extend(lst, np.array(fresh, dtype=np.int64))
@@ -72,11 +83,42 @@ def test_lists_keep_the_order_an_ordered_dict_keeps(steps: list[tuple]) -> None:
                 del model[lst][i]
         for k, d in model.items():
             assert list(order.oldest(k)) == list(d)
+            back = [NONE, *d]  # each id's prev link: the one before it (internal, checked too)
+            assert [order._prev[i] for i in d] == back[:-1]
             assert order.size(k) == len(d)
             assert order.first(k) == (next(iter(d)) if d else NONE)
         for i in range(IDS):
             assert order.list_of(i) == on(i) and (i in order) == (on(i) != NONE)
 
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.permutations(range(IDS)), st.lists(st.integers(NONE, LISTS - 1), min_size=IDS, max_size=IDS),
+       st.lists(st.lists(st.integers(0, IDS - 1), max_size=3 * IDS), max_size=4))
+def test_a_touch_of_many_ids_at_once_is_each_touched_in_turn(
+        order_in: list[int], list_of: list[int], batches: list[list[int]]) -> None:
+    """Lists filled in a random order, then batches of touches (ids that follow one another,
+    repeats, a list's newest): each list as an OrderedDict's ``move_to_end`` of every id in
+    turn leaves it, its links both ways."""
+    order, model = LinkedOrder(), {lst: OrderedDict[int, None]() for lst in range(LISTS)}
+    for i in order_in:
+        if list_of[i] != NONE:
+            order.push(list_of[i], i)
+            model[list_of[i]][i] = None
+    for batch in batches:
+        held = [i for i in batch if list_of[i] != NONE]
+        order.touch_many(np.array(held, dtype=np.int64))
+        for i in held:
+            model[list_of[i]].move_to_end(i)
+        for k, d in model.items():
+            assert list(order.oldest(k)) == list(d)
+            assert [order._prev[i] for i in d] == [NONE, *d][:-1]
+            assert order.size(k) == len(d) and order.first(k) == (next(iter(d)) if d else NONE)
+        assert all(order.list_of(i) == list_of[i] for i in range(IDS))
+        if len(held) < len(batch):
+            stray = next(i for i in batch if list_of[i] == NONE)
+            with pytest.raises(ValueError):
+                order.touch_many(np.array([stray] * 20, dtype=np.int64))
 
 def test_a_touch_during_a_walk_moves_the_id_to_the_end_and_the_walk_goes_on() -> None:
     """The disk tier touches a busy victim while it walks for room: the walk still reaches the
