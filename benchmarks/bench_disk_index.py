@@ -10,6 +10,10 @@ at exactly what it holds. Then, each the median of ``--repeat`` runs:
 - ``keys_on_disk``: the snapshot of every key on disk that a drain and a handoff
   take. It holds the tier's lock, which the writers and every load's look at the
   tier take too, and runs on the event loop;
+- a load's look at the tier: a checkout of 128 random blocks (found, pinned,
+  made the newest) and, checked in, their demotion as blocks already on disk
+  (made the newest again), which a load that promotes them runs, then the
+  evictions it causes, on the event loop under the tier's lock;
 - a demotion of one block at tenant a's quota (it must evict a's oldest block)
   against one of tenant c, which has no quota, from demote to written: the ratio
   is what the quota's eviction adds to a write;
@@ -55,6 +59,7 @@ from emsd.tier.engine import aligned  # noqa: E402
 from emsd.tier.stack import TierStack  # noqa: E402
 
 BLOCK = 4096
+LOOK = 128  # blocks of one load's look at the tier
 BATCH = 4096  # blocks demoted at a time while filling (the write queue's bound is 256 MiB)
 
 
@@ -78,6 +83,24 @@ def _demote_one(tier: DiskTier, name: str, key: int, pool: memoryview) -> float:
     if not tier.wait_idle(30):
         raise RuntimeError("a demotion did not end in 30 s")
     return time.perf_counter() - t0
+
+
+def _look(tier: DiskTier, name: str, count: int, pool: memoryview, seed: int) -> tuple[float, float]:
+    """Seconds a load's look at the tier takes for ``LOOK`` random blocks of keys ``0..count``
+    of ``name``: their checkout (each found, pinned and made the newest) and, once checked in,
+    their demotion as blocks already on disk (each made the newest again, nothing written)."""
+    picks = np.random.default_rng(seed).choice(count, LOOK, replace=False)
+    keys = KeyBatch.from_ints(picks.astype(np.uint64))
+    t0 = time.perf_counter()
+    entries = tier.checkout(name, keys)
+    checkout = time.perf_counter() - t0
+    if any(e is None for e in entries):
+        raise RuntimeError("a checkout missed a block on disk")
+    for e in entries:
+        tier.checkin(e)
+    t0 = time.perf_counter()
+    tier.demote(name, keys, pool, np.zeros(LOOK, dtype=np.uint64), np.full(LOOK, BLOCK, dtype=np.uint64))
+    return checkout, time.perf_counter() - t0
 
 
 def _dict_floor(tier: DiskTier) -> float:
@@ -128,6 +151,7 @@ def main() -> None:
             scans.append(time.perf_counter() - t0)
         if sum(map(len, got.values())) != n:
             raise RuntimeError(f"keys_on_disk named {sum(map(len, got.values()))} of {n} blocks")
+        looks = [_look(tier, "b/x", n - quarter, pool, seed) for seed in range(args.repeat)]
         at_quota = [_demote_one(tier, "a/x", 2 * n + i, pool) for i in range(args.repeat)]
         free = [_demote_one(tier, "c/x", 3 * n + i, pool) for i in range(args.repeat)]
         if tier.stats().evicted != args.repeat:
@@ -167,6 +191,8 @@ def main() -> None:
     out = {
         "blocks": n,
         "keys_on_disk_ms": statistics.median(scans) * 1e3,
+        "checkout_us": statistics.median(c for c, _ in looks) * 1e6,
+        "demote_on_disk_us": statistics.median(d for _, d in looks) * 1e6,
         "demote_at_quota_us": statistics.median(at_quota) * 1e6,
         "demote_no_quota_us": statistics.median(free) * 1e6,
         "drop_ms": drop * 1e3,
@@ -182,7 +208,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=2))
         return
-    print(f"{n} blocks on disk: keys_on_disk {out['keys_on_disk_ms']:.1f} ms; a demotion at the quota "
+    print(f"{n} blocks on disk: keys_on_disk {out['keys_on_disk_ms']:.1f} ms; a checkout of {LOOK} blocks "
+          f"{out['checkout_us']:.0f} us, their demotion as blocks on disk {out['demote_on_disk_us']:.0f} us; "
+          f"a demotion at the quota "
           f"{out['demote_at_quota_us']:.0f} us against {out['demote_no_quota_us']:.0f} us without one "
           f"({out['demote_at_quota_us'] / out['demote_no_quota_us']:.2f}x); a drop of {args.repeat} blocks "
           f"{out['drop_ms']:.1f} ms; a handoff's lookup "

@@ -28,7 +28,8 @@ def test_the_disk_index_benchmark_reports_every_figure() -> None:
     out = json.loads(proc.stdout)
     assert out["blocks"] == 4000
     assert 4000 // 3 < out["away_blocks"] < 4000  # the other two nodes' share of a third each
-    for field in ("keys_on_disk_ms", "demote_at_quota_us", "demote_no_quota_us", "drop_ms", "away_whole_ms",
+    for field in ("keys_on_disk_ms", "checkout_us", "demote_on_disk_us", "demote_at_quota_us",
+                  "demote_no_quota_us", "drop_ms", "away_whole_ms",
                   "restart_s", "dict_floor_s", "index_bytes_a_block"):
         assert out[field] > 0, field
     assert 0 < out["away_longest_part_ms"] <= out["away_whole_ms"]
