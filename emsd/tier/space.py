@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from typing import TypeVar
 
 import numpy as np
 
@@ -30,8 +31,12 @@ class SpaceError(ValueError):
     """A geometry that cannot work, or a restored slot that does not fit the layout."""
 
 
-def slot_for(length: int) -> int:
-    """The slot size that holds ``length`` bytes: rounded up to ``SECTOR``."""
+_Length = TypeVar("_Length", int, np.ndarray)
+
+
+def slot_for(length: _Length) -> _Length:
+    """The slot size that holds ``length`` bytes: rounded up to ``SECTOR`` (of each, for an
+    array of lengths)."""
     return -(-length // SECTOR) * SECTOR
 
 
@@ -192,7 +197,7 @@ class DiskSpace:
             for j, (o, k) in enumerate(zip(off.tolist(), n.tolist(), strict=True)):
                 ok[j] = self.restore(o, k)
             return ok
-        slot = -(-n // SECTOR) * SECTOR
+        slot = slot_for(n)
         fit = (n > 0) & (n <= self.extent) & (off >= 0) & (off + slot <= self.size)
         slot_safe = np.where(fit, slot, SECTOR)  # no division by a slot of 0
         e = np.where(fit, off, 0) // self.extent

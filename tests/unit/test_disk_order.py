@@ -24,6 +24,16 @@ _step = st.one_of(
 )
 
 
+def _assert_holds(order: LinkedOrder, model: dict[int, OrderedDict[int, None]]) -> None:
+    """Each list of ``order`` holds its OrderedDict's ids in its order, linked both ways."""
+    for k, d in model.items():
+        assert list(order.oldest(k)) == list(d)
+        back = [NONE, *d]  # each id's prev link: the one before it (internal, checked too)
+        assert [order._prev[i] for i in d] == back[:-1]
+        assert order.size(k) == len(d)
+        assert order.first(k) == (next(iter(d)) if d else NONE)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_step, max_size=60))
 def test_lists_keep_the_order_an_ordered_dict_keeps(steps: list[tuple]) -> None:
@@ -81,12 +91,7 @@ def test_lists_keep_the_order_an_ordered_dict_keeps(steps: list[tuple]) -> None:
             assert walked == want
             for i in want:
                 del model[lst][i]
-        for k, d in model.items():
-            assert list(order.oldest(k)) == list(d)
-            back = [NONE, *d]  # each id's prev link: the one before it (internal, checked too)
-            assert [order._prev[i] for i in d] == back[:-1]
-            assert order.size(k) == len(d)
-            assert order.first(k) == (next(iter(d)) if d else NONE)
+        _assert_holds(order, model)
         for i in range(IDS):
             assert order.list_of(i) == on(i) and (i in order) == (on(i) != NONE)
 
@@ -110,10 +115,7 @@ def test_a_touch_of_many_ids_at_once_is_each_touched_in_turn(
         order.touch_many(np.array(held, dtype=np.int64))
         for i in held:
             model[list_of[i]].move_to_end(i)
-        for k, d in model.items():
-            assert list(order.oldest(k)) == list(d)
-            assert [order._prev[i] for i in d] == [NONE, *d][:-1]
-            assert order.size(k) == len(d) and order.first(k) == (next(iter(d)) if d else NONE)
+        _assert_holds(order, model)
         assert all(order.list_of(i) == list_of[i] for i in range(IDS))
         if len(held) < len(batch):
             stray = next(i for i in batch if list_of[i] == NONE)
