@@ -50,7 +50,9 @@ from emsd.transport.frames import Op
 
 log = logging.getLogger("ems")
 
-HEALTH_TIMEOUT = 0.5
+# seconds a health check waits for the daemon's PING: a busy daemon is not a sick one (the
+# published connector turns one false "unhealthy" into 30 s without the cache)
+HEALTH_TIMEOUT = 2.0
 RECONNECT_INTERVAL = 0.2  # seconds between reconnection attempts while the daemon is away
 RECONNECT_TIMEOUT = 1.0  # seconds one attempt may take
 
