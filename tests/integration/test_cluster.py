@@ -65,6 +65,17 @@ def stats(d: Any) -> dict[str, Any]:
         client.close()
 
 
+def holdings(nodes: Any) -> list[Any]:
+    """What each node holds and saw, for an assertion on where blocks live to print when it
+    fails: its entries, view, handoff counts and its last log lines about peers."""
+    out = []
+    for d in nodes:
+        st = stats(d)
+        peers = [line for line in d.log().splitlines() if "peer" in line.lower()][-4:]
+        out.append((st["node"], st["entries"], st["membership"], st["members"], st.get("handoff"), peers))
+    return out
+
+
 def use(d: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Point the process-wide SDK at daemon ``d``."""
     monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
@@ -142,7 +153,7 @@ def test_each_node_holds_its_share_and_read_local_only_stays_home(cluster: Any, 
     res = cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(write_rcache=False))
     assert res.success == BLOCKS
     held_a, held_b = stats(a)["entries"], stats(b)["entries"]
-    assert held_a + held_b == BLOCKS  # each block lives once, at its owner
+    assert held_a + held_b == BLOCKS, holdings((a, b))  # each block lives once, at its owner
     assert 0.2 * BLOCKS <= held_b <= 0.8 * BLOCKS  # about half each (consistent hashing, 2 nodes)
 
     cc = use(b, monkeypatch)
@@ -449,11 +460,8 @@ def test_with_two_replicas_a_killed_owner_costs_nothing(cluster: Any, monkeypatc
     cc.register_kvcache(src)
     assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
                    option=CcKvOption(write_rcache=False)).success == BLOCKS
-    st = [stats(d) for d in (a, b, c)]
-    held = [s["entries"] for s in st]
-    # every block at both of its owners, no extra copies (say what the nodes saw, if not)
-    assert sum(held) == 2 * BLOCKS, [(s["node"], s["entries"], s["membership"], s["members"],
-                                      s.get("handoff")) for s in st]
+    held = [stats(d)["entries"] for d in (a, b, c)]
+    assert sum(held) == 2 * BLOCKS, holdings((a, b, c))  # every block at both owners, no extra copies
     assert all(0 < h < 2 * BLOCKS for h in held)
 
     b.kill9()  # still in the ring until its session expires: its keys fall to their other owner
