@@ -80,8 +80,11 @@ class Prefaulter:
 
     The mapping must stay mapped until ``stop`` returns."""
 
-    def __init__(self, address: int, size: int, threads: int = 4, chunk: int = CHUNK) -> None:
+    def __init__(self, address: int, size: int, threads: int = 4, chunk: int = CHUNK,
+                 name: str = "the pool") -> None:
+        """``name``: what the mapping is, for the log lines."""
         self.address = address
+        self.name = name
         self.size = size
         self.chunk = chunk
         self._next = 0  # the next chunk's offset
@@ -135,8 +138,8 @@ class Prefaulter:
                     with self._lock:
                         if not self._error:
                             self._error = f"at {start >> 20} MiB: {exc}"
-                            log.error("prefault stopped %s; the rest of the pool is faulted in on first use",
-                                      self._error)
+                            log.error("prefault stopped %s; the rest of %s is faulted in on first use",
+                                      self._error, self.name)
                     return
                 self._count(end - start)
         finally:
@@ -147,9 +150,9 @@ class Prefaulter:
                     self._ended = time.monotonic()
             if last:
                 p = self.progress()
-                log.info("prefaulted %d of %d MiB in %.1f s (%.2f GB/s, %d threads)%s", p.done >> 20,
-                         p.total >> 20, p.seconds, p.done / max(p.seconds, 1e-9) / 1e9, len(self._threads),
-                         "" if p.done == p.total else "; stopped early")
+                log.info("prefaulted %d of %d MiB of %s in %.1f s (%.2f GB/s, %d threads)%s", p.done >> 20,
+                         p.total >> 20, self.name, p.seconds, p.done / max(p.seconds, 1e-9) / 1e9,
+                         len(self._threads), "" if p.done == p.total else "; stopped early")
 
     def _count(self, n: int) -> None:
         with self._lock:
@@ -159,7 +162,7 @@ class Prefaulter:
                 return
             self._logged = now
             done, total, seconds = self._done, self.size, now - self._started
-        log.info("prefaulting the pool: %d of %d MiB (%.0f%%) in %.0f s", done >> 20, total >> 20,
+        log.info("prefaulting %s: %d of %d MiB (%.0f%%) in %.0f s", self.name, done >> 20, total >> 20,
                  100 * done / total, seconds)
 
 

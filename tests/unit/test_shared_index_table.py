@@ -5,7 +5,10 @@ hypothesis, through a real memfd mapped read-only as a client maps it."""
 
 from __future__ import annotations
 
+import mmap
 import os
+import resource
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -14,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from emsd.pool import shared_index
+from emsd.pool import prefault, shared_index
 from emsd.pool.index import READY, BlockIndex
 from emsd.pool.keys import KeyBatch
 from emsd.pool.shared_index import MIN_BITS, SharedIndex, SharedIndexReader, slots_for, table_bytes
@@ -199,3 +202,27 @@ def test_the_table_grows_with_the_pool_within_bounds() -> None:
     assert slots_for(1 << 20) == MIN_BITS
     assert slots_for(12 << 30) == 20  # two slots per 32 KiB: 786,432, to the next power of two
     assert slots_for(1 << 50) == shared_index.MAX_BITS
+
+
+def _populate_supported() -> bool:
+    with mmap.mmap(-1, mmap.PAGESIZE) as mm:
+        return prefault.supported(mm)
+
+
+@pytest.mark.skipif(not _populate_supported(), reason="the kernel has no MADV_POPULATE_WRITE")
+def test_a_new_tables_pages_are_allocated_before_a_publish_writes_into_them() -> None:
+    """A page of a new memfd is allocated at its first write, a page fault; the table allocates
+    all of its pages in the background from the start, so that publishes take none."""
+    writer = SharedIndex(16)  # 4 MiB: 1,024 pages
+    pages = writer.size // mmap.PAGESIZE
+    try:
+        deadline = time.monotonic() + 30
+        while not writer.filled():
+            assert time.monotonic() < deadline, "the table was not filled within 30 s"
+            time.sleep(0.01)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        writer.table[shared_index.HEADER::mmap.PAGESIZE] = 0  # each page's first slot: free, 0 already
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    finally:
+        writer.close()
+    assert faults < pages // 10, f"{faults} page faults writing {pages} pages of a filled table"
