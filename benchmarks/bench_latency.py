@@ -32,6 +32,14 @@ And in the same run, the references:
   that evicts the caches, as the client's work does between two requests
   on a real daemon ("cold").
 
+And the daemon's handling of one batch save's two requests (RESERVE, then COMMIT of
+``--batch`` blocks of ``--batch-size`` bytes, default 32 x 2 MiB, what a step of an
+engine saves), in this process on a store with the daemon's shared index: in a
+pool that the warm-up fills, so that every measured RESERVE evicts a batch's
+worth first (the steady state), and in a pool too large to fill (no eviction);
+hot, and each request after a copy of the batch's bytes, as the client's copy
+of the batch does between the two on a real daemon ("cold").
+
 The split is read off the SDK's own socket calls (``DaemonClient._send`` and
 ``_dispatch`` are wrapped in this process only). The machine is shared: read
 the columns of one run against each other.
@@ -239,25 +247,120 @@ def bench_handler(size: int, n: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def batch_pool(size: int, k: int, rounds: int, evict: bool) -> int:
+    """The batch handler's pool, in whole pages: when it should ``evict``, the warm-up's
+    batches (a tenth of the rounds, at least two), so that the measured RESERVEs evict;
+    else room for every round's batch."""
+    batches = max(2, rounds // 10) if evict else rounds + 1
+    return -(-batches * size * k // PAGE) * PAGE
+
+
+def bench_batch_handler(size: int, k: int, rounds: int = 200) -> dict[str, dict[str, float]]:
+    """p50 microseconds of ``Service.handle`` for a batch save's RESERVE and COMMIT of ``k``
+    blocks of ``size`` bytes (over the rounds after a tenth of warm-up), in a pool that
+    evicts and in one that does not, hot and cold: ``{op: {"<pool> <mode>": us}}``."""
+    out: dict[str, dict[str, float]] = {"reserve": {}, "commit": {}}
+    for pool, evict in (("evicting", True), ("no eviction", False)):
+        for mode in ("hot", "cold"):
+            reserve, commit = _batch_rounds(batch_pool(size, k, rounds, evict), size, k, rounds,
+                                            mode == "cold")
+            out["reserve"][f"{pool} {mode}"] = statistics.median(reserve) * 1e6
+            out["commit"][f"{pool} {mode}"] = statistics.median(commit) * 1e6
+    return out
+
+
+def _batch_rounds(pool: int, size: int, k: int, rounds: int, cold: bool) -> tuple[list[float], list[float]]:
+    """Seconds in ``Service.handle`` of each RESERVE and each COMMIT of ``rounds`` batch saves
+    of ``k`` new blocks of ``size`` bytes, on a fresh store of ``pool`` bytes with the daemon's
+    shared index (after the first tenth); ``cold``: each request after a copy of a batch's
+    bytes."""
+    from emsd.config import PoolConfig
+    from emsd.metrics import Metrics
+    from emsd.pool import shared_index
+    from emsd.pool.keys import KeyBatch
+    from emsd.pool.store import BlockStore
+    from emsd.protocol.local import (
+        CommitRequest,
+        NamespaceAnswer,
+        NamespaceRequest,
+        ReserveAnswer,
+        ReserveRequest,
+    )
+    from emsd.service import Service, Session
+    from emsd.transport.frames import Op
+
+    store = BlockStore(pool, PAGE, eviction=PoolConfig().eviction)
+    if shared_index.available():
+        store.shared = shared_index.SharedIndex(shared_index.slots_for(store.capacity))
+        while not store.shared.filled():  # its pages allocated, as in a daemon that has run a moment
+            time.sleep(0.01)
+    svc, session = Service(store, "bench", "shm", Metrics()), Session()
+    session.authenticated = True
+    junk, sink = (np.ones(size * k, np.uint8), np.empty(size * k, np.uint8)) if cold else (None, None)
+
+    def handle(op: Op, message: Any, rid: int) -> tuple[dict[str, Any], bytes, float]:
+        fields, parts = message.encode()
+        header, payload = {"op": int(op), "id": rid, **fields}, b"".join(parts)
+        if sink is not None:
+            np.copyto(sink, junk)
+        t0 = time.perf_counter()
+        resp, got = svc.handle(session, header, payload)
+        return resp, b"".join(got), time.perf_counter() - t0
+
+    reserves: list[float] = []
+    commits: list[float] = []
+    try:
+        resp, payload, _ = handle(Op.NAMESPACE, NamespaceRequest("bench"), 1)
+        ns = NamespaceAnswer.decode(resp, payload).ns
+        sizes = np.full(k, size, np.uint64)
+        for r in range(rounds):
+            keys = KeyBatch.from_ints(np.arange(r * k, (r + 1) * k, dtype=np.uint64) + 1)
+            resp, payload, reserve = handle(Op.RESERVE, ReserveRequest(ns, keys, sizes), 2)
+            handles = ReserveAnswer.decode(resp, payload, k).handles
+            if len(handles) != k:
+                raise RuntimeError(f"a RESERVE of {k} blocks placed {len(handles)}: {resp}")
+            resp, _, commit = handle(Op.COMMIT, CommitRequest(handles), 3)
+            if resp.get("committed") != k:
+                raise RuntimeError(f"a COMMIT of {k} blocks committed {resp.get('committed')}: {resp}")
+            if r >= rounds // 10:
+                reserves.append(reserve)
+                commits.append(commit)
+    finally:
+        if store.shared is not None:
+            store.shared.close()
+    return reserves, commits
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=64 << 10, help="block bytes (default 64 KiB)")
     ap.add_argument("--n", type=int, default=1000, help="calls per op (default 1000)")
+    ap.add_argument("--batch", type=int, default=32, help="blocks of the batch save (default 32; 0: none)")
+    ap.add_argument("--batch-size", type=int, default=2 << 20, help="their bytes (default 2 MiB)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not 4096 <= args.size <= 8 << 20 or not 10 <= args.n <= 100_000 or args.size * args.n > 4 << 30:
         ap.error("--size must be 4 KiB..8 MiB, --n 10..100000, and --size times --n at most 4 GiB")
+    if not 0 <= args.batch <= 1024 or not 4096 <= args.batch_size <= 8 << 20 \
+            or args.batch * args.batch_size > 256 << 20:
+        ap.error("--batch must be 0..1024, --batch-size 4 KiB..8 MiB, and a batch at most 256 MiB")
     print(f"[latency] {args.n} calls of each op through the SDK, busy polling off ...", file=sys.stderr)
     sleeping = bench_sdk_calls(args.size, args.n, poll=False)
     print(f"[latency] {args.n} calls of each op through the SDK ...", file=sys.stderr)
     sdk = bench_sdk_calls(args.size, args.n)
     print("[latency] the same requests on Service.handle in this process ...", file=sys.stderr)
     handler = bench_handler(args.size, args.n)
+    batch = {}
+    if args.batch:
+        print(f"[latency] RESERVE and COMMIT of {args.batch} x {args.batch_size >> 10} KiB on "
+              "Service.handle in this process ...", file=sys.stderr)
+        batch = bench_batch_handler(args.batch_size, args.batch)
     echo = echo_p50_process(args.n) * 1e6
     polled = echo_p50_process(args.n, (DAEMON_POLL_US, busy_poll_budget_us())) * 1e6
     if args.json:
         print(json.dumps({"size": args.size, "echo_us": echo, "echo_polling_us": polled, "sdk": sdk,
-                          "sdk_no_busy_poll": sleeping, "handler": handler}, indent=2))
+                          "sdk_no_busy_poll": sleeping, "handler": handler, "batch_handler": batch},
+                         indent=2))
         return
     print(f"single {args.size >> 10} KiB blocks, p50 us; raw Unix echo {echo:.0f} us sleeping, "
           f"{polled:.0f} us polling")
@@ -269,6 +372,14 @@ def main() -> None:
         print(f"| {op} | {c['call']:.0f} | {c['before']:.0f} | {c['trip']:.0f} | {c['after']:.0f} "
               f"| {c['call'] / echo:.1f}x, {c['call'] / polled:.1f}x | {sleeping[op]['call']:.0f} "
               f"| {h['hot']:.0f} | {h['cold']:.0f} |")
+    if batch:
+        print(f"\nthe daemon's handler for a batch save of {args.batch} x {args.batch_size >> 10} KiB, "
+              "in this process, p50 us")
+        cols = list(batch["reserve"])
+        print("| request | " + " | ".join(cols) + " |")
+        print("|---|" + "---|" * len(cols))
+        for op, row in batch.items():
+            print(f"| {op.upper()} | " + " | ".join(f"{row[c]:.0f}" for c in cols) + " |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.bench_latency import PAGE, pool_bytes, split
+from benchmarks.bench_latency import PAGE, batch_pool, pool_bytes, split
 
 
 def test_a_call_is_split_at_its_first_send_and_the_answer_to_it() -> None:
@@ -33,3 +33,13 @@ def test_the_pool_holds_a_pass_in_whole_pages_and_at_least_1_gib(size: int, n: i
     pool = pool_bytes(size, n)
     assert pool >= max(1 << 30, n * size)
     assert pool % PAGE == 0
+
+
+@given(st.sampled_from([4096, 64 << 10, 2 << 20, 8 << 20]), st.integers(1, 1024), st.integers(1, 400))
+def test_the_batch_pool_is_full_after_the_warm_up_or_holds_every_round(size: int, k: int,
+                                                                       rounds: int) -> None:
+    batch = size * k
+    full, roomy = batch_pool(size, k, rounds, True), batch_pool(size, k, rounds, False)
+    assert full % PAGE == 0 and roomy % PAGE == 0
+    assert 2 * batch <= full < max(2, rounds // 10) * batch + PAGE  # a RESERVE evicts, never fails
+    assert roomy >= (rounds + 1) * batch  # nothing is evicted
