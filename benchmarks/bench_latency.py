@@ -167,12 +167,33 @@ def bench_sdk_calls(size: int, n: int, poll: bool = True) -> dict[str, dict[str,
     return out
 
 
+def _service(store: Any) -> tuple[Any, Any]:
+    """A ``Service`` over ``store`` as a standalone daemon has it, and an authenticated session."""
+    from emsd.metrics import Metrics
+    from emsd.service import Service, Session
+
+    session = Session()
+    session.authenticated = True
+    return Service(store, "bench", "shm", Metrics()), session
+
+
+def _timed_handle(svc: Any, session: Any, op: Any, message: Any, rid: int,
+                  **extra: Any) -> tuple[dict[str, Any], bytes, float]:
+    """``message`` (an ``emsd.protocol.local`` request, encoded as the SDK encodes it) answered
+    by ``svc`` for ``session`` as a request of ``op``: the answer, its payload, and the seconds
+    in ``Service.handle`` alone."""
+    fields, parts = message.encode()
+    header, payload = {"op": int(op), "id": rid, **fields, **extra}, b"".join(parts)
+    t0 = time.perf_counter()
+    resp, out = svc.handle(session, header, payload)
+    return resp, b"".join(out), time.perf_counter() - t0
+
+
 def bench_handler(size: int, n: int) -> dict[str, dict[str, float]]:
     """p50 microseconds of ``Service.handle`` for the requests of each op, hot and cold
     (the time in its calls only: the requests are built as the SDK builds them,
     ``emsd.protocol.local`` messages, outside it)."""
     from emsd.config import PoolConfig
-    from emsd.metrics import Metrics
     from emsd.pool.keys import KeyBatch
     from emsd.pool.store import BlockStore
     from emsd.protocol.local import (
@@ -187,23 +208,16 @@ def bench_handler(size: int, n: int) -> dict[str, dict[str, float]]:
         PutRequest,
         ReleaseRequest,
     )
-    from emsd.service import Service, Session
     from emsd.transport.frames import Op
 
-    store = BlockStore(pool_bytes(size, n), PAGE, eviction=PoolConfig().eviction)
-    svc = Service(store, "bench", "shm", Metrics())
-    s = Session()
-    s.authenticated = True
+    svc, s = _service(BlockStore(pool_bytes(size, n), PAGE, eviction=PoolConfig().eviction))
     spent = [0.0]  # seconds in Service.handle since the call began
 
     def handle(op: Op, message: Any, rid: int, **extra: Any) -> tuple[dict[str, Any], bytes]:
         """``message`` answered by ``svc`` as a request of ``op``; only the handling is timed."""
-        fields, parts = message.encode()
-        header, payload = {"op": int(op), "id": rid, **fields, **extra}, b"".join(parts)
-        t0 = time.perf_counter()
-        resp, out = svc.handle(s, header, payload)
-        spent[0] += time.perf_counter() - t0
-        return resp, b"".join(out)
+        resp, out, seconds = _timed_handle(svc, s, op, message, rid, **extra)
+        spent[0] += seconds
+        return resp, out
 
     ns = NamespaceAnswer.decode(*handle(Op.NAMESPACE, NamespaceRequest("bench"), 1)).ns
     sizes = np.array([size], np.uint64)
@@ -275,7 +289,6 @@ def _batch_rounds(pool: int, size: int, k: int, rounds: int, cold: bool) -> tupl
     shared index (after the first tenth); ``cold``: each request after a copy of a batch's
     bytes."""
     from emsd.config import PoolConfig
-    from emsd.metrics import Metrics
     from emsd.pool import shared_index
     from emsd.pool.keys import KeyBatch
     from emsd.pool.store import BlockStore
@@ -286,7 +299,6 @@ def _batch_rounds(pool: int, size: int, k: int, rounds: int, cold: bool) -> tupl
         ReserveAnswer,
         ReserveRequest,
     )
-    from emsd.service import Service, Session
     from emsd.transport.frames import Op
 
     store = BlockStore(pool, PAGE, eviction=PoolConfig().eviction)
@@ -294,18 +306,13 @@ def _batch_rounds(pool: int, size: int, k: int, rounds: int, cold: bool) -> tupl
         store.shared = shared_index.SharedIndex(shared_index.slots_for(store.capacity))
         while not store.shared.filled():  # its pages allocated, as in a daemon that has run a moment
             time.sleep(0.01)
-    svc, session = Service(store, "bench", "shm", Metrics()), Session()
-    session.authenticated = True
+    svc, session = _service(store)
     junk, sink = (np.ones(size * k, np.uint8), np.empty(size * k, np.uint8)) if cold else (None, None)
 
     def handle(op: Op, message: Any, rid: int) -> tuple[dict[str, Any], bytes, float]:
-        fields, parts = message.encode()
-        header, payload = {"op": int(op), "id": rid, **fields}, b"".join(parts)
         if sink is not None:
             np.copyto(sink, junk)
-        t0 = time.perf_counter()
-        resp, got = svc.handle(session, header, payload)
-        return resp, b"".join(got), time.perf_counter() - t0
+        return _timed_handle(svc, session, op, message, rid)
 
     reserves: list[float] = []
     commits: list[float] = []

@@ -15,6 +15,7 @@ included) within a stated bound of its baseline taken before the load.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -136,10 +137,10 @@ def assert_settled(nodes: list[Any], baseline: list[int], where: str) -> None:
     """After the chaos: every node alive, nothing pinned or pending, private RSS back near ``baseline``."""
     for d, before in zip(nodes, baseline, strict=True):
         # the workers have exited; their pins go when the daemon sees their connections close
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while (st := stats(d))["pinned"] or st["pending"]:
-            assert time.monotonic() < deadline, (d.sections["node"]["id"], st, where)
-            time.sleep(0.1)
+        with contextlib.suppress(AssertionError):  # the assertion below says what was left
+            wait_for(lambda d=d: (st := stats(d))["pinned"] == 0 and st["pending"] == 0, SETTLE_SECONDS)
+        st = stats(d)
+        assert st["pinned"] == 0 and st["pending"] == 0, (d.sections["node"]["id"], st, where)
         after = memory.private_rss(d.pid)
         print(f"{d.sections['node']['id']}: private RSS {before / memory.MiB:.1f} MiB before the load, "
               f"{after / memory.MiB:.1f} MiB after")
