@@ -23,7 +23,10 @@ calls a second in all, half saves and half loads, are what the request-path
 issue asks 10,000 of from 4 clients. Each emsd line also gives the CPU time
 (user and system) per save-and-load of the daemon and of the client processes
 together, from their start to their exit (connecting and registering
-included): on 2 cores their sum bounds the rate.
+included): on 2 cores their sum bounds the rate. And how many times the clients slept
+per save-and-load (voluntary context switches of every thread of theirs, from
+``getrusage``): a call that waits for the daemon sleeps once unless its poll
+sees the answer first; any more are threads of the SDK woken in the calls' path.
 
 The machine is shared and has 2 cores here: with more processes than cores
 the reference and emsd both share them, and the daemon's own thread is one
@@ -121,7 +124,8 @@ def run(mode: str, clients: int, size: int, n: int, seconds: float, sock: str | 
         daemon: psutil.Process | None = None) -> dict[str, float]:
     """Aggregate GB/s of ``clients`` processes side by side, and batches a second; with
     ``daemon``, also the CPU microseconds per batch of the daemon and of the clients
-    (user and system, the clients' from their start to their exit)."""
+    (user and system, the clients' from their start to their exit) and the clients'
+    voluntary context switches per batch."""
     ctx = mp.get_context("fork")
     mine0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     daemon0 = daemon.cpu_times() if daemon is not None else None
@@ -146,6 +150,7 @@ def run(mode: str, clients: int, size: int, n: int, seconds: float, sock: str | 
         daemon_s = (daemon1.user - daemon0.user) + (daemon1.system - daemon0.system)
         out["daemon_us_per_batch"] = daemon_s / batches * 1e6
         out["clients_us_per_batch"] = clients_s / batches * 1e6
+        out["clients_sleeps_per_batch"] = (mine1.ru_nvcsw - mine0.ru_nvcsw) / batches
     return out
 
 
@@ -179,7 +184,8 @@ def main() -> None:
                           + f"; emsd {mine['batches_per_s']:.0f} batches/s "
                           f"({2 * mine['batches_per_s']:.0f} calls/s, half saves, half loads); CPU per "
                           f"save and load: daemon {mine['daemon_us_per_batch']:.0f} us, clients "
-                          f"{mine['clients_us_per_batch']:.0f} us", flush=True)
+                          f"{mine['clients_us_per_batch']:.0f} us; the clients slept "
+                          f"{mine['clients_sleeps_per_batch']:.1f} times", flush=True)
         finally:
             stop(proc)
     print(f"load average {os.getloadavg()}")

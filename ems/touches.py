@@ -49,6 +49,7 @@ class Touches:
         self._x = 0  # keys that exists found in the table
         self._since = 0.0
         self._closed = False
+        self._idle = False  # the sender thread waits for a batch, with no deadline, not woken yet
         self._thread: threading.Thread | None = None  # started with the first batch
 
     def add(self, client: DaemonClient, ns: int, kt: int, n: int, raw: bytes, exists: int = 0) -> None:
@@ -62,7 +63,9 @@ class Touches:
             if not self._pending():
                 self._client, self._ns, self._kt, self._since = client, ns, kt, now
                 self._start()
-                self._cond.notify()  # the sender thread times the new batch
+                if self._idle:  # else it is timing an earlier batch, which was due sooner
+                    self._idle = False  # woken: the next batch need not wake it again
+                    self._cond.notify()
             self._raw.append(raw)
             self._n += n
             self._x += exists
@@ -95,20 +98,29 @@ class Touches:
             self._thread.start()
 
     def _run(self) -> None:
-        """Send each batch still pending ``TOUCH_DELAY`` after its first load."""
+        """Send each batch still pending ``TOUCH_DELAY`` after its first load.
+
+        Only ``add`` of a batch while this thread waits with no batch wakes it
+        (``_idle``). A batch that starts while it sleeps until an earlier
+        batch's due time (that batch taken by a request since) is looked at
+        when it wakes then, which is sooner than its own due time: loads and
+        saves one after the other wake this thread once a ``TOUCH_DELAY``,
+        not at every load (a wake-up is a thread switch and a GIL hand-over
+        in the caller's path)."""
         while True:
             with self._cond:
                 while not self._pending() and not self._closed:
+                    self._idle = True
                     self._cond.wait()
+                self._idle = False
                 if self._closed:
                     return
-                due = self._since + TOUCH_DELAY
-                while self._pending() and not self._closed and time.monotonic() < due:
-                    self._cond.wait(due - time.monotonic())
-                late = self._pending() and time.monotonic() >= self._since + TOUCH_DELAY
-                batch = self._take() if late else None
-            if batch is not None:
-                _send(batch, later=False)
+                left = self._since + TOUCH_DELAY - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)  # then look again: taken, replaced or due
+                    continue
+                batch = self._take()
+            _send(batch, later=False)
 
     def _pending(self) -> bool:
         return bool(self._n or self._x)

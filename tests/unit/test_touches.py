@@ -111,3 +111,46 @@ def test_exists_found_in_the_table_are_counted_in_the_batch() -> None:
         assert c.sent[1] == ("alone", {"ns": 4, "n": 0, "kt": 0, "x": 2}, b"")
     finally:
         t.close()
+
+
+class CountingCondition:
+    """A ``threading.Condition`` that counts its ``notify`` calls."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.notified = 0
+
+    def __enter__(self) -> bool:
+        return self._cond.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._cond.__exit__(*exc)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._cond.wait(timeout)
+
+    def notify(self) -> None:
+        self.notified += 1
+        self._cond.notify()
+
+
+def test_loads_between_requests_wake_the_sender_once_a_delay_not_at_every_load() -> None:
+    """A load then a save, over and over (one block a call): each load starts a batch that the
+    next request takes. The sender thread is woken for a batch only when it waits for none,
+    so a few times a ``TOUCH_DELAY``; it used to be woken at every load (a thread switch in
+    the caller's path each time)."""
+    c, t = Recorder(), Touches()
+    cond = t._cond = CountingCondition()  # type: ignore[assignment]
+    try:
+        t.add(c, 0, 0, 1, keys(0))  # type: ignore[arg-type]  # starts the sender thread
+        start, rounds = time.monotonic(), 200
+        for k in range(1, rounds + 1):
+            t.send_with_next(c)  # type: ignore[arg-type]  # a save takes the batch
+            t.add(c, 0, 0, 1, keys(k))  # type: ignore[arg-type]  # the next load starts one
+        delays = (time.monotonic() - start) / TOUCH_DELAY
+        assert cond.notified <= 2 + 2 * delays < rounds, (cond.notified, delays)
+        assert [s[0] for s in c.sent] == ["later"] * rounds
+        wait_for(lambda: len(c.sent) == rounds + 1)  # the last batch still goes, alone
+        assert c.sent[-1] == ("alone", {"ns": 0, "n": 1, "kt": 0}, keys(rounds))
+    finally:
+        t.close()
