@@ -47,7 +47,7 @@ class Touches:
         self._raw: list[bytes] = []
         self._n = 0
         self._x = 0  # keys that exists found in the table
-        self._since = 0.0
+        self._since = 0.0  # when the latest batch (pending or taken) started
         self._closed = False
         self._idle = False  # the sender thread waits for a batch, with no deadline, not woken yet
         self._thread: threading.Thread | None = None  # started with the first batch
@@ -100,24 +100,24 @@ class Touches:
     def _run(self) -> None:
         """Send each batch still pending ``TOUCH_DELAY`` after its first load.
 
-        Only ``add`` of a batch while this thread waits with no batch wakes it
-        (``_idle``). A batch that starts while it sleeps until an earlier
-        batch's due time (that batch taken by a request since) is looked at
-        when it wakes then, which is sooner than its own due time: loads and
-        saves one after the other wake this thread once a ``TOUCH_DELAY``,
-        not at every load (a wake-up is a thread switch and a GIL hand-over
-        in the caller's path)."""
+        The thread sleeps until the latest batch's due time, whether a request
+        has taken that batch since or not, and then looks again; only when the
+        latest batch is past due and none is pending does it wait with no
+        deadline, and only ``add`` of a batch then wakes it (``_idle``). So
+        loads and saves one after the other wake it about once a
+        ``TOUCH_DELAY``, not at every load (a wake-up is a thread switch and a
+        GIL hand-over in the caller's path)."""
         while True:
             with self._cond:
-                while not self._pending() and not self._closed:
-                    self._idle = True
-                    self._cond.wait()
-                self._idle = False
                 if self._closed:
                     return
                 left = self._since + TOUCH_DELAY - time.monotonic()
                 if left > 0:
                     self._cond.wait(left)  # then look again: taken, replaced or due
+                    continue
+                if not self._pending():
+                    self._idle = True
+                    self._cond.wait()
                     continue
                 batch = self._take()
             _send(batch, later=False)
