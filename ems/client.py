@@ -148,6 +148,7 @@ class DaemonClient:
         self.busy_poll = busy_poll_budget()  # the cap of the poll window
         self.poll_window = self.busy_poll  # seconds the next wait polls (emsd.transport.pollwindow)
         self._poller: select.poll | None = None  # the socket, for the busy poll (under _read_lock)
+        self._hangup_poller = select.poll()  # the socket, for ``hung_up`` (set when connected)
         self.index: SharedIndexReader | None = None  # the daemon's shared index, when it offers one
         self._later: list[bytes] = []  # frames for the next write (``send_later``), under _send_lock
 
@@ -203,20 +204,24 @@ class DaemonClient:
         self.index = index
         self.sock = sock
         self._poller = None
+        self._hangup_poller = _poller_of(sock, select.POLLRDHUP)
         self.broken = False
 
     def hung_up(self) -> bool:
         """Whether emsd has closed this connection while it was idle (its lease ran out, or emsd
         went away): ``poll`` says the peer hung up (``POLLRDHUP``, ``POLLHUP``), whatever
-        answers are still unread. One system call; marks the connection broken, so that the
+        answers are still unread. One system call, on a poll object kept for it (a new one
+        a call doubled its cost; another thread's check at the same moment, which a poll
+        object refuses, makes one of its own); marks the connection broken, so that the
         SDK reconnects before the next call, not after it fails."""
         sock = self.sock
         if self.broken or sock is None:
             return True
-        poller = select.poll()
-        poller.register(sock, select.POLLRDHUP)
         try:
-            events = poller.poll(0)
+            try:
+                events = self._hangup_poller.poll(0)
+            except RuntimeError:  # "concurrent poll() invocation"
+                events = _poller_of(sock, select.POLLRDHUP).poll(0)
         except OSError:
             return False
         closed = any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in events)
@@ -433,8 +438,7 @@ class DaemonClient:
         one did."""
         poller = self._poller
         if poller is None:
-            poller = self._poller = select.poll()
-            poller.register(sock, select.POLLIN | select.POLLRDHUP)
+            poller = self._poller = _poller_of(sock, select.POLLIN | select.POLLRDHUP)
         end = time.perf_counter() + self.poll_window
         while not poller.poll(0):
             if time.perf_counter() >= end:
@@ -473,6 +477,13 @@ class DaemonClient:
                 sock.close()
             except OSError:
                 pass
+
+
+def _poller_of(sock: socket.socket, events: int) -> select.poll:
+    """A poll object watching ``sock`` for ``events``."""
+    poller = select.poll()
+    poller.register(sock, events)
+    return poller
 
 
 def _madvise(address: int, length: int, advice: int) -> int:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from test_warm_restart import stats  # a fresh connection's STATS
 
 from ems import CcConfig, Ems, EmsConfig
+from ems.client import DaemonClient
 
 pytestmark = pytest.mark.usefixtures("reset_sdk")
 LEASE = 2
@@ -92,3 +94,46 @@ def test_a_live_client_idle_past_its_lease_never_notices(emsd_factory: Any,
     assert cc.load(slots, hashes=list(range(16)), offsets=[4] * 16).success == 16  # no error: reconnected
     assert all(torch.equal(a, b) for a, b in zip(out[0], kv[0], strict=True))
     assert cc.save(slots, hashes=list(range(100, 116)), offsets=[4] * 16).success == 16
+
+
+class Busy:
+    """A poll object another thread is polling with: CPython refuses a second poll."""
+
+    def poll(self, timeout: int) -> list[tuple[int, int]]:
+        raise RuntimeError("concurrent poll() invocation")
+
+
+def test_hung_up_checked_from_several_threads_at_once_then_seen_at_the_lease(emsd_factory: Any) -> None:
+    """``DaemonClient.hung_up`` keeps one poll object, which refuses two polls at once: checks
+    from several threads (the SDK's async calls) must still each answer, False while the
+    connection is live, True once the daemon has closed it (here: its lease ran out)."""
+    d = emsd_factory(node={"client_lease": LEASE})
+    client = DaemonClient(d.socket_dir / "emsd.sock")
+    client.connect({})
+    try:
+        answers: list[bool] = []
+        errors: list[BaseException] = []
+
+        def check(times: int) -> None:
+            try:
+                answers.extend(client.hung_up() for _ in range(times))
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=check, args=(2000,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [] and answers == [False] * 8000
+        # Another thread inside the kept poll object, deterministically: it refuses this one.
+        kept, client._hangup_poller = client._hangup_poller, Busy()  # type: ignore[assignment]
+        assert client.hung_up() is False
+        deadline = time.monotonic() + LEASE + 10
+        while not client.hung_up():
+            assert time.monotonic() < deadline, "the idle connection was not closed at its lease"
+            time.sleep(0.1)
+        assert client.broken and d.metric("emsd_clients_expired_total") >= 1
+        assert kept.poll(0)  # the kept object sees the hang-up as well
+    finally:
+        client.close()
