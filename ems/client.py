@@ -51,7 +51,9 @@ DEFAULT_SOCKET_DIR = "/dev/shm/ems"
 SOCKET_DIR_ENV = "EMS_SOCKET_DIR"
 BUSY_POLL_ENV = "EMS_BUSY_POLL_US"  # microseconds a call polls for its answer before sleeping
 BUSY_POLL_DEFAULT_US = 200
-CONNECT_TIMEOUT = 2.0
+# seconds ``connect`` waits for the daemon's HELLO: a daemon that is gone refuses at once, so
+# this only bounds a live one, which a loaded host can keep from answering for seconds
+CONNECT_TIMEOUT = 5.0
 _MADV_POPULATE_WRITE = 23
 _MAP_NORESERVE = 0x4000  # Linux: no swap or hugepage reservation for the mapping
 RECV_BUFFER = 64 * 1024
