@@ -20,6 +20,7 @@ import zk  # noqa: E402
 from ems import CcConfig, CcKvOption, Ems, EmsConfig  # noqa: E402
 from ems.client import DaemonClient  # noqa: E402
 from emsd.transport.frames import Op  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(zk.available() is not None, reason=str(zk.available())),
               pytest.mark.usefixtures("reset_sdk")]
@@ -47,13 +48,6 @@ def cluster(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) ->
         return nodes
 
     return start
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def stats(d: Any) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from ems import CcKvOption, EmsErrorCode, EmsException  # noqa: E402
 from ems.client import DaemonClient  # noqa: E402
 from emsd.ctl import Control, CtlError  # noqa: E402
 from emsd.transport.frames import Op  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(zk.available() is not None, reason=str(zk.available())),
               pytest.mark.usefixtures("reset_sdk")]
@@ -56,15 +56,6 @@ def nodes(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) -> l
         d.start()
     wait_for(lambda: all(len(stats(d)["members"]) == 2 for d in started))
     return started
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def stats(d: Any) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import mmap
 import os
 import resource
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -21,6 +20,7 @@ from emsd.pool import prefault, shared_index
 from emsd.pool.index import READY, BlockIndex
 from emsd.pool.keys import KeyBatch
 from emsd.pool.shared_index import MIN_BITS, SharedIndex, SharedIndexReader, slots_for, table_bytes
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not shared_index.available(), reason="emsd.pool._shared_index not built")
 
@@ -216,10 +216,7 @@ def test_a_new_tables_pages_are_allocated_before_a_publish_writes_into_them() ->
     writer = SharedIndex(16)  # 4 MiB: 1,024 pages
     pages = writer.size // mmap.PAGESIZE
     try:
-        deadline = time.monotonic() + 30
-        while not writer.filled():
-            assert time.monotonic() < deadline, "the table was not filled within 30 s"
-            time.sleep(0.01)
+        wait_for(writer.filled, 30, 0.01, "the table was not filled within 30 s")
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         writer.table[shared_index.HEADER::mmap.PAGESIZE] = 0  # each page's first slot: free, 0 already
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
