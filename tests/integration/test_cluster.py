@@ -70,6 +70,16 @@ def holdings(nodes: Any) -> list[Any]:
     return out
 
 
+def assert_copies_from_handoff(st: Any, why: Any) -> None:
+    """Saved with ``write_rcache`` off, a node keeps no copy of what it forwarded; the only
+    read-cache copies are those a handoff left when a ring change after the save moved
+    blocks a node had kept as an owner to their new owners (emsd.handoff), at most one a
+    block moved."""
+    copies = sum(x["cached"] for x in st)
+    moved = sum((x.get("handoff") or {}).get("moved", 0) for x in st)
+    assert copies <= moved, why
+
+
 def use(d: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Point the process-wide SDK at daemon ``d``."""
     monkeypatch.setenv("EMS_SOCKET_DIR", str(d.socket_dir))
@@ -146,8 +156,10 @@ def test_each_node_holds_its_share_and_read_local_only_stays_home(cluster: Any, 
     cc.register_kvcache(kv(2))
     res = cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS, option=CcKvOption(write_rcache=False))
     assert res.success == BLOCKS
-    held_a, held_b = stats(a)["entries"], stats(b)["entries"]
-    assert held_a + held_b == BLOCKS, holdings((a, b))  # each block lives once, at its owner
+    sa, sb = stats(a), stats(b)
+    held_a, held_b = sa["entries"] - sa["cached"], sb["entries"] - sb["cached"]
+    assert held_a + held_b == BLOCKS, holdings((a, b))  # each block is owned once, at its owner
+    assert_copies_from_handoff((sa, sb), holdings((a, b)))
     assert 0.2 * BLOCKS <= held_b <= 0.8 * BLOCKS  # about half each (consistent hashing, 2 nodes)
 
     cc = use(b, monkeypatch)
@@ -454,8 +466,10 @@ def test_with_two_replicas_a_killed_owner_costs_nothing(cluster: Any, monkeypatc
     cc.register_kvcache(src)
     assert cc.save(SLOTS, hashes=KEYS, offsets=[BLOCK] * BLOCKS,
                    option=CcKvOption(write_rcache=False)).success == BLOCKS
-    held = [stats(d)["entries"] for d in (a, b, c)]
-    assert sum(held) == 2 * BLOCKS, holdings((a, b, c))  # every block at both owners, no extra copies
+    st = [stats(d) for d in (a, b, c)]
+    held = [x["entries"] - x["cached"] for x in st]
+    assert sum(held) == 2 * BLOCKS, holdings((a, b, c))  # every block owned at both of its owners
+    assert_copies_from_handoff(st, holdings((a, b, c)))
     assert all(0 < h < 2 * BLOCKS for h in held)
 
     b.kill9()  # still in the ring until its session expires: its keys fall to their other owner
