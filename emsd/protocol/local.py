@@ -66,6 +66,9 @@ Layouts (little-endian, n keys; ``H`` a handle, u32; offsets and sizes u64):
 - OWNER    ``OwnerRequest``    ``{ns: name, n, kt}`` + keys (1..``OWNER_KEYS``).
            ``OwnerAnswer``     ``{owners}``: node ids per key.
 - PLACEMENT ``PlacementRequest`` ``{vnodes, replicas}``. Answer ``{vnodes, replicas, version}``.
+- RING     header only.         ``RingAnswer``  ``{pass, ttl, vnodes, replicas, me, prefix,
+           members}``: the ring and a read pass, for reads straight from the owners
+           (a cluster node of plain TCP peers with ``cluster.direct_reads``; others refuse it).
 - PING, STATS, DRAIN ``{to?}``: header only; STATS answers a free-form map of counters, DRAIN
   ``{moved, failed, remaining}``. HELLO is the connection's first frame (``Service.hello``):
   ``{pid, access_id?, access_key?, idx?, operator?}`` (``operator`` true: emsctl without a
@@ -79,7 +82,7 @@ Layouts (little-endian, n keys; ``H`` a handle, u32; offsets and sizes u64):
 from __future__ import annotations
 
 import struct
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -96,6 +99,8 @@ MAX_SIZE = 1 << 40  # bytes of one block a GRANT names (the daemon bounds it by 
 MAX_FOUND = 1 << 32  # keys a TOUCH says exists found in the shared index
 MAX_COUNT = 1 << 63  # a counter in an answer
 OWNER_KEYS = 1024  # keys an OWNER request may name
+MAX_MEMBERS = 4096  # members a RING answer may list
+MAX_PASS = 1024  # bytes of a read pass (emsd.protocol.readpass)
 
 Encoded = tuple[dict[str, Any], list[bytes]]
 Split = tuple[KeyBatch, bytes]  # the keys of a keyed request and the payload after them
@@ -649,3 +654,46 @@ class PlacementRequest(NamedTuple):
             raise FrameError(why)
         assert type(vnodes) is int and type(replicas) is int
         return cls(vnodes, replicas)
+
+
+class RingAnswer(NamedTuple):
+    """What a client needs to read blocks straight from their owners (``ems.direct``): the
+    ring's members and parameters, this node's id, the prefix the daemon puts before the
+    client's namespace names (its tenant's: placement hashes the whole name) and a read pass
+    (``emsd.protocol.readpass``) good for ``ttl`` seconds. The request is header only."""
+
+    read_pass: bytes
+    ttl: int
+    vnodes: int
+    replicas: int
+    me: str
+    prefix: str
+    members: list[tuple[str, int, str]]  # (node id, capacity, peer "host:port"), sorted by id
+
+    def encode(self) -> Encoded:
+        return {"pass": self.read_pass, "ttl": self.ttl, "vnodes": self.vnodes, "replicas": self.replicas,
+                "me": self.me, "prefix": self.prefix, "members": [list(m) for m in self.members]}, []
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes, asked: int = 0) -> RingAnswer:
+        read_pass, me, prefix, members = (header.get(f) for f in ("pass", "me", "prefix", "members"))
+        vnodes, replicas = header.get("vnodes"), header.get("replicas")
+        why = placement_record.invalid(vnodes, replicas)
+        if why is not None:
+            raise FrameError(why)
+        if not isinstance(read_pass, bytes) or not 0 < len(read_pass) <= MAX_PASS:
+            raise FrameError(f"pass must be 1..{MAX_PASS} bytes")
+        if not isinstance(me, str) or not isinstance(prefix, str) or len(prefix) > MAX_NAME:
+            raise FrameError("me and prefix must be strings")
+        if not isinstance(members, list) or not 0 < len(members) <= MAX_MEMBERS:
+            raise FrameError(f"members must be a list of 1..{MAX_MEMBERS}")
+        out = []
+        for m in members:
+            if not (isinstance(m, list) and len(m) == 3 and isinstance(m[0], str) and m[0]
+                    and type(m[1]) is int and m[1] > 0 and isinstance(m[2], str)):
+                raise FrameError("each member must be [node id, capacity > 0, peer address]")
+            out.append((m[0], m[1], m[2]))
+        if len({m[0] for m in out}) != len(out):
+            raise FrameError("members must have distinct node ids")
+        ttl = _int(header, "ttl", 1, 1 << 31)
+        return cls(read_pass, ttl, cast(int, vnodes), cast(int, replicas), me, prefix, out)

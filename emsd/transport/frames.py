@@ -57,6 +57,7 @@ class Op(IntEnum):
     PUT = 14  # store (key, size) x n in granted chunks already written, committed at once
     PLACEMENT = 15  # rewrite the cluster's placement record: vnodes, replicas (emsctl placement set)
     TOUCH = 16  # the leading present blocks count as used now (read through the shared index)
+    RING = 17  # the ring's members and a read pass: read blocks straight from their owners
 
 
 class PeerOp(IntEnum):
@@ -73,6 +74,7 @@ class PeerOp(IntEnum):
     RDMA_COMMIT = 109  # commit (or abort) a reservation token
     HAS = 110  # how many leading keys the peer holds (a cluster-wide exists)
     DROP = 111  # drop a namespace on the peer (a cluster-wide DROP)
+    READ = 112  # an SDK client's read pass, in place of AUTH: its connection may GET its tenant's blocks
 
 
 RDMA_OPS = frozenset((PeerOp.RDMA_QP, PeerOp.RDMA_PIN, PeerOp.RDMA_UNPIN, PeerOp.RDMA_RESERVE,

@@ -22,6 +22,7 @@ from emsd.protocol.local import (
     MAX_HANDLES,
     MAX_NAME,
     MAX_NS,
+    MAX_PASS,
     MAX_SIZE,
     OWNER_KEYS,
     CommitAnswer,
@@ -44,6 +45,7 @@ from emsd.protocol.local import (
     ReleaseRequest,
     ReserveAnswer,
     ReserveRequest,
+    RingAnswer,
     TouchRequest,
 )
 from emsd.transport.frames import (
@@ -344,5 +346,40 @@ def test_anything_a_client_sends_decodes_or_is_a_frame_error(cls: Any, header: d
                                                              payload: bytes) -> None:
     try:
         cls.decode(header, payload)
+    except FrameError as exc:
+        assert exc.status == Status.INVALID_ARGUMENT
+
+
+node_ids = st.text(min_size=1, max_size=12)
+rings = st.builds(
+    RingAnswer, st.binary(min_size=1, max_size=MAX_PASS), st.integers(1, 3600), st.integers(1, 4096),
+    st.integers(1, 3), node_ids, st.text(max_size=20),
+    st.dictionaries(node_ids, st.tuples(st.integers(1, 2**40), st.text(max_size=21)), min_size=1,
+                    max_size=5).map(lambda m: [(k, c, a) for k, (c, a) in sorted(m.items())]))
+
+
+@given(rings)
+def test_a_ring_answer_round_trips(msg: RingAnswer) -> None:
+    assert RingAnswer.decode(*framed(msg.encode())) == msg
+
+
+@pytest.mark.parametrize("change", [
+    {"pass": b""}, {"pass": b"x" * (MAX_PASS + 1)}, {"pass": "text"}, {"vnodes": 0}, {"replicas": 0},
+    {"members": []}, {"members": [["a", 1, "h:1"], ["a", 2, "h:2"]]}, {"members": [["a", 0, "h:1"]]},
+    {"members": [["", 1, "h:1"]]}, {"members": [["a", 1]]}, {"members": [["a", True, "h:1"]]},
+    {"me": 3}, {"prefix": "p" * (MAX_NAME + 1)}, {"ttl": 0}])
+def test_a_ring_answer_off_its_limits_is_refused(change: dict[str, Any]) -> None:
+    header, _ = RingAnswer(b"pass", 300, 512, 1, "a", "", [("a", 1, "h:1")]).encode()
+    RingAnswer.decode(header, b"")  # the unchanged answer decodes
+    with pytest.raises(FrameError) as exc:
+        RingAnswer.decode({**header, **change}, b"")
+    assert exc.value.status == Status.INVALID_ARGUMENT
+
+
+@given(st.dictionaries(st.sampled_from(["pass", "ttl", "vnodes", "replicas", "me", "prefix", "members"]),
+                       values, max_size=7))
+def test_any_ring_answer_header_decodes_or_is_a_frame_error(header: dict[str, Any]) -> None:
+    try:
+        RingAnswer.decode(header, b"")
     except FrameError as exc:
         assert exc.status == Status.INVALID_ARGUMENT
