@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -46,6 +47,9 @@ from emsd.placement.agreement import advertised
 from emsd.placement.record import NotWritten, Record
 from emsd.placement.view import PlacementView
 from emsd.pool.keys import KeyBatch
+from emsd.protocol import readpass
+from emsd.protocol.local import RingAnswer
+from emsd.tenants import Tenants
 from emsd.transport.busypoll import BusyPoll
 from emsd.transport.link import Dialer
 from emsd.transport.owner import BlockOwner
@@ -113,6 +117,23 @@ class Cluster:
         self.membership: Membership = membership or ZooKeeperMembership(
             cfg.zookeeper, cfg.name, self.me, cfg.session_timeout, endpoint_is_mine=True,
             placement=(cfg.vnodes, cfg.replicas))
+
+    def read_ring_offered(self) -> bool:
+        """Whether clients may read from the owners now (``read_ring``)."""
+        return self.cfg.direct_reads and not self.cfg.tls and not self.placement.alone()
+
+    def read_ring(self, tenant: str) -> RingAnswer | None:
+        """The ring and a fresh read pass for a client of ``tenant`` (local op RING), or None
+        where clients may not read from the owners themselves: ``direct_reads`` off, TLS peers
+        (a client holds no certificate), or no other member to read from."""
+        view = self.placement
+        if not self.read_ring_offered():
+            return None
+        ttl = readpass.PASS_TTL
+        members = [(m.node_id, m.capacity, m.peer_addr)
+                   for m in sorted(view.members, key=lambda m: m.node_id)]
+        return RingAnswer(readpass.issue(self.server.secret, tenant, int(time.time()) + ttl), ttl,
+                          *view.params, self.node_id, Tenants.qualify(tenant, ""), members)
 
     async def start(self) -> None:
         """Listen for peers and join; raises ``DuplicateNodeError`` if the id is taken."""
@@ -190,6 +211,7 @@ class Cluster:
                 "placement_differs": {node: {"vnodes": v, "replicas": r}
                                       for node, (v, r) in p.disagree.items()},
                 "handoff": dict(self.handed),
+                "direct_reads": {"offered": self.read_ring_offered(), "served": self.server.reads},
                 "view": [{"id": n.node_id, "capacity": n.capacity, "peer": n.peer_addr} for n in p.members]}
 
     def set_view(self, view: tuple[NodeInfo, ...]) -> None:

@@ -96,6 +96,7 @@ class ClusterConfig:
     peer_connections: int = 2
     peer_socket_buffer: int = 256 << 10  # kernel buffer a direction of a peer connection; 0 = autotuning
     handoff: bool = True  # after a ring change, push the owned blocks others now own to them (emsd.handoff)
+    direct_reads: bool = True  # clients may GET their tenant's blocks from the owners themselves (ems.direct)
     secret_file: str = ""  # file holding the cluster secret; required with zookeeper
     transport: str = "auto"  # peer data path: "auto" (RDMA where both ends can), "rdma" or "tcp"
     rdma_device: str = ""  # RDMA device name ("mlx5_0"); "" = the first one found
@@ -393,6 +394,9 @@ def _cluster(t: dict[str, Any]) -> ClusterConfig:
     handoff = t.get("handoff", d.handoff)
     if not isinstance(handoff, bool):
         raise ConfigError("cluster.handoff", f"must be true or false (got {handoff!r})")
+    direct_reads = t.get("direct_reads", d.direct_reads)
+    if not isinstance(direct_reads, bool):
+        raise ConfigError("cluster.direct_reads", f"must be true or false (got {direct_reads!r})")
     secret = t.get("secret_file", d.secret_file)
     if not isinstance(secret, str) or (secret and not secret.startswith("/")):
         raise ConfigError("cluster.secret_file", f"must be an absolute path (got {secret!r})")
@@ -415,7 +419,8 @@ def _cluster(t: dict[str, Any]) -> ClusterConfig:
     tls = _tls(t)
     return ClusterConfig(name=name, zookeeper=zk, peer_listen=t.get("peer_listen", d.peer_listen),
                          advertise=t.get("advertise", d.advertise), session_timeout=float(timeout),
-                         peer_socket_buffer=buffer, handoff=handoff, secret_file=secret, transport=transport,
+                         peer_socket_buffer=buffer, handoff=handoff, direct_reads=direct_reads,
+                         secret_file=secret, transport=transport,
                          rdma_device=device, rdma_port=port,
                          rdma_gid_index=None if gid == "auto" else gid, tls_cert=tls["tls_cert"],
                          tls_key=tls["tls_key"], tls_ca=tls["tls_ca"], **ints)

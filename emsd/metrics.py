@@ -162,6 +162,11 @@ class Metrics:
         read from ``handed()`` at each scrape (``Cluster.handed``, ``emsd.handoff``)."""
         self.registry.register(HandoffCollector(handed))
 
+    def watch_direct_reads(self, served: Callable[[], int]) -> None:
+        """Publish ``emsd_direct_read_requests_total``, the GETs this node served to SDK
+        clients that showed a read pass (``PeerServer.reads``), read at each scrape."""
+        self.registry.register(DirectReadCollector(served))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -369,6 +374,21 @@ class PrefaultCollector(Collector):
         fam.add_metric(["done"], done)
         fam.add_metric(["total"], total)
         yield fam
+
+
+class DirectReadCollector(Collector):
+    """GETs served to SDK clients reading straight from this node (``ems.direct``)."""
+
+    def __init__(self, served: Callable[[], int]) -> None:
+        self._served = served
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("emsd_direct_read_requests", "GETs served to SDK clients of other "
+                                  "nodes that read from this node's pool with a read pass",
+                                  value=self._served())
 
 
 class RefusalCollector(Collector):

@@ -158,6 +158,8 @@ class Daemon:
         if cfg.cluster.enabled:
             service.cluster = await self._join(region, service)
             self.metrics.watch_peer_refusals(service.cluster.server.refusals)
+            peers = service.cluster.server
+            self.metrics.watch_direct_reads(lambda: peers.reads)
             if cfg.cluster.handoff:
                 self.handoff = self._handoff(service)
         self.cluster = cluster = service.cluster

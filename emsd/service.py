@@ -611,6 +611,11 @@ class Service:
             self._name(ns, name)
         return ns
 
+    def readers_namespace(self, tenant: str, name: str) -> int | None:
+        """The local id of namespace ``name`` as a client of ``tenant`` names it, if it is in
+        use here, else None (nothing made): how a reader with a pass names blocks."""
+        return self._ns_ids.get(Tenants.qualify(tenant, name))
+
     def _name(self, ns: int, name: str) -> None:
         """Namespace ``ns`` is ``name``: its tenant's, on its tenant's pages, with the admission
         threshold its name gives."""
@@ -1019,6 +1024,13 @@ class Service:
         req = OwnerRequest.decode(h, p)
         return OwnerAnswer(self.cluster.placement.owner_ids(req.name, req.keys)).encode()
 
+    def _ring(self, s: Session, _h: dict[str, Any], _p: bytes) -> Response:
+        ring = self.cluster.read_ring(s.tenant)
+        if ring is None:
+            raise RequestError(Status.INVALID_ARGUMENT, "this node does not offer reads from the owners "
+                               "(standalone or alone in its view, cluster.direct_reads off, or TLS peers)")
+        return ring.encode()
+
     def _drain(self, _s: Session, h: dict[str, Any], _p: bytes) -> Planned:
         if self.cluster.state is MembershipState.STANDALONE:
             raise RequestError(Status.INVALID_ARGUMENT, "a standalone node has no ring to leave")
@@ -1081,6 +1093,7 @@ class Service:
         Op.PUT: _put,
         Op.PLACEMENT: _placement,
         Op.TOUCH: _touch,
+        Op.RING: _ring,
     }
 
 

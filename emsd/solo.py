@@ -30,6 +30,10 @@ class Solo:
         self.placement = PlacementView(NodeInfo(node_id, "", capacity, 0, {}), (DEFAULT_VNODES, 1))
         self.handed: dict[str, float] = {"passes": 0, "moved": 0, "kept": 0, "seconds": 0.0}  # none, ever
 
+    def read_ring(self, tenant: str) -> None:
+        """No other node to read from: clients read here (local op RING is refused)."""
+        return None
+
     def stats(self) -> dict[str, Any]:
         """STATS' cluster fields: the one-member view, which owns the whole hash space."""
         me = self.placement.me

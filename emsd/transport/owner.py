@@ -31,6 +31,11 @@ class BlockOwner(Protocol):
         """The local id of a peer's namespace ``name`` (created on first use)."""
         ...
 
+    def readers_namespace(self, tenant: str, name: str) -> int | None:
+        """The local id of namespace ``name`` as a client of ``tenant`` names it, if it is in
+        use here, else None (nothing made): how a reader with a pass names blocks."""
+        ...
+
     def reserve_arriving(self, ns: int, keys: KeyBatch, sizes: np.ndarray, copy: bool) -> Reservation:
         """Places for blocks about to arrive from a peer, within the tenant's quota (the keys
         past what fits are FAILED); the NEW ones are held against the quota until

@@ -74,6 +74,7 @@ import hmac
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -84,6 +85,7 @@ from emsd.faults import FAULTS
 from emsd.logs import Once
 from emsd.pool.keys import KeyBatch
 from emsd.pool.store import Status as SlotStatus
+from emsd.protocol import readpass
 from emsd.protocol.peer import (
     DropAnswer,
     DropRequest,
@@ -237,6 +239,23 @@ class _Served:
     conn: PeerStream
     scratch: memoryview  # where a PUT's blocks that are not kept are received
     control: ControlHandler | None = None  # made at the first RDMA control message
+    reader: Reader | None = None  # an SDK client with a read pass (GET only), None: a daemon
+
+
+@dataclass(frozen=True)
+class Reader:
+    """An SDK client that showed a read pass: it may GET blocks of ``tenant`` until ``expires``."""
+
+    tenant: str
+    expires: int  # Unix seconds
+
+    def check(self, op: object) -> None:
+        """Raises ``FrameError`` (the server answers and hangs up) unless ``op`` is a GET
+        made before the pass expired."""
+        if op != PeerOp.GET:
+            raise FrameError(f"a reader may only GET (got op {op!r})")
+        if time.time() >= self.expires:
+            raise FrameError("read pass expired")
 
 
 Promoting = Callable[["Promote", float], Awaitable[object]]  # carries out a Promote by a deadline
@@ -264,6 +283,7 @@ class PeerServer:
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[PeerStream] = set()  # accepted connections not yet ended
+        self.reads = 0  # GETs served to SDK clients' read passes
         self.refused = 0  # connections that ended before authenticating (TLS, AUTH, malformed, silent)
         self.unauthenticated: collections.Counter[str] = collections.Counter()  # by source address
         self.refused_busy = 0  # connections closed at once: too many not yet authenticated
@@ -360,16 +380,19 @@ class PeerServer:
         try:
             if self.tls is not None:
                 conn = await self._tls_accept(conn)
-            peer = await asyncio.wait_for(self._authenticate(conn), AUTH_TIMEOUT)
+            peer, reader = await asyncio.wait_for(self._authenticate(conn), AUTH_TIMEOUT)
             pending = False
             self._authenticated(address)
-            link = _Served(loop, conn, memoryview(bytearray(SCRATCH)))
+            scratch = memoryview(bytearray(SCRATCH)) if reader is None else _NO_SCRATCH  # a reader never PUTs
+            link = _Served(loop, conn, scratch, reader=reader)
             while True:
                 header, payload = await conn.recv_frame()
                 rid, op = header["id"], header.get("op")
                 try:
                     if FAULTS is not None:
                         await _inject_serving()
+                    if reader is not None:
+                        reader.check(op)
                     serve = self._serving.get(op) if type(op) is int else None
                     if serve is not None:
                         await serve(self, link, rid, header, payload)
@@ -427,10 +450,21 @@ class PeerServer:
                 answer, body = {"st": int(Status.INVALID_ARGUMENT), "msg": str(exc)}, b""
         await link.conn.send_frame({"id": rid, **answer}, body)
 
-    async def _authenticate(self, conn: PeerStream) -> str:
+    async def _authenticate(self, conn: PeerStream) -> tuple[str, Reader | None]:
+        """Who is on ``conn``: a daemon that proved the secret (its node id, None), or an SDK
+        client that showed a read pass (``emsd.protocol.readpass``: "reader", its tenant and
+        expiry). Raises ``PeerError`` for anyone else, after one refusal."""
         nonce = os.urandom(NONCE_BYTES)
         await conn.send_frame({"op": PeerOp.CHALLENGE, "nonce": nonce, "proto": PEER_PROTOCOL})
         header, _ = await conn.recv_frame(AUTH_FRAME_LIMIT)
+        if header.get("op") == PeerOp.READ:
+            try:
+                tenant, expires = readpass.check(self.secret, header.get("pass"), time.time())
+            except FrameError as exc:
+                await conn.send_frame({"st": int(Status.INVALID_ARGUMENT), "msg": str(exc)})
+                raise PeerError(str(exc)) from None
+            await conn.send_frame({"st": int(Status.OK), "node": self.node_id})
+            return "reader", Reader(tenant, expires)
         node, their, mac = header.get("node"), header.get("nonce"), header.get("mac")
         ok = (header.get("op") == PeerOp.AUTH and isinstance(node, str) and isinstance(their, bytes)
               and len(their) == NONCE_BYTES and isinstance(mac, bytes)
@@ -440,12 +474,21 @@ class PeerServer:
             raise PeerError("authentication failed")
         await conn.send_frame({"st": int(Status.OK), "node": self.node_id,
                                "mac": _mac(self.secret, b"s", their, nonce, self.node_id.encode())})
-        return str(node)
+        return str(node), None
 
     async def _get(self, link: _Served, rid: int, header: dict[str, Any], payload: bytes) -> None:
         req = GetRequest.decode(header, payload)
         owner = self.owner
-        ns, keys = owner.namespace_id(req.ns), req.keys
+        keys = req.keys
+        if link.reader is None:
+            ns = owner.namespace_id(req.ns)
+        else:  # an SDK client: its tenant's namespaces only, and none made for it
+            self.reads += 1
+            known = owner.readers_namespace(link.reader.tenant, req.ns)
+            if known is None:
+                await _answer(link, rid, GetAnswer(0, np.zeros(0, np.uint64)))
+                return
+            ns = known
         if self.promote is not None:  # blocks only on this node's disk are read into the pool first
             promotion = owner.peer_promotion(ns, keys)
             if promotion is not None:
