@@ -49,6 +49,8 @@ from ems.cc_v1.cc_config import CcConfig_v1, KVCacheType
 from ems.client import DaemonClient
 from ems.common.exception import EmsErrorCode, EmsException, invalid
 from ems.config import CcKvOption, resolve_option
+from ems.direct import DIRECT_MOST, DirectReads
+from ems.direct import wanted as direct_wanted
 from ems.layout import KvLayout
 from ems.namespace import namespace_name
 from ems.profiling import Profiler
@@ -97,12 +99,16 @@ class ContextCaching:
         # MLA namespaces, which every TP rank fills with the same keys (see ems.grants).
         self._granted = cc_config.kvcache_type != KVCacheType.MLA
         self._touches = Touches()  # keys loaded through the shared index, not told to the daemon yet
+        self._direct = DirectReads() if direct_wanted() else None  # loads read from owners (ems.direct)
+        self._scratch = threading.local()  # per thread: the buffer a direct read receives into
 
     def close(self) -> None:
         """Wait for async calls in flight, send the loads' pending touches (``ems.touches``),
         then close the profiling record file."""
         self._executor.shutdown(wait=True)
         self._touches.close()
+        if self._direct is not None:
+            self._direct.close()
         self._profiler.close()
 
     # -- registration ------------------------------------------------------------
@@ -355,7 +361,9 @@ class ContextCaching:
         pins may have held: ``PinAnswer.more``), and the load ends at the first that loads
         none. Against an older emsd (HELLO without ``bring``) the load goes in parts of at
         most ``part`` bytes, one after the other; without ``more`` too, a short part is
-        followed by a PIN for the rest every time."""
+        followed by a PIN for the rest every time. A load that keeps no read-cache copy
+        (``write_rcache`` off) of blocks another node owns first reads the leading ones
+        from their owner itself (``_direct_load``, ``ems.direct``)."""
         n = len(req.keys)
         if n == 0:
             return CcResult(0, req.total)
@@ -366,7 +374,10 @@ class ContextCaching:
         most = int(client.info.get("part", 0))
         if not most:  # standalone: a block is here or nowhere
             return CcResult(self._pin_load(req, opt, client, ns, deadline)[0], req.total)
-        sizes, done = layout.block_bytes(req.counts), 0
+        sizes = layout.block_bytes(req.counts)
+        done = self._direct_load(req, sizes, opt, client, deadline)
+        if done == n:
+            return CcResult(n, req.total)
         # (at most n: a PIN's br is bounded by the keys a request may have)
         bring = min(n, max(1, most // int(sizes.max()))) if client.info.get("bring") else None
         always = not client.info.get("more")
@@ -377,6 +388,48 @@ class ContextCaching:
             if got == 0 or (got < len(part.keys) and not (more or always)):
                 break
         return CcResult(done, req.total)
+
+    def _direct_load(self, req: BatchRequest, sizes: np.ndarray, opt: CcKvOption, client: DaemonClient,
+                     deadline: float | None) -> int:
+        """How many leading blocks of ``req`` (of ``sizes`` bytes) were read straight from
+        their owner into their slots (``ems.direct``): a load that keeps no read-cache copy
+        here, of at most ``DIRECT_MOST`` bytes that another node owns. 0 when not tried or
+        when the owner could not be asked: the caller loads through the daemon from there."""
+        direct, layout = self._direct, self.layout
+        if direct is None or opt.write_rcache or opt.read_local_only or layout.device == "cuda":
+            return 0
+        found = direct.run(client, self._namespace, req.keys, _remaining(deadline))
+        if found is None:
+            return 0
+        node, run = found
+        ends = np.cumsum(sizes[:run])
+        run = int(np.searchsorted(ends, DIRECT_MOST, side="right"))
+        if run == 0:
+            return 0
+        part = request_part(req, sizes, 0, int(ends[run - 1]))  # exactly the ``run`` leading keys
+        into = self._scratch_of(int(ends[run - 1]))
+        left = _remaining(deadline)
+        lengths = direct.read(node, self._namespace, part.keys, into.data, 5.0 if left is None else left)
+        if lengths is None:
+            return 0
+        wrong = np.flatnonzero(lengths != sizes[: lengths.size].astype(np.uint64))
+        hits = int(wrong[0]) if wrong.size else lengths.size
+        if hits:
+            offsets = np.concatenate(([0], np.cumsum(lengths[: hits - 1], dtype=np.uint64)))
+            offsets = offsets.astype(np.uint64)
+            addr = int(into.ctypes.data)
+            plan = layout.plan(part.slots, part.counts, part.skip)
+            which = None if hits == run else np.arange(hits)
+            segs = layout.place(plan, addr, offsets, which, pool_size=into.size)
+            layout.copy(segs, addr, into.size, to_pool=False)
+        return hits
+
+    def _scratch_of(self, nbytes: int) -> np.ndarray:
+        """This thread's buffer for a direct read, at least ``nbytes`` long (kept for the next)."""
+        have = getattr(self._scratch, "buf", None)
+        if have is None or have.size < nbytes:
+            have = self._scratch.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        return have
 
     def _pin_load(self, req: BatchRequest, opt: CcKvOption, client: DaemonClient, ns: int,
                   deadline: float | None, bring: int | None = None) -> tuple[int, bool]:
