@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +24,6 @@ from tests.waiting import wait_for  # noqa: E402
 pytestmark = [pytest.mark.skipif(zk.available() is not None, reason=str(zk.available())),
               pytest.mark.usefixtures("reset_sdk")]
 BLOCK, BLOCKS = 4, 48
-
-
-@pytest.fixture
-def cluster(zookeeper: zk.ZooKeeperServer, emsd_factory: Any, tmp_path: Path) -> Callable[..., list[Any]]:
-    secret = tmp_path / "secret"
-    secret.write_text("a-cluster-secret-of-some-length\n")
-    os.chmod(secret, 0o600)
-
-    def start(n: int, pool: dict[str, Any] | None = None, tenants: dict[str, Any] | None = None,
-              **extra: Any) -> list[Any]:
-        """``n`` joined daemons (``tenants``: their ``[tenants]`` table, none by default)."""
-        more = {"tenants": tenants} if tenants else {}
-        nodes = [emsd_factory(start=False, pool=pool or {}, cluster={
-            "name": "t", "zookeeper": zookeeper.hosts, "peer_listen": f"127.0.0.1:{zk.free_port()}",
-            "secret_file": str(secret), "session_timeout": 4, **extra}, **more) for _ in range(n)]
-        for d in nodes:
-            d.start()
-        # the view on /metrics (STATS would need a tenant's credentials with a tenants file);
-        # on a machine loaded by several test workers, joins can take ZooKeeper well over 30 s
-        wait_for(lambda: all(d.metric("emsd_cluster_members") == n for d in nodes), timeout=90)
-        return nodes
-
-    return start
 
 
 def stats(d: Any) -> dict[str, Any]:
