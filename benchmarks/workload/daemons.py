@@ -49,7 +49,7 @@ class Deployment:
 
     nodes: list[Node]
     zookeeper: zk.ZooKeeperServer | None = None
-    clients: list[Any] = field(default_factory=list)
+    clients: list[Any] = field(default_factory=list)  # closed by stop(), last added first
 
     def wait_prefaulted(self, timeout: float = 300.0) -> None:
         """Until every node's pool is faulted in (``daemon_ready.wait``: at once with
@@ -61,7 +61,7 @@ class Deployment:
                               max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
-        for c in self.clients:
+        for c in reversed(self.clients):
             c.close()
         for n in self.nodes:
             if n.proc.poll() is None:
@@ -183,5 +183,5 @@ def connect(dep: Deployment, model_id: str) -> list[Any]:
         client.connect({"access_id": "", "access_key": ""})
         cc = ContextCaching(lambda c=client: c, config.validate(), None, Profiler(False))
         out.append(cc)
-        dep.clients.append(client)
+        dep.clients += [client, cc]  # the SDK first: it holds connections of its own (ems.direct)
     return out

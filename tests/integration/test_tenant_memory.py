@@ -24,7 +24,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zk  # noqa: E402
 from tenant_sdk import as_tenant  # noqa: E402
-from test_cluster import cluster  # noqa: E402, F401 (the fixture: joined daemons)
 
 from ems import Ems  # noqa: E402
 
